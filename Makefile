@@ -1,0 +1,38 @@
+# The course's commands. `make lab` and `make test` do all the set-up on a fresh machine that
+# has Python ≥3.10 and pip: they create .venv, install torch (the CPU build unless an NVIDIA GPU
+# is present) and this package with its extras, then open the course / run every check.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.minifer-installed
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
+
+.PHONY: install lab test lint notebooks bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python tools/install_torch.py
+	$(BIN)/python -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks/
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP) lint
+	$(BIN)/python tools/check_executed.py $(NOTEBOOKS)
+	$(BIN)/python -m pytest --nbval
+
+notebooks: $(STAMP)
+	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py $(notdir $(NOTEBOOKS))
+
+bench: $(STAMP)
+	$(BIN)/python -m minifer.bench all
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,132 @@
+"""The KV cache: keys and values of every token seen so far, kept so decode never recomputes them.
+
+A token's keys and values depend only on the tokens before it (the causal mask), so once computed
+they never change (claim KV-1). `StaticKVCache` preallocates, per layer, one tensor of shape
+``[batch, kv_heads, max_len, head_dim]`` for K and one for V, and writes each new token into the
+next free slot in place: the decode loop never concatenates or reallocates.
+
+Batches of prompts of different lengths are *left padded*: every row writes at the same slot
+(`pos`), and row ``b``'s real tokens start at slot ``start[b]``. Slots before ``start[b]`` hold
+padding that attention masks out, so each row behaves exactly as if it were alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    """Preallocated per-layer K/V tensors ``[batch, kv_heads, max_len, head_dim]`` written in place.
+
+    - `pos`: the next slot to write (shared by all rows; a Python int, so no device sync).
+    - `start`: per-row first real slot (left padding), a ``[batch]`` long tensor.
+    - `lengths`: per-row number of real tokens cached (``pos - start``).
+    - `rollback(n)`: forget the last ``n`` slots (speculative decoding rejects drafted tokens).
+    """
+
+    def __init__(
+        self,
+        n_layer: int,
+        batch_size: int,
+        n_kv_head: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (("n_layer", n_layer), ("batch_size", batch_size),
+                            ("n_kv_head", n_kv_head), ("head_dim", head_dim), ("max_len", max_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"StaticKVCache {name} must be a positive integer, got {value!r}")
+        shape = (batch_size, n_kv_head, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.batch_size, self.max_len = batch_size, max_len
+        self.n_layer, self.n_kv_head, self.head_dim = n_layer, n_kv_head, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.pos = 0
+        self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.padded = False  # any row left padded? (kept on the host to avoid a device sync)
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        batch_size: int,
+        max_len: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> StaticKVCache:
+        """A cache shaped for `model` (its layers, KV heads, head dim; dtype/device of its weights)."""
+        cfg = model.config
+        p = next(model.parameters())
+        max_len = cfg.context_length if max_len is None else max_len
+        if not isinstance(max_len, int) or not 1 <= max_len <= cfg.context_length:
+            raise ValueError(
+                f"max_len must lie in [1, {cfg.context_length}] (the model's context), got {max_len!r}"
+            )
+        return cls(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, max_len,
+                   dtype=dtype or p.dtype, device=device or p.device)
+
+    def reset(self, start: torch.Tensor | list[int] | None = None) -> None:
+        """Empty the cache for a new batch; `start[b]` = number of left-padding slots of row b."""
+        self.pos = 0
+        if start is None:
+            self.start.zero_()
+            self.padded = False
+            return
+        start = torch.as_tensor(start, dtype=torch.long)
+        if start.shape != (self.batch_size,):
+            raise ValueError(f"start must have shape ({self.batch_size},), got {tuple(start.shape)}")
+        self.padded = bool((start > 0).any())
+        self.start.copy_(start)
+
+    def check_room(self, n: int) -> None:
+        """Raise a clear error if `n` more slots do not fit."""
+        if self.pos + n > self.max_len:
+            raise ValueError(
+                f"KV cache full: {self.pos} slots used + {n} new > max_len={self.max_len}"
+            )
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new ``k, v`` ``[B, kv_heads, T, head_dim]`` at slots ``pos..pos+T-1`` of `layer`.
+
+        Returns views of everything cached so far in that layer (slots ``0..pos+T-1``).
+        `pos` itself moves only in `advance`, once all layers have written.
+        """
+        t = k.shape[2]
+        end = self.pos + t
+        self.k[layer][:, :, self.pos:end] = k
+        self.v[layer][:, :, self.pos:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.pos += n
+
+    def rollback(self, n: int) -> None:
+        """Forget the last `n` cached slots (their contents are simply overwritten later)."""
+        if not 0 <= n <= self.pos:
+            raise ValueError(f"rollback n must lie in [0, {self.pos}], got {n}")
+        self.pos -= n
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Real (non-padding) tokens cached per row."""
+        return (self.pos - self.start).clamp(min=0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for K and V in all layers (the whole preallocation, used or not)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token costs across all layers: 2 × layers × kv_heads × head_dim × size."""
+        return 2 * self.n_layer * self.n_kv_head * self.head_dim * self.k[0].element_size()
+
+    def __repr__(self) -> str:
+        return (f"StaticKVCache(layers={self.n_layer}, batch={self.batch_size}, "
+                f"kv_heads={self.n_kv_head}, max_len={self.max_len}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype}, pos={self.pos}, nbytes={self.nbytes:,})")

@@ -1,0 +1,242 @@
+"""A GPT-2-family decoder in one file: learned positions, pre-LayerNorm, GELU MLP, fused QKV.
+
+Shapes in comments: B batch, T new tokens, S cached + new tokens, C = n_embd,
+nh query heads, nkv key/value heads, hd head dim.
+
+The only inference-specific idea here is the `cache` argument: with a `StaticKVCache`, each
+attention layer writes the new tokens' keys and values into it and attends over everything
+cached so far, so a decode step feeds one token per sequence instead of the whole history.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .cache import StaticKVCache
+from .config import GPTConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
+        qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        self.c_attn = nn.Linear(config.n_embd, qkv_out, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.impl = "sdpa"  # "sdpa" (fused, memory-lean) or "math" (materialises the T×S scores)
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+        cache: StaticKVCache | None,
+    ) -> torch.Tensor:
+        B, T, C = x.shape
+        nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.c_attn(x).split([nh * hd, nkv * hd, nkv * hd], dim=2)
+        q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, nkv, hd).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd): all cached tokens
+        if nkv != nh:  # grouped-query attention: each K/V head serves nh // nkv query heads
+            k = k.repeat_interleave(nh // nkv, dim=1)
+            v = v.repeat_interleave(nh // nkv, dim=1)
+        if self.impl == "math":
+            y = _attention_math(q, k, v, mask, is_causal)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.c_proj(y)
+
+
+def _attention_math(q, k, v, mask, is_causal):
+    """softmax(Q Kᵀ / √hd) V written out: builds the full (T, S) score matrix per head."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, nh, T, S)
+    if is_causal:
+        t, s = scores.shape[-2:]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1) @ v
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's GELU
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, mask, is_causal, cache):
+        x = x + self.attn(self.ln_1(x), mask, is_causal, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2-family decoder. ``model(ids)`` → logits ``(B, T, vocab)``.
+
+    With ``cache=...`` the new tokens' K/V are written into the cache and attention reads all
+    cached tokens (prefill: many new tokens; decode: one). Without a cache the whole sequence
+    is recomputed, which is the reference path the KV-cache lesson compares against.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.context_length, config.n_embd),
+            h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_config(
+        cls, config: GPTConfig | str, *, seed: int = 0,
+        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    ) -> GPT:
+        """A randomly initialised model (GPT-2 init, seeded: same seed → same weights anywhere)."""
+        if isinstance(config, str):
+            config = GPTConfig.preset(config)
+        with torch.device("cpu"):
+            model = cls(config)
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith("weight") and p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif name.endswith("bias"):  # GPT-2 init: zero biases (not torch's random default)
+                with torch.no_grad():
+                    p.zero_()
+        return model.to(device=device, dtype=dtype).eval()
+
+    @classmethod
+    def from_hf(cls, hf_model) -> GPT:
+        """Import a `transformers` `GPT2LMHeadModel` already in memory (no download here).
+
+        GPT-2 stores its linear layers as `Conv1D` with the weight transposed, so those are
+        transposed on the way in.
+        """
+        hc = hf_model.config
+        act = getattr(hc, "activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"from_hf supports GPT-2's tanh GELU, got activation {act!r}")
+        config = GPTConfig(
+            vocab_size=hc.vocab_size, context_length=hc.n_positions, n_layer=hc.n_layer,
+            n_head=hc.n_head, n_embd=hc.n_embd, tie_embeddings=True,
+            eos_token_id=hc.eos_token_id if hc.eos_token_id is not None and hc.eos_token_id < hc.vocab_size else None,
+            layer_norm_eps=hc.layer_norm_epsilon,
+        )
+        model = cls(config)
+        src = hf_model.state_dict()
+        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                w = src[name]
+                if name.endswith(transposed):
+                    w = w.t()
+                if w.shape != p.shape:
+                    raise ValueError(f"from_hf: {name} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
+                p.copy_(w)
+        return model.to(dtype=next(hf_model.parameters()).dtype).eval()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def set_attention(self, impl: str) -> None:
+        """Switch every layer between fused `"sdpa"` attention and the explicit `"math"` version."""
+        if impl not in ("sdpa", "math"):
+            raise ValueError(f"impl must be 'sdpa' or 'math', got {impl!r}")
+        for block in self.transformer.h:
+            block.attn.impl = impl
+
+    # ---- forward -----------------------------------------------------------------------
+    def forward(
+        self,
+        idx: torch.Tensor,
+        cache: StaticKVCache | None = None,
+        start: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits for token ids `idx` ``(B, T)``.
+
+        - `cache`: write the new K/V at slots ``cache.pos..`` and attend over all cached slots;
+          left padding is taken from ``cache.start``.
+        - `start`: without a cache, per-row count of left-padding tokens (None = no padding).
+        - `last_only`: compute logits for the last position only (all prefill needs).
+        """
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (batch, tokens), got {tuple(idx.shape)}")
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must hold integer token ids (int64/int32), got {idx.dtype}")
+        B, T = idx.shape
+        offset = 0 if cache is None else cache.pos
+        if offset + T > self.config.context_length:
+            raise ValueError(
+                f"sequence of {offset + T} tokens exceeds the context window "
+                f"({self.config.context_length})"
+            )
+        if cache is not None:
+            if B != cache.batch_size:
+                raise ValueError(f"batch of {B} rows does not match the cache's batch_size={cache.batch_size}")
+            cache.check_room(T)
+            start, padded = cache.start, cache.padded
+        else:
+            padded = start is not None
+        mask, is_causal, pos = _masks(idx.device, B, T, offset, start if padded else None)
+
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x, mask, is_causal, cache)
+        if cache is not None:
+            cache.advance(T)
+        if last_only:
+            x = x[:, -1:, :]
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
+
+
+def _masks(device, B: int, T: int, offset: int, start: torch.Tensor | None):
+    """Attention mask, causal flag and position ids for T new tokens at slots offset..offset+T-1.
+
+    Without padding the fast paths need no mask: a fresh prefill is plain causal attention and a
+    one-token step may see every cached slot. With left padding, query slot i sees key slot j
+    when ``start[b] <= j <= i`` — and always itself, so padding rows never attend to nothing
+    (that would give NaNs that leak through 0 × NaN).
+    """
+    q_slots = torch.arange(offset, offset + T, device=device)  # (T,)
+    if start is None:
+        pos = q_slots.unsqueeze(0).expand(B, T)
+        if offset == 0:
+            return None, T > 1, pos
+        if T == 1:
+            return None, False, pos
+        k_slots = torch.arange(offset + T, device=device)
+        return (k_slots[None, :] <= q_slots[:, None]).view(1, 1, T, offset + T), False, pos
+    start = start.to(device)
+    pos = (q_slots[None, :] - start[:, None]).clamp(min=0)  # (B, T) per-row positions
+    k_slots = torch.arange(offset + T, device=device)
+    causal = k_slots[None, :] <= q_slots[:, None]  # (T, S)
+    real = k_slots[None, :] >= start[:, None]  # (B, S)
+    self_ = k_slots[None, :] == q_slots[:, None]  # (T, S)
+    mask = (causal[None] & real[:, None, :]) | self_[None]  # (B, T, S)
+    return mask.unsqueeze(1), False, pos  # (B, 1, T, S)
