@@ -1,0 +1,209 @@
+"""Lesson: prefill versus decode on the roofline (claims PD-*, BATCH-2, QUANT-2, QUANT-5).
+
+Pure figure builders (slider values → ``go.Figure``) over :mod:`minifer.roofline`, the callbacks
+that show them, and :func:`panel`, the sliders of the notebook. All numbers come from the
+analytic model, rounded to 6 significant digits so a stored figure compares equal on re-run.
+"""
+
+from __future__ import annotations
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .. import roofline as rl
+from .common import TEMPLATE, table
+
+MODEL_CHOICES = ["llama-3-8b", "llama-7b", "6.74b", "llama-2-70b", "reference"]
+HARDWARE_CHOICES = list(rl.HARDWARE)
+PRECISIONS = list(rl.BYTES_PER_VALUE)
+BATCHES = [2**i for i in range(12)]  # 1 ... 2048
+CONTEXTS = [0, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+PROMPTS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]  # tokens
+PD8_BATCHES = (1, 8, 32, 128, 256, 512, 1024)
+
+
+def _r(x: float) -> float:
+    """Round to 6 significant digits: stable figure JSON, no visible loss."""
+    return float(f"{x:.6g}")
+
+
+def _step(model: str, hardware: str, precision: str, batch: int, context: int) -> rl.DecodeStep:
+    # KV reads and attention FLOPs are on: at context 0 they are zero, so the simple model's
+    # numbers (PD-8) come out exactly; slide the context up to see what it leaves out (PD-11).
+    return rl.decode_step(model, hardware, batch=batch, context=context, precision=precision,
+                          include_kv=True, include_attention=True)
+
+
+def _title(s: rl.DecodeStep) -> str:
+    return (f"{s.model}, {s.precision}, batch {s.batch:,}, context {s.context:,}: "
+            f"TPOT {s.tpot_s * 1e3:.2f} ms, {s.bound}-bound, "
+            f"{s.tokens_per_s_total:,.0f} tok/s total ({s.tokens_per_s_per_user:,.0f} per user)")
+
+
+def decode_figure(model: str = "llama-3-8b", precision: str = "bf16", batch: int = 1,
+                  hardware: str = "illustrative", context: int = 0) -> go.Figure:
+    """Three views of one decode step as the batch grows.
+
+    Left: the roofline (attainable TFLOP/s against FLOP per byte) with this step on it.
+    Middle: read time, compute time and TPOT = max of the two, per batch size (PD-8).
+    Right: tokens/s for the whole server and per user (BATCH-2): the total climbs while the
+    step stays memory-bound, then flattens; each user's speed is flat, then falls.
+    """
+    hw = rl.Hardware.preset(hardware)
+    this = _step(model, hardware, precision, batch, context)
+    peak, bw = hw.peak_flops(this.compute_precision), hw.bandwidth
+    ridge = peak / bw
+    steps = [_step(model, hardware, precision, b, context) for b in BATCHES]
+
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08, subplot_titles=(
+        f"roofline (ridge {ridge:,.0f} FLOP/byte)", "time per decode step", "throughput"))
+    ai = [0.1, ridge, 1e5]
+    fig.add_trace(go.Scatter(x=[_r(x) for x in ai], y=[_r(min(peak, x * bw) / 1e12) for x in ai],
+                             mode="lines", name="roof", line=dict(color="black")), 1, 1)
+    fig.add_trace(go.Scatter(x=[_r(this.arithmetic_intensity)],
+                             y=[_r(this.flops / this.tpot_s / 1e12)], mode="markers",
+                             name=f"batch {batch}", marker=dict(size=12, color="crimson")), 1, 1)
+
+    x = BATCHES
+    for name, ys, dash in (("read", [s.read_s for s in steps], "dot"),
+                           ("compute", [s.compute_s for s in steps], "dash"),
+                           ("TPOT", [s.tpot_s for s in steps], "solid")):
+        fig.add_trace(go.Scatter(x=x, y=[_r(y * 1e3) for y in ys], mode="lines", name=name,
+                                 line=dict(dash=dash)), 1, 2)
+    fig.add_trace(go.Scatter(x=[batch], y=[_r(this.tpot_s * 1e3)], mode="markers",
+                             showlegend=False, marker=dict(size=12, color="crimson")), 1, 2)
+
+    fig.add_trace(go.Scatter(x=x, y=[_r(s.tokens_per_s_total) for s in steps],
+                             mode="lines", name="tok/s total"), 1, 3)
+    fig.add_trace(go.Scatter(x=x, y=[_r(s.tokens_per_s_per_user) for s in steps],
+                             mode="lines", name="tok/s per user"), 1, 3)
+    fig.add_trace(go.Scatter(x=[batch, batch], y=[_r(this.tokens_per_s_total),
+                                                  _r(this.tokens_per_s_per_user)],
+                             mode="markers", showlegend=False,
+                             marker=dict(size=12, color="crimson")), 1, 3)
+
+    fig.update_xaxes(type="log")
+    fig.update_yaxes(type="log")
+    fig.update_xaxes(title_text="FLOP per byte", row=1, col=1)
+    fig.update_yaxes(title_text="TFLOP/s", row=1, col=1)
+    fig.update_xaxes(title_text="batch", row=1, col=2)
+    fig.update_yaxes(title_text="ms", row=1, col=2)
+    fig.update_xaxes(title_text="batch", row=1, col=3)
+    fig.update_yaxes(title_text="tokens/s", row=1, col=3)
+    fig.update_layout(title=dict(text=_title(this), font=dict(size=13)), template=TEMPLATE,
+                      width=1000, height=380, margin=dict(l=50, r=20, t=70, b=50))
+    return fig
+
+
+def show_decode(model: str = "llama-3-8b", precision: str = "bf16", batch: int = 1,
+                hardware: str = "illustrative", context: int = 0) -> go.Figure:
+    """Slider callback: build :func:`decode_figure`, show it, return it (for asserts)."""
+    fig = decode_figure(model, precision, batch, hardware, context)
+    fig.show()
+    return fig
+
+
+def prefill_figure(model: str = "llama-3-8b", precision: str = "bf16",
+                   prompt_tokens: int = 2000, hardware: str = "illustrative") -> go.Figure:
+    """Prefill time against prompt length (PD-1, PD-7): reading the weights costs the same for
+    any prompt, the arithmetic grows with it, so long prompts are compute-bound and TTFT grows."""
+    p = rl.prefill(model, hardware, prompt_tokens, precision=precision)
+    runs = [rl.prefill(model, hardware, t, precision=precision) for t in PROMPTS]
+    fig = go.Figure()
+    for name, ys, dash in (("read weights", [s.read_s for s in runs], "dot"),
+                           ("compute", [s.compute_s for s in runs], "dash"),
+                           ("TTFT", [s.ttft_s for s in runs], "solid")):
+        fig.add_trace(go.Scatter(x=PROMPTS, y=[_r(y * 1e3) for y in ys], mode="lines",
+                                 name=name, line=dict(dash=dash)))
+    fig.add_trace(go.Scatter(x=[prompt_tokens], y=[_r(p.ttft_s * 1e3)], mode="markers",
+                             name=f"{prompt_tokens:,} tokens",
+                             marker=dict(size=12, color="crimson")))
+    fig.update_xaxes(type="log", title_text="prompt tokens")
+    fig.update_yaxes(type="log", title_text="ms")
+    title = (f"{p.model}, {precision}: prefill of {prompt_tokens:,} tokens = "
+             f"{p.flops / 1e12:,.3g} TFLOP, TTFT {p.ttft_s * 1e3:,.2f} ms, {p.bound}-bound")
+    fig.update_layout(title=dict(text=title, font=dict(size=13)), template=TEMPLATE,
+                      width=720, height=360, margin=dict(l=50, r=20, t=60, b=50))
+    return fig
+
+
+def show_prefill(model: str = "llama-3-8b", precision: str = "bf16", prompt_tokens: int = 2000,
+                 hardware: str = "illustrative") -> go.Figure:
+    """Slider callback for :func:`prefill_figure`."""
+    fig = prefill_figure(model, precision, prompt_tokens, hardware)
+    fig.show()
+    return fig
+
+
+def pd8_rows(model: str = "llama-3-8b", hardware: str = "illustrative", precision: str = "bf16",
+             batches: tuple[int, ...] = PD8_BATCHES, context: int = 0) -> list[dict]:
+    """The roofline table of claim PD-8 as rows of display-rounded numbers.
+
+    Times in ms to 2 decimals, tokens/s to whole tokens (187.5 → 188, as the claim prints it).
+    """
+    rows = []
+    for s in rl.roofline_table(model, hardware, batches, context=context, precision=precision,
+                               include_kv=True, include_attention=True):
+        rows.append({"batch": s.batch, "read ms": round(s.read_s * 1e3, 2),
+                     "compute ms": round(s.compute_s * 1e3, 3), "TPOT ms": round(s.tpot_ms, 2),
+                     "bound": s.bound, "tok/s per user": round(s.tokens_per_s_per_user),
+                     "tok/s total": round(s.tokens_per_s_total)})
+    return rows
+
+
+_PD8_FORMATS = {"read ms": "{:,.2f}", "compute ms": "{:,.3f}", "TPOT ms": "{:,.2f}"}
+
+
+def pd8_text(**kwargs) -> str:
+    """:func:`pd8_rows` as a plain-text table (stable output for a notebook cell)."""
+    rows = [{k: _PD8_FORMATS[k].format(v) if k in _PD8_FORMATS else v for k, v in r.items()}
+            for r in pd8_rows(**kwargs)]
+    return table(rows)
+
+
+def pd8_table_figure(**kwargs) -> go.Figure:
+    """:func:`pd8_rows` as a plotly table (same keyword arguments)."""
+    rows = pd8_rows(**kwargs)
+    cols = list(rows[0])
+    cells = [[f"{r[c]:,}" if isinstance(r[c], (int, float)) else r[c] for r in rows]
+             for c in cols]
+    fig = go.Figure(go.Table(header=dict(values=cols), cells=dict(values=cells)))
+    fig.update_layout(template=TEMPLATE, width=720, height=60 + 30 * len(rows),
+                      margin=dict(l=10, r=10, t=10, b=10))
+    return fig
+
+
+def panel(model: str = "llama-3-8b", precision: str = "bf16", batch: int = 1,
+          hardware: str = "illustrative", context: int = 0,
+          measured: bool = False) -> widgets.interactive:
+    """Sliders for :func:`show_decode`: model, precision, batch, hardware, context length.
+
+    ``measured=True`` adds "this-machine" to the hardware list (measured on first use, ~1 s).
+    """
+    hardware_options = HARDWARE_CHOICES + (["this-machine"] if measured else [])
+    return widgets.interactive(
+        show_decode,
+        model=widgets.Dropdown(options=MODEL_CHOICES, value=model, description="model"),
+        precision=widgets.Dropdown(options=PRECISIONS, value=precision, description="weights"),
+        batch=widgets.SelectionSlider(options=BATCHES, value=batch, description="batch",
+                                      continuous_update=False),
+        hardware=widgets.Dropdown(options=hardware_options, value=hardware,
+                                  description="hardware"),
+        context=widgets.SelectionSlider(options=CONTEXTS, value=context, description="context",
+                                        continuous_update=False),
+    )
+
+
+def prefill_panel(model: str = "llama-3-8b", precision: str = "bf16", prompt_tokens: int = 2000,
+                  hardware: str = "illustrative") -> widgets.interactive:
+    """Sliders for :func:`show_prefill`: model, precision, prompt length, hardware."""
+    return widgets.interactive(
+        show_prefill,
+        model=widgets.Dropdown(options=MODEL_CHOICES, value=model, description="model"),
+        precision=widgets.Dropdown(options=PRECISIONS, value=precision, description="weights"),
+        prompt_tokens=widgets.SelectionSlider(options=PROMPTS, value=prompt_tokens,
+                                              description="prompt", continuous_update=False),
+        hardware=widgets.Dropdown(options=HARDWARE_CHOICES, value=hardware,
+                                  description="hardware"),
+    )
