@@ -230,6 +230,8 @@ def stream(
     params = params or SamplingParams()
     cfg = model.config
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings are matched on text: pass tokenizer= to use stop")
     ids_list = encode_prompts(prompts, tokenizer, cfg.vocab_size)
     vocab = _usable_vocab(cfg, tokenizer, params)
     _check_lengths(ids_list, params, cfg.context_length)
@@ -243,8 +245,9 @@ def stream(
     padded = bool((start > 0).any())
     start = start.to(device)
 
-    results = completions if completions is not None else []
-    results.extend(Completion(index=b, prompt_token_ids=p) for b, p in enumerate(ids_list))
+    results = [Completion(index=b, prompt_token_ids=p) for b, p in enumerate(ids_list)]
+    if completions is not None:  # the caller's list may already hold earlier results
+        completions.extend(results)
     stoppers = [TextStopper(tokenizer, params.stop) if tokenizer is not None else None for _ in range(B)]
     texts: list[list[str]] = [[] for _ in range(B)]
     eos = None if params.ignore_eos else _eos_id(cfg, tokenizer)

@@ -143,7 +143,8 @@ class GPT(nn.Module):
             raise ValueError(f"from_hf supports GPT-2's tanh GELU, got activation {act!r}")
         config = GPTConfig(
             vocab_size=hc.vocab_size, context_length=hc.n_positions, n_layer=hc.n_layer,
-            n_head=hc.n_head, n_embd=hc.n_embd, tie_embeddings=True,
+            n_head=hc.n_head, n_embd=hc.n_embd,
+            tie_embeddings=bool(getattr(hc, "tie_word_embeddings", True)),
             eos_token_id=hc.eos_token_id if hc.eos_token_id is not None and hc.eos_token_id < hc.vocab_size else None,
             layer_norm_eps=hc.layer_norm_epsilon,
         )

@@ -1,0 +1,95 @@
+"""Shared fixtures for the engine tests: tiny models, a tokenizer and a "scripted" GPT.
+
+Everything here is CPU, fp32 and small, so the whole engine suite runs in seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minifer import GPT, ByteTokenizer, GPTConfig
+
+# Tiny models gain nothing from more threads, and on a busy machine (the CI box, a training run
+# beside us) extra OpenMP threads spin against each other: one thread is ~100x faster there.
+torch.set_num_threads(1)
+
+try:  # lesson tests build figures; never try to open a browser from a test run
+    import plotly.io as pio
+except ImportError:  # pragma: no cover - plotly is an optional extra
+    pass
+else:
+    pio.renderers.default = "json"
+
+
+def lively_model(preset: str = "tiny", seed: int = 0, scale: float = 10.0) -> GPT:
+    """A seeded random model with its matrices scaled up.
+
+    GPT-2's init (std 0.02) makes a tiny random model nearly uniform: greedy decoding repeats one
+    token forever, which would make "same tokens" tests pass trivially. Scaled weights give varied,
+    prompt-dependent output with clear argmax margins.
+    """
+    model = GPT.from_config(preset, seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return model.eval()
+
+
+def scripted_gpt(script: list[int], vocab_size: int = 257, eos_token_id: int | None = 256,
+                 context_length: int = 128) -> GPT:
+    """A real `GPT` whose weights make it recite `script`: at position p it predicts script[p + 1].
+
+    Token embeddings and every block's output projections are zero, so the residual stream is
+    the one-hot position embedding; the output head maps position p to token script[p + 1]. The
+    text it produces is therefore known in advance, yet it runs through the real engine
+    (cache, left padding, per-row positions, sampling, detokenizing, stop strings).
+    """
+    if len(script) > context_length:
+        raise ValueError("script longer than the context")
+    cfg = GPTConfig(vocab_size=vocab_size, context_length=context_length, n_layer=1, n_head=4,
+                    n_embd=context_length, eos_token_id=eos_token_id)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.transformer.wpe.weight.copy_(torch.eye(context_length))
+        for block in model.transformer.h:
+            block.ln_1.weight.fill_(1.0)
+            block.ln_2.weight.fill_(1.0)
+        model.transformer.ln_f.weight.fill_(1.0)
+        for pos, tok in enumerate(script[1:]):
+            model.lm_head.weight[tok, pos] = 10.0
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tok() -> ByteTokenizer:
+    return ByteTokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny() -> GPT:
+    return lively_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa() -> GPT:
+    return lively_model("tiny-gqa")
+
+
+@pytest.fixture(scope="session", params=["tiny", "tiny-gqa"])
+def model(request) -> GPT:
+    """Both attention flavours: plain multi-head and grouped-query."""
+    return lively_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def make_lively():
+    return lively_model
+
+
+@pytest.fixture(scope="session")
+def make_scripted():
+    return scripted_gpt

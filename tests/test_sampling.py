@@ -1,0 +1,266 @@
+"""SamplingParams validation and the logits processors (penalty → temperature → top-k → top-p)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minifer import SamplingParams, generate
+from minifer.sampling import (
+    apply_repetition_penalty,
+    apply_top_k,
+    apply_top_p,
+    make_generators,
+    process_logits,
+    sample,
+)
+
+FAST = settings(max_examples=25, deadline=None)
+
+# distinct float32 logits: no ties, so "the k largest" and "the smallest set" are unique
+logit_lists = st.lists(st.floats(-30, 30, width=32), min_size=2, max_size=64, unique=True)
+
+
+# ---- SamplingParams ------------------------------------------------------------------------
+def test_defaults():
+    p = SamplingParams()
+    assert (p.temperature, p.top_k, p.top_p, p.repetition_penalty) == (1.0, 0, 1.0, 1.0)
+    assert p.stop == () and p.seed is None and not p.greedy
+    assert SamplingParams(temperature=0).greedy
+
+
+@pytest.mark.parametrize("name, value", [
+    ("temperature", -0.1),
+    ("temperature", float("nan")),
+    ("temperature", "1"),
+    ("temperature", True),
+    ("temperature", None),
+    ("top_p", 0),
+    ("top_p", 0.0),
+    ("top_p", -0.5),
+    ("top_p", 1.01),
+    ("top_p", float("nan")),
+    ("top_p", False),
+    ("top_k", -1),
+    ("top_k", 2.0),
+    ("top_k", 2.5),
+    ("top_k", True),
+    ("top_k", "5"),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", float("nan")),
+    ("max_new_tokens", 0),
+    ("max_new_tokens", -5),
+    ("max_new_tokens", 3.0),
+    ("max_new_tokens", True),
+    ("stop", ""),
+    ("stop", ["ok", ""]),
+    ("stop", [3]),
+    ("seed", 1.5),
+    ("seed", True),
+    ("seed", "7"),
+])
+def test_bad_parameters_raise_value_error_naming_the_parameter(name, value):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("temperature", 0), ("temperature", 0.0), ("temperature", 2), ("top_p", 1), ("top_p", 1e-6),
+    ("top_k", 0), ("top_k", 1), ("repetition_penalty", 0.5), ("max_new_tokens", 1), ("seed", 0),
+])
+def test_edge_values_are_accepted(name, value):
+    assert getattr(SamplingParams(**{name: value}), name) == value
+
+
+def test_stop_is_normalised_to_a_tuple():
+    assert SamplingParams(stop="END").stop == ("END",)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
+    assert SamplingParams(stop=None).stop == ()
+    p = SamplingParams(stop=["a"])
+    assert isinstance(p.stop, tuple)
+    with pytest.raises(AttributeError):
+        p.temperature = 0.5
+
+
+# ---- top-k / top-p -------------------------------------------------------------------------
+@FAST
+@given(values=logit_lists, data=st.data())
+def test_top_k_keeps_exactly_the_k_largest(values, data):
+    logits = torch.tensor([values])
+    k = data.draw(st.integers(1, len(values)), label="k")
+    out = apply_top_k(logits, k)
+    kept = set(torch.isfinite(out[0]).nonzero().flatten().tolist())
+    assert kept == set(torch.topk(logits[0], k).indices.tolist())
+    assert torch.equal(out[0, list(kept)], logits[0, list(kept)])  # kept logits unchanged
+    assert torch.equal(apply_top_k(logits, 0), logits)  # 0 = off
+
+
+@FAST
+@given(values=logit_lists, p=st.floats(0.001, 1.0))
+def test_top_p_keeps_the_smallest_set_reaching_p(values, p):
+    logits = torch.tensor([values])
+    out = apply_top_p(logits, p)
+    keep = torch.isfinite(out[0])
+    probs = torch.tensor(values, dtype=torch.float64).softmax(-1)
+    kept, dropped = probs[keep], probs[~keep]
+    assert keep.any()
+    if dropped.numel():
+        assert kept.min() >= dropped.max()  # the most likely tokens
+    assert kept.sum() >= p - 1e-5  # reaches p ...
+    assert kept.sum() - kept.min() < p + 1e-5  # ... and no smaller top set does
+    assert torch.equal(out[0, keep], logits[0, keep])
+
+
+def test_top_p_examples():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    finite = lambda out: torch.isfinite(out[0]).tolist()  # noqa: E731
+    assert finite(apply_top_p(logits, 0.5)) == [True, False, False, False]
+    assert finite(apply_top_p(logits, 0.51)) == [True, True, False, False]
+    assert finite(apply_top_p(logits, 0.9)) == [True, True, True, False]
+    assert finite(apply_top_p(logits, 1e-6)) == [True, False, False, False]  # top one always kept
+    assert torch.equal(apply_top_p(logits, 1.0), logits)
+
+
+def test_top_k_then_top_p_order():
+    # top-k first (keeps 0.5, 0.3, 0.15 → renormalised 0.526, 0.316, 0.158), then top-p 0.8
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    out = process_logits(logits, SamplingParams(top_k=3, top_p=0.8))
+    assert torch.isfinite(out[0]).tolist() == [True, True, False, False]
+
+
+# ---- repetition penalty, temperature, greedy -----------------------------------------------
+def test_repetition_penalty_lowers_seen_tokens_positive_and_negative():
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0]])
+    seen = torch.tensor([[True, True, False, False, False]])
+    out = apply_repetition_penalty(logits, seen, 2.0)
+    assert out.tolist() == [[1.0, -2.0, 0.5, -3.0, 1.0]]  # CTRL: ÷ if positive, × if negative
+    for i in (0, 1):  # each seen token alone becomes less likely
+        only = torch.zeros_like(seen)
+        only[0, i] = True
+        before = logits.softmax(-1)[0, i]
+        after = apply_repetition_penalty(logits, only, 1.3).softmax(-1)[0, i]
+        assert after < before
+    assert apply_repetition_penalty(logits, seen, 1.0) is logits  # 1 = off
+
+
+@FAST
+@given(values=logit_lists, penalty=st.floats(1.01, 5.0), data=st.data())
+def test_repetition_penalty_never_raises_a_seen_logit(values, penalty, data):
+    logits = torch.tensor([values])
+    seen = torch.tensor([data.draw(st.lists(st.booleans(), min_size=len(values),
+                                            max_size=len(values)))])
+    out = apply_repetition_penalty(logits, seen, penalty)
+    assert (out[seen] <= logits[seen]).all()
+    assert (out[seen & (logits != 0)] < logits[seen & (logits != 0)]).all()
+    assert torch.equal(out[~seen], logits[~seen])
+
+
+def test_temperature_to_zero_approaches_argmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g)
+    top2 = logits.topk(2, dim=-1).values
+    logits[:, logits.argmax(-1)[0]] += 0  # (random logits have a clear winner per row:)
+    assert (top2[:, 0] - top2[:, 1] > 0.005).all()
+    best = logits.argmax(-1)
+    prev = logits.softmax(-1).gather(1, best[:, None])
+    for t in (0.5, 0.1, 0.01, 0.001, 1e-4):
+        p = process_logits(logits, SamplingParams(temperature=t)).softmax(-1)
+        p_best = p.gather(1, best[:, None])
+        assert (p_best >= prev - 1e-6).all()  # more and more mass on the argmax
+        prev = p_best
+    assert (prev > 0.99).all()
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([[1.0, 2.0, 4.0]])
+    assert torch.equal(process_logits(logits, SamplingParams(temperature=2.0)),
+                       logits / 2)
+    assert torch.equal(process_logits(logits, SamplingParams(temperature=0)), logits)
+
+
+@FAST
+@given(values=logit_lists, k=st.integers(0, 5), p=st.floats(0.05, 1.0))
+def test_greedy_is_argmax(values, k, p):
+    logits = torch.tensor([values, values[::-1]])
+    params = SamplingParams(temperature=0, top_k=k, top_p=p, seed=3)
+    assert torch.equal(sample(logits, params), logits.argmax(-1))
+    assert make_generators(params, 2, torch.device("cpu")) is None  # greedy needs no RNG
+
+
+def test_top_k_1_sampling_is_greedy():
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    assert torch.equal(sample(logits, SamplingParams(top_k=1)), logits.argmax(-1))
+
+
+# ---- drawing tokens ------------------------------------------------------------------------
+@FAST
+@given(values=logit_lists, k=st.integers(0, 8), p=st.floats(0.05, 1.0),
+       seed=st.integers(0, 2**31 - 1))
+def test_sampled_tokens_lie_in_the_top_k_top_p_support(values, k, p, seed):
+    logits = torch.tensor([values]).expand(200, -1)
+    params = SamplingParams(temperature=0.7, top_k=k, top_p=p, seed=seed)
+    support = torch.isfinite(process_logits(logits[:1], params))[0]
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(200)]
+    tokens = sample(logits, params, generators=gens)
+    assert tokens.shape == (200,)
+    assert support[tokens].all()
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).log().expand(20_000, -1)
+    torch.manual_seed(0)
+    counts = torch.bincount(sample(logits, SamplingParams()), minlength=4) / 20_000
+    assert torch.allclose(counts, torch.tensor([0.1, 0.2, 0.3, 0.4]), atol=0.015)
+
+
+def test_same_seed_same_generators_same_tokens():
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(seed=11)
+    a = [sample(logits, params, generators=make_generators(params, 3, torch.device("cpu")))
+         for _ in range(2)]
+    assert torch.equal(a[0], a[1])
+    assert make_generators(SamplingParams(), 3, torch.device("cpu")) is None  # no seed
+
+
+def test_generate_same_seed_same_tokens_different_seeds_differ(tiny):
+    def run(seed):
+        params = SamplingParams(temperature=1.0, max_new_tokens=20, seed=seed, ignore_eos=True)
+        return generate(tiny, [[1, 2, 3]], params)[0].token_ids
+
+    assert run(5) == run(5)
+    runs = {tuple(run(s)) for s in range(5)}
+    assert len(runs) == 5
+
+
+def test_generated_tokens_lie_in_the_support_of_the_processed_logits(tiny):
+    """End to end: every sampled token is inside top-k ∩ top-p of the model's logits then."""
+    params = SamplingParams(temperature=1.5, top_k=5, top_p=0.6, repetition_penalty=1.3,
+                            max_new_tokens=24, seed=1, ignore_eos=True)
+    prompt = [10, 20, 30, 40]
+    toks = generate(tiny, [prompt], params)[0].token_ids
+    assert len(toks) == 24
+    seq = list(prompt)
+    with torch.inference_mode():
+        for t in toks:
+            logits = tiny(torch.tensor([seq]))[:, -1]
+            seen = torch.zeros(1, tiny.config.vocab_size, dtype=torch.bool)
+            seen[0, seq] = True
+            support = torch.isfinite(process_logits(logits, params, seen))[0]
+            assert 1 <= int(support.sum()) <= 5
+            assert support[t], f"token {t} outside the support {support.nonzero().flatten()}"
+            seq.append(t)
+    assert len(set(toks)) > 1
+
+
+def test_top_p_nan_free_with_extreme_logits():
+    logits = torch.tensor([[1e4, -1e4, 0.0, float("-inf")]])
+    out = process_logits(logits, SamplingParams(top_p=0.5, top_k=3))
+    assert not out.isnan().any()
+    assert torch.isfinite(out[0]).tolist() == [True, False, False, False]
+    assert math.isclose(out.softmax(-1)[0, 0].item(), 1.0)
