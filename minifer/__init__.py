@@ -16,7 +16,9 @@ from .generate import (
     prefill,
     stream,
 )
+from .evaluate import perplexity
 from .model import GPT
+from .pretrained import load_pretrained
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, Tokenizer
 
@@ -34,6 +36,8 @@ __all__ = [
     "decode_step",
     "default_device",
     "generate",
+    "load_pretrained",
+    "perplexity",
     "prefill",
     "stream",
 ]

@@ -1,0 +1,122 @@
+"""Lesson 03, the KV cache: cached keys never change, cached output is identical, and the cost
+per token stays flat with the cache but grows with the sequence without it."""
+
+from __future__ import annotations
+
+import statistics
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+import torch
+
+from ..cache import StaticKVCache
+from ..generate import decode_step, generate, prefill
+from ..sampling import SamplingParams
+from .common import style
+
+
+def keys_never_change(model, prompt_ids: list[int], steps: int = 8) -> dict:
+    """Prefill, snapshot every layer's cached K/V, decode `steps` tokens, compare the old slots.
+
+    Also recomputes the whole sequence from scratch and compares its K/V with the cached ones:
+    the cache holds exactly what a full recomputation would produce (up to float rounding).
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    t = ids.shape[1]
+    cache = StaticKVCache.for_model(model, 1, t + steps)
+    with torch.inference_mode():
+        logits = prefill(model, ids, cache)
+        before = [(k[:, :, :t].clone(), v[:, :, :t].clone()) for k, v in zip(cache.k, cache.v)]
+        tokens = []
+        for _ in range(steps):
+            tok = logits.argmax(-1)
+            tokens.append(int(tok))
+            logits = decode_step(model, tok, cache)
+        unchanged = all(torch.equal(k[:, :, :t], kb) and torch.equal(v[:, :, :t], vb)
+                        for (kb, vb), k, v in zip(before, cache.k, cache.v))
+        fresh = StaticKVCache.for_model(model, 1, t + steps)
+        prefill(model, torch.tensor([prompt_ids + tokens], device=device), fresh)
+        n = cache.pos
+        diff = max(float((a[:, :, :n] - b[:, :, :n]).abs().max()) for a, b in zip(cache.k + cache.v, fresh.k + fresh.v))
+    return {"prompt_tokens": t, "decoded": steps, "old_slots_unchanged": unchanged, "max_abs_diff_vs_recompute": diff}
+
+
+def tokens_processed(prompt_tokens: int, new_tokens: int, use_cache: bool) -> list[int]:
+    """Tokens fed through the model at each step to produce `new_tokens` tokens.
+
+    With the cache: the prompt once, then one token per step. Without: the whole sequence so
+    far, every step. Summed, that is linear versus quadratic in the output length.
+    """
+    if use_cache:
+        return [prompt_tokens] + [1] * (new_tokens - 1)
+    return [prompt_tokens + i for i in range(new_tokens)]
+
+
+def work_figure(prompt_tokens: int, new_tokens: int) -> go.Figure:
+    """Cumulative tokens processed, with and without the cache."""
+    fig = go.Figure()
+    for use_cache, name in ((False, "no cache (recompute)"), (True, "KV cache")):
+        per_step = tokens_processed(prompt_tokens, new_tokens, use_cache)
+        total = [sum(per_step[: i + 1]) for i in range(new_tokens)]
+        fig.add_trace(go.Scatter(x=list(range(1, new_tokens + 1)), y=total, name=name, mode="lines"))
+    return style(fig, f"Tokens pushed through the model (prompt {prompt_tokens} tokens)",
+                 "tokens generated", "tokens processed so far (cumulative)")
+
+
+def step_times(model, prompt_ids: list[int], new_tokens: int, use_cache: bool, repeats: int = 3) -> list[float]:
+    """Median (over `repeats`, after one warm-up) time of each generated token, in ms.
+
+    Entry 0 is the time to the first token (prefill); entry i > 0 is the gap before token i.
+    """
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    generate(model, [prompt_ids], SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True),
+             use_cache=use_cache)
+    runs = []
+    for _ in range(repeats):
+        c = generate(model, [prompt_ids], params, use_cache=use_cache)[0]
+        runs.append([c.token_times[0]] + c.itl)
+    return [1e3 * statistics.median(r[i] for r in runs) for i in range(new_tokens)]
+
+
+def ms_per_token(times_ms: list[float]) -> float:
+    """Mean decode time per token (the steps after the first)."""
+    return statistics.fmean(times_ms[1:])
+
+
+def compare(cached_ms: list[float], recompute_ms: list[float], new_tokens: int) -> dict:
+    """ms per token with and without the cache over the first `new_tokens` tokens, and their ratio.
+
+    Greedy generation of N tokens is a prefix of generating more, so one long measured run
+    answers for every shorter length.
+    """
+    cached = ms_per_token(cached_ms[:new_tokens])
+    recompute = ms_per_token(recompute_ms[:new_tokens])
+    return {"new tokens": new_tokens, "cache ms/token": round(cached, 2),
+            "no-cache ms/token": round(recompute, 2), "ratio": round(recompute / cached, 1)}
+
+
+def step_time_figure(cached_ms: list[float], recompute_ms: list[float], prompt_tokens: int) -> go.Figure:
+    """Time of each decode step: flat with the cache, growing with the sequence without it."""
+    fig = go.Figure()
+    for ms, name in ((recompute_ms, "no cache (recompute)"), (cached_ms, "KV cache")):
+        fig.add_trace(go.Scatter(x=list(range(1, len(ms))), y=[round(m, 2) for m in ms[1:]],
+                                 name=name, mode="lines+markers"))
+    return style(fig, f"Decode step time, prompt of {prompt_tokens} tokens "
+                      f"({ms_per_token(cached_ms):.1f} vs {ms_per_token(recompute_ms):.1f} ms/token)",
+                 "decode step", "ms")
+
+
+def panel(model, new_tokens: int = 32, repeats: int = 1) -> widgets.interactive:
+    """Slider: context (prompt) length → measured step times with and without the cache."""
+
+    def show(context: int = 64) -> go.Figure:
+        ids = list(range(1, context + 1))
+        fig = step_time_figure(step_times(model, ids, new_tokens, True, repeats),
+                               step_times(model, ids, new_tokens, False, repeats), context)
+        fig.show()
+        return fig
+
+    slider = widgets.IntSlider(value=64, min=16, max=model.config.context_length - new_tokens,
+                               step=16, description="context", continuous_update=False)
+    return widgets.interactive(show, context=slider)

@@ -1,0 +1,80 @@
+"""Lessons 01 and 03: the figure builders and slider callbacks, called without a kernel."""
+
+from __future__ import annotations
+
+import torch
+
+import minifer as mf
+from minifer.lessons import generation as gen
+from minifer.lessons import kv_cache as kv
+from minifer.lessons.common import table
+
+
+def test_trace_loop_matches_generate(tiny, tok):
+    trace = gen.trace_loop(tiny, tok, "abc", steps=6)
+    out = mf.generate(tiny, "abc", mf.SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True), tok)[0]
+    assert [s.token_id for s in trace] == out.token_ids
+    assert [s.phase for s in trace] == ["prefill"] + ["decode"] * 5
+    assert [s.cache_slots for s in trace] == [3, 4, 5, 6, 7, 8]
+    assert [s.tokens_in for s in trace] == [3, 1, 1, 1, 1, 1]
+
+
+def test_top_tokens_and_figure(tiny, tok):
+    logits = torch.randn(tok.vocab_size, generator=torch.Generator().manual_seed(0))
+    rows = gen.top_tokens(logits, tok, k=5)
+    probs = [r["prob"] for r in rows]
+    assert probs == sorted(probs, reverse=True) and len(rows) == 5
+    assert rows[0]["id"] == int(logits.argmax())
+    fig = gen.next_token_figure(logits, tok, k=7)
+    assert len(fig.data[0].y) == 7 and abs(fig.data[0].y[0] - probs[0]) < 1e-9
+
+
+def test_forward_passes_equal_new_tokens(tiny):
+    for n in (1, 5, 17):
+        assert gen.passes_for(tiny, [1, 2, 3], n) == n
+
+
+def test_pass_counter_counts_tokens(tiny):
+    with gen.count_forward_passes(tiny) as c:
+        mf.generate(tiny, [[1, 2, 3, 4]], mf.SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+    assert (c.passes, c.tokens) == (3, 4 + 1 + 1)
+
+
+def test_generation_panel_drives_timeline(tiny):
+    ui = gen.panel(tiny, [1, 2, 3])
+    assert len(ui.result.data[0].y) == 16
+    ui.children[0].value = 6
+    assert len(ui.result.data[0].y) == 6
+    assert list(ui.result.data[0].x) == [1, 2, 3, 4, 5, 6]
+
+
+def test_keys_never_change(tiny):
+    check = kv.keys_never_change(tiny, [5, 6, 7, 8], steps=5)
+    assert check["old_slots_unchanged"] and check["max_abs_diff_vs_recompute"] < 1e-5
+
+
+def test_tokens_processed_linear_vs_quadratic():
+    assert kv.tokens_processed(4, 3, use_cache=True) == [4, 1, 1]
+    assert kv.tokens_processed(4, 3, use_cache=False) == [4, 5, 6]
+    fig = kv.work_figure(10, 20)
+    recompute, cached = fig.data
+    assert cached.y[-1] == 10 + 19 and recompute.y[-1] == 20 * 10 + 20 * 19 // 2
+
+
+def test_compare_uses_prefix_of_the_run():
+    cached, recompute = [9.0] + [1.0] * 10, [9.0] + [float(i) for i in range(2, 12)]
+    row = kv.compare(cached, recompute, 4)
+    assert row["cache ms/token"] == 1.0 and row["no-cache ms/token"] == 3.0 and row["ratio"] == 3.0
+
+
+def test_kv_panel_measures_both_paths(tiny):
+    ui = kv.panel(tiny, new_tokens=4)
+    ui.children[0].value = 32
+    no_cache, cached = ui.result.data
+    assert len(no_cache.y) == len(cached.y) == 3
+    assert "prompt of 32 tokens" in ui.result.layout.title.text
+
+
+def test_table_formats():
+    text = table([{"a": 1234, "b": 0.5, "c": "x"}])
+    assert text.splitlines() == ["    a     b  c", "1,234  0.50  x"]

@@ -1,0 +1,61 @@
+"""Lesson 06: the distribution reshaper and its sliders, called without a kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minifer.lessons import sampling as S
+
+LOGITS = torch.randn(257, generator=torch.Generator().manual_seed(3)) * 3
+
+
+def test_reshape_defaults_leave_distribution_alone():
+    d = S.reshape(LOGITS)
+    assert torch.allclose(d.after, d.before) and d.n_kept == 257
+
+
+@pytest.mark.parametrize("k", [1, 2, 10, 100])
+def test_top_k_keeps_exactly_k(k):
+    assert S.reshape(LOGITS, top_k=k).n_kept == k
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_keeps_smallest_set_reaching_p(p):
+    n = S.reshape(LOGITS, top_p=p).n_kept
+    mass = LOGITS.softmax(-1).sort(descending=True).values.cumsum(0)
+    assert mass[n - 1] >= p - 1e-6 and (n == 1 or mass[n - 2] < p)
+
+
+def test_greedy_is_one_hot_at_argmax():
+    d = S.reshape(LOGITS, temperature=0)
+    assert d.n_kept == 1 and int(d.after.argmax()) == int(LOGITS.argmax())
+
+
+def test_penalty_lowers_seen_tokens():
+    seen = torch.zeros(257, dtype=torch.bool)
+    seen[:20] = True
+    before, after = S.reshape(LOGITS, seen).after, S.reshape(LOGITS, seen, repetition_penalty=2.0).after
+    assert (after[:20] < before[:20]).all() and (after[20:] > before[20:]).all()
+
+
+def test_next_token_logits_marks_prompt_tokens(tiny, tok):
+    logits, seen = S.next_token_logits(tiny, tok, "aab")
+    assert logits.shape == (257,) and seen.sum() == 2 and seen[ord("a")] and seen[ord("b")]
+
+
+def test_figure_and_panel(tok):
+    fig = S.distribution_figure(LOGITS, tok, top_k=5, show=10)
+    before, after = fig.data
+    assert len(before.y) == len(after.y) == 10
+    assert sum(1 for y in after.y if y > 0) == 5
+    ui = S.panel(LOGITS, tok)
+    assert ui.result.layout.title.text.endswith("257 of 257 tokens can be drawn")
+    ui.children[1].value = 4
+    assert ui.result.layout.title.text.endswith("4 of 257 tokens can be drawn")
+
+
+def test_continuations_seeded(tiny, tok):
+    a = S.continuations(tiny, tok, "ab", (0, 1.0), max_new_tokens=8, seed=1)
+    b = S.continuations(tiny, tok, "ab", (0, 1.0), max_new_tokens=8, seed=1)
+    assert a == b and [r["temperature"] for r in a] == [0, 1.0]
