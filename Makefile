@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.minifer-installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 
-.PHONY: install lab test lint notebooks bench clean
+.PHONY: install lab test lint notebooks bench train clean
 
 install: $(STAMP)
 
@@ -32,7 +32,15 @@ notebooks: $(STAMP)
 	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py $(notdir $(NOTEBOOKS))
 
 bench: $(STAMP)
-	$(BIN)/python -m minifer.bench all
+	$(BIN)/python -m minifer.bench probe
+	$(BIN)/python -m minifer.bench decode
+	$(BIN)/python -m minifer.bench quant
+	$(BIN)/python -m minifer.bench spec
+
+# Retrain the shipped tokenizer and Shakespeare models (≈40 min on 2 CPU cores; resumable).
+train: $(STAMP)
+	sh scripts/install_train_deps.sh
+	$(BIN)/python -m minifer.train
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -25,6 +25,21 @@ def setup(threads: int | None = None, seed: int = 0) -> torch.device:
     return default_device()
 
 
+def on_device(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """The model itself if it already lives on `device`, else a copy moved there.
+
+    Lessons compute the outputs that the tests compare on the CPU in fp32 (the same on every
+    machine) and time a copy on the fastest device.
+    """
+    device = torch.device(device)
+    current = next(model.parameters()).device
+    if current.type == device.type:
+        return model
+    import copy
+
+    return copy.deepcopy(model).to(device)
+
+
 def style(fig: go.Figure, title: str, x: str, y: str, *, height: int = 360, width: int = 720) -> go.Figure:
     """The course's figure style: light template, titled axes, compact margins."""
     fig.update_layout(

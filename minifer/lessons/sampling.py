@@ -70,7 +70,7 @@ def distribution_figure(logits: torch.Tensor, tokenizer, seen: torch.Tensor | No
     ])
     fig.update_layout(barmode="group")
     title = (f"T={temperature:g}, top-k={top_k or 'off'}, top-p={top_p:g}, penalty={repetition_penalty:g}: "
-             f"{d.n_kept} of {logits.shape[-1]:,} tokens can be drawn")
+             f"{d.n_kept:,} of {logits.shape[-1]:,} tokens can be drawn")
     return style(fig, title, "token (most likely first)", "probability", width=820)
 
 
