@@ -144,3 +144,95 @@ def test_kv_rows_match_kv6():
     assert [r["KV GiB"] for r in rows] == [0.5, 4.0, 16.0, 16.0]
     assert "16.000" in kv_memory.kv_text()
     assert rl.kv_cache_bytes("llama-3-8b", 4096) == 512 * rl.MiB
+
+
+# ---------------------------------------------------------------- this machine (lesson 04)
+
+CPU = rl.Hardware("test cpu", bandwidth=10e9, flops={"fp32": 100e9}, memory_bytes=16e9)
+
+
+def test_measured_rows_against_the_machine_roofline():
+    rows = roofline.measured_rows(CPU, "reference", [1, 64], [0.02, 0.05], context=64)
+    one, big = rows
+    assert (one["batch"], one["measured ms"], one["tok/s total"]) == (1, 20.0, 50)
+    step = rl.decode_step("reference", CPU, batch=1, context=64, precision="fp32",
+                          include_kv=True, include_attention=True)
+    assert one["roofline ms"] == round(step.tpot_ms, 2) and one["bound"] == "memory"
+    assert one["MBU"] == round((step.weight_bytes + step.kv_bytes) / 0.02 / 10e9, 3)
+    assert one["MFU"] == round(step.flops / 0.02 / 100e9, 3)
+    assert one["claim ms"] == 6.7 and big["claim ms"] == 73.9  # BATCH-1's reference CPU
+    assert big["bound"] == "compute"  # ridge 10 FLOP/byte: fp32 decode turns at batch 20
+    assert "claim ms" not in roofline.measured_rows(CPU, "reference", [1], [0.02],
+                                                    reference_ms={})[0]
+    with pytest.raises(ValueError, match="equally long"):
+        roofline.measured_rows(CPU, "reference", [1, 8], [0.02])
+    with pytest.raises(ValueError, match="> 0"):
+        roofline.measured_rows(CPU, "reference", [1], [0.0])
+
+
+def test_measured_figure_overlays_measurements_on_the_roofline():
+    fig = roofline.measured_figure(CPU, "reference", [1, 8, 32, 64], [0.02, 0.03, 0.05, 0.08])
+    measured = trace(fig, "measured")
+    assert measured.x == (1, 8, 32, 64) and measured.y == (20.0, 30.0, 50.0, 80.0)
+    assert trace(fig, "claim BATCH-1 (reference CPU)").y == (6.7, 20.6, 47.9, 73.9)
+    read = trace(fig, "roofline: read")
+    assert read.x[0] == 1 and read.x[-1] == 256
+    roof = trace(fig, "roof")
+    assert roof.x[1] == 10.0 and roof.y[1] == 100.0  # ridge 10 FLOP/byte at 100 GFLOP/s
+    achieved = fig.data[-1]
+    assert achieved.text[0] == "batch 1" and len(achieved.y) == 4
+    assert "10.0 GB/s, 100 GFLOP/s" in fig.layout.title.text
+
+
+# ---------------------------------------------------------------- lesson 05 additions
+
+def test_kv8_rows_both_readings_of_32k():
+    rows = kv_memory.kv8_rows()
+    assert rows[0] == {"tokens": 32768, "1 seq GB": 10.74, "1 seq GiB": 10.0,
+                       "8 seqs GB": 85.9, "8 seqs GiB": 80.0}
+    assert rows[1]["tokens"] == 32000 and rows[1]["8 seqs GB"] == 83.9
+    assert round(rows[1]["1 seq GB"], 1) == 10.5
+
+
+def test_batch3_rows_memory_limits_first_from_4k():
+    rows = kv_memory.batch3_rows()
+    assert all(r["limit"] == "memory" for r in rows if r["context"] >= 4096)
+    a100 = {r["context"]: r for r in rows if r["hardware"].startswith("A100")}
+    assert (a100[4096]["fits in memory"], a100[4096]["compute-bound from"]) == (119, 153)
+    assert a100[1024]["limit"] == "compute"
+
+
+@pytest.fixture
+def one_thread():
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # the fused kernel's scratch buffers scale with the thread count
+    yield
+    torch.set_num_threads(old)
+
+
+def test_prefill_peak_memory_math_grows_faster_than_sdpa(one_thread):
+    import minifer as mf
+
+    model = mf.GPT.from_config("tiny", seed=0)
+    model.set_attention("math")
+    peak = {(impl, t): kv_memory.prefill_peak_bytes(model, t, impl)
+            for impl in ("math", "sdpa") for t in (32, 128)}
+    assert all(block.attn.impl == "math" for block in model.transformer.h)  # restored
+    assert all(v > 0 for v in peak.values())
+    assert peak["math", 128] > peak["sdpa", 128]
+    math_growth = peak["math", 128] / peak["math", 32]
+    sdpa_growth = peak["sdpa", 128] / peak["sdpa", 32]
+    assert math_growth > 8 and sdpa_growth < 5  # T² versus T for 4× the tokens
+    assert kv_memory.score_matrix_bytes(model, 128) == 4 * 128 * 128 * 4
+
+
+def test_attention_memory_rows_and_figure():
+    import minifer as mf
+
+    rows = kv_memory.attention_memory_rows(mf.GPT.from_config("tiny", seed=0), lengths=(16, 64))
+    assert [r["tokens"] for r in rows] == [16, 64]
+    assert rows[1]["one score matrix MiB"] == round(4 * 64 * 64 * 4 / 2**20, 2)
+    fig = kv_memory.attention_memory_figure(rows)
+    assert len(fig.data) == 3 and fig.data[0].x == (16, 64)

@@ -8,11 +8,19 @@ of spec sheets and weights: "8B parameters × 2 bytes = 16 GB"). Titles say whic
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
 import ipywidgets as widgets
 import plotly.graph_objects as go
+import torch
 from plotly.subplots import make_subplots
 
 from .. import roofline as rl
+from ..bench_decode import random_ids
+from ..cache import StaticKVCache
+from ..generate import prefill
 from .common import TEMPLATE, table
 
 MODEL_CHOICES = ["llama-3-8b", "llama-7b", "llama-2-70b", "llama-2-70b-mha", "80L-8kv",
@@ -149,3 +157,125 @@ def panel(context: int = 4096, batch: int = 1, precision: str = "fp16",
                                           description="weights"),
         unit=widgets.Dropdown(options=list(UNITS), value=unit, description="unit"),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Units (KV-7, KV-8), the memory limit on batching (BATCH-3)
+# --------------------------------------------------------------------------------------------
+
+def kv8_rows(model: str = "80L-8kv", contexts: tuple[int, ...] = (32768, 32000), batch: int = 8,
+             precision: str = "bf16") -> list[dict]:
+    """Claim KV-8 both ways: a "32K" context as 32,768 tokens and as exactly 32,000, for one
+    sequence and for ``batch`` of them, in decimal GB and binary GiB."""
+    rows = []
+    for c in contexts:
+        one = rl.kv_cache_bytes(model, c, 1, precision)
+        rows.append({"tokens": c, "1 seq GB": round(one / rl.GB, 2),
+                     "1 seq GiB": round(one / rl.GiB, 2),
+                     f"{batch} seqs GB": round(batch * one / rl.GB, 1),
+                     f"{batch} seqs GiB": round(batch * one / rl.GiB, 1)})
+    return rows
+
+
+def batch3_rows(model: str = "llama-3-8b",
+                hardware: tuple[str, ...] = ("a100-80gb", "h100", "illustrative"),
+                contexts: tuple[int, ...] = (1024, 2048, 4096, 8192, 32768),
+                precision: str = "bf16") -> list[dict]:
+    """What limits the decode batch (BATCH-3): the sequences whose KV cache fits beside the
+    weights (:func:`minifer.roofline.max_batch`) against the batch at which a step turns
+    compute-bound (:func:`minifer.roofline.critical_batch`). The smaller one is the limit."""
+    rows = []
+    for h in hardware:
+        crit = rl.critical_batch(model, h, precision)
+        for c in contexts:
+            fit = rl.max_batch(model, h, c, precision)
+            rows.append({"hardware": rl.Hardware.preset(h).name, "context": c,
+                         "fits in memory": fit, "compute-bound from": round(crit),
+                         "limit": "memory" if fit < crit else "compute"})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Measured: peak memory of a prefill, plain attention math vs fused SDPA (KV-13)
+# --------------------------------------------------------------------------------------------
+
+@contextmanager
+def _quiet_fd(fd: int = 2) -> Iterator[None]:
+    """Send a file descriptor to /dev/null for a moment (torch's profiler logs a line to the
+    C-level stderr when it starts and stops; in a notebook that would land in a later cell)."""
+    saved, null = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    try:
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(null)
+
+
+def prefill_peak_bytes(model: torch.nn.Module, tokens: int, impl: str = "sdpa", *,
+                       batch: int = 1, seed: int = 0) -> int:
+    """Peak bytes a prefill of ``tokens`` tokens allocates, with attention ``impl``
+    (``"math"``: scores written out; ``"sdpa"``: fused ``scaled_dot_product_attention``).
+
+    Measured with ``torch.profiler`` (``profile_memory=True``), which records every allocation
+    and free of torch's CPU allocator — kernels' scratch buffers included — in order; the peak is
+    the running maximum of their sum. The weights and the (preallocated) KV cache exist before
+    the prefill, so they are not counted: this is the *extra* memory the pass needs.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    blocks = list(model.transformer.h)
+    old = [b.attn.impl for b in blocks]
+    ids = random_ids(batch, tokens, model.config.vocab_size, seed,
+                     next(model.parameters()).device)
+    cache = StaticKVCache.for_model(model, batch, tokens)
+    model.set_attention(impl)
+    try:
+        with torch.inference_mode(), _quiet_fd(2), \
+                profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            prefill(model, ids, cache)
+    finally:
+        for b, i in zip(blocks, old):
+            b.attn.impl = i
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def score_matrix_bytes(model: torch.nn.Module, tokens: int, batch: int = 1) -> int:
+    """Bytes of one layer's attention scores during a prefill: batch × heads × T × T values."""
+    cfg = model.config
+    return batch * cfg.n_head * tokens * tokens * next(model.parameters()).element_size()
+
+
+def attention_memory_rows(model: torch.nn.Module,
+                          lengths: Sequence[int] = (128, 256, 512, 1024)) -> list[dict]:
+    """Measured prefill peak (MiB) for each length, math vs SDPA, beside one score matrix."""
+    return [{"tokens": t,
+             "math MiB": round(prefill_peak_bytes(model, t, "math") / rl.MiB, 2),
+             "sdpa MiB": round(prefill_peak_bytes(model, t, "sdpa") / rl.MiB, 2),
+             "one score matrix MiB": round(score_matrix_bytes(model, t) / rl.MiB, 2)}
+            for t in lengths]
+
+
+def attention_memory_figure(rows: list[dict]) -> go.Figure:
+    """Peak prefill memory against prompt length (log-log): the written-out attention grows
+    like T² (slope 2), the fused kernel like T (slope 1) (KV-13)."""
+    x = [r["tokens"] for r in rows]
+    fig = go.Figure()
+    for name, key, dash in (("attention math (scores written out)", "math MiB", "solid"),
+                            ("fused SDPA", "sdpa MiB", "solid"),
+                            ("one layer's T×T score matrix", "one score matrix MiB", "dot")):
+        fig.add_trace(go.Scatter(x=x, y=[_r(r[key]) for r in rows], mode="lines+markers",
+                                 name=name, line=dict(dash=dash)))
+    fig.update_xaxes(type="log", title_text="prompt tokens T")
+    fig.update_yaxes(type="log", title_text="peak extra memory during prefill (MiB)")
+    fig.update_layout(title="Prefill peak memory: O(T²) with the score matrix, O(T) fused",
+                      template=TEMPLATE, width=720, height=380,
+                      margin=dict(l=60, r=20, t=50, b=50))
+    return fig

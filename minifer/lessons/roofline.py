@@ -207,3 +207,105 @@ def prefill_panel(model: str = "llama-3-8b", precision: str = "bf16", prompt_tok
         hardware=widgets.Dropdown(options=HARDWARE_CHOICES, value=hardware,
                                   description="hardware"),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# This machine: measured decode steps laid over its own (measured) roofline
+# --------------------------------------------------------------------------------------------
+
+# Claim BATCH-1's reference CPU figures (4-thread laptop, reference model, fp32), ms per step.
+BATCH1_REFERENCE_MS = {1: 6.7, 8: 20.6, 32: 47.9, 64: 73.9}
+MEASURED_BATCHES = [2**i for i in range(9)]  # 1 ... 256: the roofline curves of the figure
+
+
+def _machine_step(spec: rl.ModelSpec | str, hw: rl.Hardware, batch: int, context: int,
+                  precision: str) -> rl.DecodeStep:
+    # KV reads and attention FLOPs on: that is what the measured step really does.
+    return rl.decode_step(spec, hw, batch=batch, context=context, precision=precision,
+                          include_kv=True, include_attention=True)
+
+
+def _check_measured(batches, step_s) -> tuple[list[int], list[float]]:
+    batches, step_s = list(batches), list(step_s)
+    if not batches or len(batches) != len(step_s):
+        raise ValueError("batches and step_s must be non-empty and equally long")
+    if any(t <= 0 for t in step_s):
+        raise ValueError("measured step times must be > 0 seconds")
+    return batches, step_s
+
+
+def measured_rows(hw: rl.Hardware, spec: rl.ModelSpec | str, batches, step_s,
+                  context: int = 64, precision: str = "fp32",
+                  reference_ms: dict[int, float] | None = None) -> list[dict]:
+    """Measured decode steps next to this machine's roofline, one row per batch size.
+
+    ``step_s[i]`` is the measured time of one decode step of ``batches[i]`` sequences with
+    ``context`` tokens cached each. MBU = (weights + KV bytes) / step / bandwidth and
+    MFU = FLOPs / step / peak FLOP/s, both against ``hw``'s (measured) ceilings (PD-10).
+    ``reference_ms`` (default: claim BATCH-1's figures) adds a column where it has the batch.
+    """
+    batches, step_s = _check_measured(batches, step_s)
+    reference_ms = BATCH1_REFERENCE_MS if reference_ms is None else reference_ms
+    rows = []
+    for b, t in zip(batches, step_s):
+        s = _machine_step(spec, hw, b, context, precision)
+        row = {"batch": b, "measured ms": round(t * 1e3, 2), "roofline ms": round(s.tpot_ms, 2),
+               "bound": s.bound, "tok/s total": round(b / t),
+               "MBU": round(rl.mbu(s.weight_bytes, s.kv_bytes, t, hw.bandwidth), 3),
+               "MFU": round(rl.mfu(s.flops / t, hw.peak_flops(s.compute_precision)), 3)}
+        if reference_ms:
+            row["claim ms"] = reference_ms.get(b, "")
+        rows.append(row)
+    return rows
+
+
+def measured_figure(hw: rl.Hardware, spec: rl.ModelSpec | str, batches, step_s,
+                    context: int = 64, precision: str = "fp32",
+                    reference_ms: dict[int, float] | None = None) -> go.Figure:
+    """Left: time per decode step against batch — this machine's roofline (read, compute,
+    max of the two) and the measured steps. Right: the roofline of this machine (attainable
+    GFLOP/s against FLOP per byte) with each measured step placed on it."""
+    batches, step_s = _check_measured(batches, step_s)
+    reference_ms = BATCH1_REFERENCE_MS if reference_ms is None else reference_ms
+    spec = spec if isinstance(spec, rl.ModelSpec) else rl.ModelSpec.preset(spec)
+    curve = [_machine_step(spec, hw, b, context, precision) for b in MEASURED_BATCHES]
+    measured = [_machine_step(spec, hw, b, context, precision) for b in batches]
+    peak = hw.peak_flops(measured[0].compute_precision)
+    ridge = peak / hw.bandwidth
+
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=(
+        "time per decode step", f"roofline of this machine (ridge {ridge:,.1f} FLOP/byte)"))
+    for name, ys, dash in (("roofline: read", [s.read_s for s in curve], "dot"),
+                           ("roofline: compute", [s.compute_s for s in curve], "dash"),
+                           ("roofline: max", [s.tpot_s for s in curve], "solid")):
+        fig.add_trace(go.Scatter(x=MEASURED_BATCHES, y=[_r(y * 1e3) for y in ys], mode="lines",
+                                 name=name, line=dict(dash=dash, color="gray")), 1, 1)
+    fig.add_trace(go.Scatter(x=batches, y=[_r(t * 1e3) for t in step_s], mode="lines+markers",
+                             name="measured", marker=dict(size=10, color="crimson")), 1, 1)
+    ref = [(b, reference_ms[b]) for b in batches if b in (reference_ms or {})]
+    if ref:
+        fig.add_trace(go.Scatter(x=[b for b, _ in ref], y=[m for _, m in ref], mode="markers",
+                                 name="claim BATCH-1 (reference CPU)",
+                                 marker=dict(symbol="x", size=9, color="black")), 1, 1)
+
+    ai = [0.05, ridge, max(1e3, 10 * ridge)]
+    fig.add_trace(go.Scatter(x=[_r(x) for x in ai], y=[_r(min(peak, x * hw.bandwidth) / 1e9)
+                                                       for x in ai],
+                             mode="lines", name="roof", line=dict(color="black"),
+                             showlegend=False), 1, 2)
+    fig.add_trace(go.Scatter(x=[_r(s.arithmetic_intensity) for s in measured],
+                             y=[_r(s.flops / t / 1e9) for s, t in zip(measured, step_s)],
+                             mode="markers+text", text=[f"batch {b}" for b in batches],
+                             textposition="top left", name="measured (achieved)",
+                             showlegend=False, marker=dict(size=10, color="crimson")), 1, 2)
+    fig.update_xaxes(type="log")
+    fig.update_yaxes(type="log")
+    fig.update_xaxes(title_text="batch (sequences per step)", row=1, col=1)
+    fig.update_yaxes(title_text="ms", row=1, col=1)
+    fig.update_xaxes(title_text="FLOP per byte", row=1, col=2)
+    fig.update_yaxes(title_text="GFLOP/s", row=1, col=2)
+    title = (f"{spec.name}, {precision}, {context} tokens cached, on {hw.name}: "
+             f"{hw.bandwidth / 1e9:,.1f} GB/s, {peak / 1e9:,.0f} GFLOP/s")
+    fig.update_layout(title=dict(text=title, font=dict(size=13)), template=TEMPLATE,
+                      width=1000, height=400, margin=dict(l=50, r=20, t=70, b=50))
+    return fig
