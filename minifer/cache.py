@@ -14,6 +14,12 @@ from __future__ import annotations
 
 import torch
 
+SCALE_DTYPE = torch.float16  # the int8 cache's per-head-per-token scales
+
+
+def _is_int8(dtype) -> bool:
+    return dtype in ("int8", torch.int8)
+
 
 class StaticKVCache:
     """Preallocated per-layer K/V tensors ``[batch, kv_heads, max_len, head_dim]`` written in place.
@@ -32,7 +38,7 @@ class StaticKVCache:
         head_dim: int,
         max_len: int,
         *,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
         for name, value in (("n_layer", n_layer), ("batch_size", batch_size),
@@ -40,6 +46,17 @@ class StaticKVCache:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"StaticKVCache {name} must be a positive integer, got {value!r}")
         shape = (batch_size, n_kv_head, max_len, head_dim)
+        self.quantized = _is_int8(dtype)
+        if self.quantized:  # int8 values + one scale per (row, head, token): K ≈ k_q * k_scale
+            dtype = torch.int8
+            scale_shape = (batch_size, n_kv_head, max_len, 1)
+            self.k_scale = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device)
+                            for _ in range(n_layer)]
+            self.v_scale = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device)
+                            for _ in range(n_layer)]
+        elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"StaticKVCache dtype must be a float torch dtype or 'int8', "
+                             f"got {dtype!r}")
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.batch_size, self.max_len = batch_size, max_len
@@ -56,10 +73,14 @@ class StaticKVCache:
         batch_size: int,
         max_len: int | None = None,
         *,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
     ) -> StaticKVCache:
-        """A cache shaped for `model` (its layers, KV heads, head dim; dtype/device of its weights)."""
+        """A cache shaped for `model` (its layers, KV heads, head dim; dtype/device of its weights).
+
+        ``dtype="int8"`` stores K/V as int8 with one scale per head per token (half the bytes of
+        a 16-bit cache); attention still gets float K/V in the model's dtype.
+        """
         cfg = model.config
         p = next(model.parameters())
         max_len = cfg.context_length if max_len is None else max_len
@@ -67,8 +88,9 @@ class StaticKVCache:
             raise ValueError(
                 f"max_len must lie in [1, {cfg.context_length}] (the model's context), got {max_len!r}"
             )
+        float_p = next((t for t in model.parameters() if t.is_floating_point()), p)
         return cls(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, max_len,
-                   dtype=dtype or p.dtype, device=device or p.device)
+                   dtype=dtype or float_p.dtype, device=device or p.device)
 
     def reset(self, start: torch.Tensor | list[int] | None = None) -> None:
         """Empty the cache for a new batch; `start[b]` = number of left-padding slots of row b."""
@@ -98,9 +120,28 @@ class StaticKVCache:
         """
         t = k.shape[2]
         end = self.pos + t
+        if self.quantized:
+            return self._update_int8(layer, k, v, end)
         self.k[layer][:, :, self.pos:end] = k
         self.v[layer][:, :, self.pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def _update_int8(self, layer: int, k: torch.Tensor, v: torch.Tensor, end: int):
+        """Quantize the new tokens (symmetric, per head per token), then dequantize the prefix.
+
+        Attention needs float K/V, so every call rebuilds the cached prefix in float: the int8
+        cache saves memory (and, with a fused kernel, bandwidth), not arithmetic.
+        """
+        out = []
+        for store, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            scale = (new.detach().abs().amax(dim=-1, keepdim=True).float() / 127).clamp(min=1e-6)
+            scale = scale.to(SCALE_DTYPE)  # round first, so q and the stored scale agree
+            q = torch.round(new.float() / scale.float()).clamp(-127, 127)
+            store[layer][:, :, self.pos:end] = q.to(torch.int8)
+            scales[layer][:, :, self.pos:end] = scale
+            dtype = new.dtype
+            out.append(store[layer][:, :, :end].to(dtype) * scales[layer][:, :, :end].to(dtype))
+        return out[0], out[1]
 
     def advance(self, n: int) -> None:
         self.pos += n
@@ -119,12 +160,17 @@ class StaticKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes allocated for K and V in all layers (the whole preallocation, used or not)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        tensors = self.k + self.v + (self.k_scale + self.v_scale if self.quantized else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one cached token costs across all layers: 2 × layers × kv_heads × head_dim × size."""
-        return 2 * self.n_layer * self.n_kv_head * self.head_dim * self.k[0].element_size()
+        """Bytes one cached token costs across all layers: 2 × layers × kv_heads × head_dim × size
+        (int8: plus one 2-byte scale per head for K and for V)."""
+        per_head = self.head_dim * self.k[0].element_size()
+        if self.quantized:
+            per_head += self.k_scale[0].element_size()
+        return 2 * self.n_layer * self.n_kv_head * per_head
 
     def __repr__(self) -> str:
         return (f"StaticKVCache(layers={self.n_layer}, batch={self.batch_size}, "

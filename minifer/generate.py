@@ -221,11 +221,13 @@ def stream(
     use_cache: bool = True,
     device: torch.device | str | None = None,
     completions: list[Completion] | None = None,
+    kv_dtype: torch.dtype | str | None = None,
 ) -> Iterator[TokenEvent]:
     """Yield a `TokenEvent` for every generated token of every prompt, as soon as it exists.
 
     Pass a list as `completions` to have it filled with the final `Completion`s.
     `use_cache=False` recomputes the whole sequence at every step: the reference path.
+    `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
     """
     params = params or SamplingParams()
     cfg = model.config
@@ -262,7 +264,7 @@ def stream(
     with torch.inference_mode():
         t0 = time.perf_counter()
         if use_cache:
-            cache = StaticKVCache.for_model(model, B, total, device=device)
+            cache = StaticKVCache.for_model(model, B, total, dtype=kv_dtype, device=device)
             cache.reset(start)
             logits = prefill(model, buf[:, :T], cache)
         else:
@@ -353,10 +355,14 @@ def generate(
     *,
     use_cache: bool = True,
     device: torch.device | str | None = None,
+    kv_dtype: torch.dtype | str | None = None,
 ) -> list[Completion]:
-    """Generate for one prompt or a batch; returns one `Completion` per prompt, in order."""
+    """Generate for one prompt or a batch; returns one `Completion` per prompt, in order.
+
+    `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
+    """
     completions: list[Completion] = []
     for _ in stream(model, prompts, params, tokenizer, use_cache=use_cache, device=device,
-                    completions=completions):
+                    completions=completions, kv_dtype=kv_dtype):
         pass
     return completions

@@ -1,0 +1,117 @@
+"""Did a change (quantization, an int8 KV cache) change what the model says? Three measures.
+
+* `max_logit_diff`: the largest change of any logit over a prompt — local, exact, cheap;
+* `greedy_agreement`: run both models greedily and compare the tokens — what a user would see;
+  near-ties make this fragile once the two texts part (after the first different token the
+  two models continue from different texts), so the first divergence is reported too;
+* `validation_perplexity`: the loss on held-out text — quality over many tokens, not one prompt
+  (claim QUANT-3: measure on real text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .evaluate import PerplexityResult, perplexity
+from .generate import generate
+from .sampling import SamplingParams
+from .tokenizer import TokenizerLike
+
+__all__ = ["max_logit_diff", "top1_agreement", "GreedyAgreement", "greedy_agreement",
+           "validation_perplexity"]
+
+
+def _ids(prompt, tokenizer: TokenizerLike | None) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt is text: pass tokenizer=")
+        return tokenizer.encode(prompt)
+    return [int(t) for t in prompt]
+
+
+@torch.inference_mode()
+def max_logit_diff(reference: torch.nn.Module, model: torch.nn.Module, prompt,
+                   tokenizer: TokenizerLike | None = None, *, last_only: bool = False) -> float:
+    """max |logit_model − logit_reference| over every position and vocabulary entry of `prompt`
+    (``last_only``: only the next-token logits after the prompt, the ones generation uses)."""
+    ids = torch.tensor([_ids(prompt, tokenizer)])
+    a = reference(ids.to(next(reference.parameters()).device), last_only=last_only)
+    b = model(ids.to(next(model.parameters()).device), last_only=last_only)
+    return float((a.float().cpu() - b.float().cpu()).abs().max())
+
+
+@torch.inference_mode()
+def top1_agreement(reference: torch.nn.Module, model: torch.nn.Module, ids: list[int]) -> float:
+    """Fraction of positions of `ids` where both models' most likely next token is the same.
+
+    Both read the same text (teacher forcing), so one early difference does not derail the
+    rest the way it does in free-running greedy generation. Long `ids` are cut into windows of
+    the model's context.
+    """
+    ctx = reference.config.context_length
+    same = total = 0
+    for i in range(0, len(ids), ctx):
+        x = torch.tensor([ids[i:i + ctx]])
+        a = reference(x.to(next(reference.parameters()).device)).argmax(-1).cpu()
+        b = model(x.to(next(model.parameters()).device)).argmax(-1).cpu()
+        same += int((a == b).sum())
+        total += a.numel()
+    return same / total
+
+
+@dataclass(frozen=True)
+class GreedyAgreement:
+    """Greedy tokens of a reference and a model from the same prompt."""
+
+    reference_tokens: list[int]
+    tokens: list[int]
+
+    @property
+    def n(self) -> int:
+        return len(self.reference_tokens)
+
+    @property
+    def agreement(self) -> float:
+        """Fraction of positions with the same token (1.0 = identical output)."""
+        same = sum(a == b for a, b in zip(self.reference_tokens, self.tokens))
+        return same / max(self.n, 1)
+
+    @property
+    def identical(self) -> bool:
+        return self.tokens == self.reference_tokens
+
+    @property
+    def first_divergence(self) -> int | None:
+        """Index of the first different token, None when identical."""
+        return next((i for i, (a, b) in enumerate(zip(self.reference_tokens, self.tokens))
+                     if a != b), None)
+
+
+def greedy_agreement(reference: torch.nn.Module, model: torch.nn.Module, prompt, n: int = 32,
+                     tokenizer: TokenizerLike | None = None, *, kv_dtype=None,
+                     reference_tokens: list[int] | None = None) -> GreedyAgreement:
+    """Generate `n` greedy tokens with both models (EOS ignored) and compare them.
+
+    `kv_dtype` applies to `model` only (e.g. ``"int8"`` to test the int8 KV cache);
+    `reference_tokens` skips re-running the reference.
+    """
+    params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+    ids = _ids(prompt, tokenizer)
+    if reference_tokens is None:
+        reference_tokens = generate(reference, ids, params)[0].token_ids
+    tokens = generate(model, ids, params, kv_dtype=kv_dtype)[0].token_ids
+    return GreedyAgreement(list(reference_tokens), tokens)
+
+
+def validation_perplexity(model: torch.nn.Module, tokenizer: TokenizerLike,
+                          text: str | None = None, max_chars: int | None = None,
+                          **kwargs) -> PerplexityResult:
+    """`perplexity` on held-out Shakespeare (or `text`), optionally its first `max_chars`."""
+    if text is None:
+        from .pretrained import load_validation_text
+        text = load_validation_text()
+    if max_chars is not None:
+        text = text[:max_chars]
+    return perplexity(model, tokenizer, text, **kwargs)

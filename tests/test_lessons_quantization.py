@@ -1,0 +1,72 @@
+"""Lesson 08 builders: precision rows, figures, the panel callback, roofline and outliers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minifer as mf
+from minifer.lessons import quantization as Q
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return mf.load_pretrained("shakespeare-draft")
+
+
+@pytest.fixture(scope="module")
+def models(draft):
+    return Q.quantized_models(draft[0], group_size=64, dequant=True)
+
+
+@pytest.fixture(scope="module")
+def rows(draft, models):
+    quality = {k: v for k, v in models.items() if "dequant" not in k}
+    return Q.precision_rows(quality, draft[1], "ROMEO:\n", n_tokens=8, max_chars=1_500)
+
+
+def test_precision_rows(rows):
+    r = {row.precision: row for row in rows}
+    assert list(r) == ["fp32", "bf16", "fp16", "int8", "int4"]
+    assert r["fp32"].agreement == 1.0 and r["fp32"].max_dlogit == 0 and r["fp32"].same_greedy == 8
+    assert r["bf16"].total_mb * 2 == pytest.approx(r["fp32"].total_mb, abs=0.02)
+    assert r["int4"].linear_mb < r["int8"].linear_mb < r["bf16"].linear_mb
+    assert r["int4"].max_dlogit > r["int8"].max_dlogit > 0
+    assert "top-1 agree" in Q.rows_table(rows)
+
+
+def test_quality_figure_highlights(rows):
+    fig = Q.quality_figure(rows, "int4")
+    assert len(fig.data) == 5
+    sizes = {t.name: t.marker.size for t in fig.data}
+    assert sizes["int4"] > sizes["fp32"]
+
+
+def test_panel_callback(rows, models):
+    qp = Q.QuantPanel(rows, models, context=8, rounds=1)
+    res = qp.result("int8", 4)
+    assert res["batch"] == 4 and res["ms/token"] > 0 and res["tokens/s"] > 0
+    assert list(res["speed"].data[0].x) == list(models)
+    assert qp.ms(4) is qp.ms(4)  # measured once per batch
+    ui = Q.panel(qp, "int4", 1)
+    assert ui.result["precision"] == "int4"
+    with pytest.raises(ValueError, match="precision"):
+        qp.result("int3", 1)
+
+
+def test_roofline_rows_quant2():
+    rows = Q.roofline_rows("llama-7b", "a100-80gb", 512)
+    assert [r["weights"] for r in rows] == ["bf16", "int8", "int4"]
+    assert rows[0]["TPOT ms"] > rows[1]["TPOT ms"] > rows[2]["TPOT ms"]
+    assert rows[0]["TTFT ms"] == rows[2]["TTFT ms"]
+    assert len(Q.roofline_figure(rows).data) == 2
+
+
+def test_outlier_rows():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=gen) * torch.linspace(0.1, 2, 64)[:, None]
+    clean, out = Q.outlier_rows(w, n_outliers=2, magnitude=30)
+    assert clean["per-channel"] < clean["per-tensor"]
+    assert out["per-channel"] > 2 * clean["per-channel"]
+    assert out["per-channel + outliers in float"] < out["per-channel"]
+    assert len(Q.outlier_figure([clean, out]).data) == 3

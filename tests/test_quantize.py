@@ -1,0 +1,283 @@
+"""Quantization: int8/int4 weight-only layers, fused vs reference paths, bytes, int8 KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import lively_model
+
+import minifer as mf
+from minifer.quality import greedy_agreement, max_logit_diff
+from minifer.quantize import (
+    QuantizedLinear,
+    fused_available,
+    model_bytes,
+    pack_int4,
+    quantize,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return mf.GPT.from_config("reference", seed=0)
+
+
+def _linear(n: int = 96, k: int = 256, seed: int = 0, bias: bool = True) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+        if bias:
+            lin.bias.normal_(0, 0.1)
+    return lin
+
+
+# ---- tensor-level quantizers -----------------------------------------------------------------
+def test_int8_error_at_most_half_a_step_per_row():
+    w = torch.randn(64, 128)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (64,)
+    assert int(q.abs().max()) == 127  # each row's largest weight uses the full range
+    err = (q.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-6).all()
+
+
+def test_int4_pack_unpack_round_trip_is_exact():
+    q = torch.randint(0, 16, (37, 64), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (37, 32) and packed.dtype == torch.uint8  # two values per byte
+    assert torch.equal(unpack_int4(packed), q)
+    assert torch.equal(pack_int4(unpack_int4(packed)), packed)
+
+
+def test_int4_error_at_most_half_a_step_per_group():
+    w = torch.randn(16, 128)
+    lin = _linear(16, 128, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    layer = QuantizedLinear.from_linear(lin, 4, group_size=32, impl="reference")
+    _, scale, _ = quantize_int4(w, 32)
+    err = (layer.dequantize() - w).abs().reshape(16, 4, 32)
+    assert (err <= scale[..., None] / 2 + 1e-5).all()
+    assert layer.qweight.numel() == 16 * 128 // 2
+
+
+def test_pack_errors():
+    with pytest.raises(ValueError, match="even number"):
+        pack_int4(torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        pack_int4(torch.full((2, 2), 16, dtype=torch.uint8))
+
+
+# ---- layers: fused vs reference ----------------------------------------------------------------
+@pytest.mark.parametrize("bits,group", [(8, 128), (4, 32), (4, 64), (4, 128)])
+def test_reference_path_close_to_float_layer(bits, group):
+    lin = _linear()
+    x = torch.randn(5, 256)
+    layer = QuantizedLinear.from_linear(lin, bits, group_size=group, impl="reference")
+    y, ref = layer(x), lin(x)
+    tol = {8: 0.02, 4: 0.3}[bits]  # relative to the output's scale
+    assert (y - ref).abs().max() <= tol * ref.abs().max()
+    # the reference path is exactly dequantize-then-matmul
+    assert torch.allclose(y, x @ layer.dequantize().T + lin.bias, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 128), (4, 32), (4, 64), (4, 128)])
+def test_fused_matches_reference_path(bits, group):
+    if not fused_available(bits):
+        pytest.skip(f"no fused int{bits} kernel in this torch")
+    lin = _linear()
+    x = torch.randn(2, 3, 256)  # 3-D input: batch, tokens, features
+    ref = QuantizedLinear.from_linear(lin, bits, group_size=group, impl="reference")
+    fused = QuantizedLinear.from_linear(lin, bits, group_size=group, impl="fused")
+    y_ref, y_fused = ref(x), fused(x)
+    assert y_fused.shape == (2, 3, 96) and y_fused.dtype == torch.float32
+    # same integers; the fused kernel rounds activations (and scales) to bf16
+    assert torch.allclose(y_fused, y_ref, atol=0.02, rtol=0.02)
+    # and the fused layout holds the same weights
+    assert torch.allclose(fused.dequantize(), ref.dequantize(), atol=2e-3, rtol=1e-2)
+    assert fused.weight_nbytes == ref.weight_nbytes
+
+
+def test_quantized_linear_reports_its_bytes():
+    lin = _linear(96, 256)
+    l8 = QuantizedLinear.from_linear(lin, 8, impl="reference")
+    assert l8.weight_nbytes == 96 * 256 and l8.scale_nbytes == 96 * 4 and l8.bias_nbytes == 96 * 4
+    l4 = QuantizedLinear.from_linear(lin, 4, group_size=64, impl="reference")
+    assert l4.weight_nbytes == 96 * 128
+    assert l4.scale_nbytes == 2 * 96 * (256 // 64) * 4  # a scale and a zero per group, fp32
+    assert l4.nbytes == l4.weight_nbytes + l4.scale_nbytes + l4.bias_nbytes
+    assert "int4" in repr(l4)
+
+
+# ---- whole models --------------------------------------------------------------------------------
+def test_quant1_bytes_on_reference_model(reference):
+    fp32 = model_bytes(reference)
+    assert fp32.linear_weights == 25_690_112 * 4  # incl. the output head
+    assert round(fp32.linear / 1e6, 1) == 102.8
+    int8 = model_bytes(quantize(reference, "int8", impl="reference"))
+    assert int8.linear_weights == 25_690_112
+    assert int8.scales == (8 * (1536 + 512 + 2048 + 512) + 1024) * 4  # one fp32 scale per row
+    assert round(int8.linear / 1e6, 1) == 25.8
+    assert round(fp32.linear / int8.linear, 1) == 4.0
+    assert int8.embeddings == fp32.embeddings and int8.norms == fp32.norms  # left in float
+    assert int8.biases == fp32.biases
+    bf16 = model_bytes(quantize(reference, "bf16"))
+    assert bf16.total * 2 == fp32.total  # QUANT-5
+
+
+def test_quant1_quality_on_reference_model(reference):
+    prompt = list(b"Once upon a time")
+    weight_only = quantize(reference, "int8", impl="reference")  # fp32 activations
+    assert max_logit_diff(reference, weight_only, prompt) < 0.05  # every position
+    fused = quantize(reference, "int8")  # + bf16 activations in the fused kernel
+    assert max_logit_diff(reference, fused, prompt, last_only=True) < 0.05
+    for q in (weight_only, fused):
+        assert greedy_agreement(reference, q, prompt, n=8).identical
+
+
+@pytest.mark.filterwarnings("ignore:the fused int4 kernel rejects")
+def test_input_model_untouched(tiny):
+    before = {k: v.clone() for k, v in tiny.state_dict().items()}
+    for p in ("int8", "int4", "bf16"):
+        q = quantize(tiny, p, group_size=32)
+        assert q is not tiny
+    assert all(isinstance(m, nn.Linear) for m in (tiny.lm_head, tiny.transformer.h[0].mlp.c_fc))
+    after = tiny.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert next(tiny.parameters()).dtype == torch.float32
+
+
+@pytest.mark.filterwarnings("ignore:the fused int4 kernel rejects")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "int8", "int4"])
+def test_quantized_tiny_model_generates_close_to_fp32(tiny, precision):
+    q = quantize(tiny, precision, group_size=32)
+    ids = torch.tensor([list(b"hello world")])
+    with torch.inference_mode():
+        ref, out = tiny(ids), q(ids).float()
+    spread = ref.abs().max()
+    tol = {"fp32": 0, "bf16": 0.05, "fp16": 0.01, "int8": 0.05, "int4": 0.5}[precision]
+    assert (out - ref).abs().max() <= tol * spread
+    assert len(mf.generate(q, ids, mf.SamplingParams(temperature=0, max_new_tokens=4))[0]
+               .token_ids) == 4
+
+
+def test_int4_unsupported_shape_falls_back_per_layer(tiny):
+    with pytest.warns(RuntimeWarning, match=r"lm_head \(257, 32\)"):
+        q = quantize(tiny, "int4", group_size=32)
+    if fused_available(4):
+        assert q.transformer.h[0].mlp.c_fc.impl == "fused"
+    assert q.lm_head.impl == "reference"  # N = 257 is not a multiple of 16
+
+
+@pytest.mark.filterwarnings("ignore:the fused int4 kernel rejects")
+def test_int4_quality_worse_than_int8(tiny):
+    ids = list(b"the quick brown fox")
+    d8 = max_logit_diff(tiny, quantize(tiny, "int8"), ids)
+    d4 = max_logit_diff(tiny, quantize(tiny, "int4", group_size=32), ids)
+    assert 0 < d8 < d4
+
+
+def test_tied_head_stays_shared():
+    cfg = mf.GPTConfig.preset("tiny").replace(tie_embeddings=True)
+    model = mf.GPT.from_config(cfg)
+    q = quantize(model, "int8")
+    assert isinstance(q.lm_head, nn.Linear)
+    assert q.lm_head.weight is q.transformer.wte.weight
+    b = model_bytes(q)
+    assert b.embeddings == (257 + 128) * 32 * 4  # the head counted once, as the embedding
+    no_head = quantize(mf.GPT.from_config("tiny"), "int8", include_lm_head=False)
+    assert isinstance(no_head.lm_head, nn.Linear)
+
+
+def test_errors(tiny):
+    with pytest.raises(ValueError, match=r"unknown precision 'int3'.*fp32.*int4"):
+        quantize(tiny, "int3")
+    with pytest.raises(ValueError, match="group_size=48 does not divide in_features=32"):
+        quantize(tiny, "int4", group_size=48)
+    with pytest.raises(ValueError, match="even integer"):
+        quantize(tiny, "int4", group_size=0)
+    with pytest.raises(ValueError, match="impl"):
+        quantize(tiny, "int8", impl="fast")
+    with pytest.raises(ValueError, match="bits"):
+        QuantizedLinear.from_linear(_linear(), 3)
+
+
+def test_fused_request_without_kernel_is_a_clear_error(tiny, monkeypatch):
+    import sys  # `minifer.quantize` the attribute is the function; the module is in sys.modules
+    qm = sys.modules["minifer.quantize"]
+    monkeypatch.setattr(qm, "fused_available", lambda *a, **k: False)
+    with pytest.raises(RuntimeError, match="impl='reference'"):
+        quantize(tiny, "int4", group_size=32, impl="fused")
+    with pytest.warns(RuntimeWarning, match="reference path"):
+        q = quantize(tiny, "int4", group_size=32)
+    assert q.lm_head.impl == "reference"
+
+
+# ---- the int8 KV cache -------------------------------------------------------------------------
+def test_int8_kv_cache_halves_the_bytes_of_fp16():
+    kw = dict(n_layer=32, batch_size=1, n_kv_head=8, head_dim=128, max_len=16)
+    fp16 = mf.StaticKVCache(**kw, dtype=torch.float16)
+    int8 = mf.StaticKVCache(**kw, dtype="int8")
+    assert fp16.bytes_per_token == 131_072  # KV-6: LLaMA-3-8B, 128 KB per token
+    assert int8.bytes_per_token == 32 * 2 * 8 * (128 + 2)  # int8 values + one fp16 scale per head
+    assert int8.bytes_per_token / fp16.bytes_per_token == pytest.approx(0.5, abs=0.01)
+    assert int8.nbytes == int8.bytes_per_token * 16
+    assert "int8" in repr(int8)
+
+
+def test_int8_kv_cache_update_within_half_a_step():
+    cache = mf.StaticKVCache(2, 2, 3, 16, 10, dtype=torch.int8)
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 4, 16)
+    k_out, v_out = cache.update(0, k, v)
+    assert k_out.shape == (2, 3, 4, 16) and k_out.dtype == torch.float32
+    step = k.abs().amax(-1, keepdim=True) / 127
+    assert ((k_out - k).abs() <= step / 2 * 1.01 + 1e-6).all()
+    assert ((v_out - v).abs() <= v.abs().amax(-1, keepdim=True) / 254 * 1.01 + 1e-6).all()
+    cache.advance(4)
+    k2 = torch.randn(2, 3, 1, 16)
+    k_out, _ = cache.update(0, k2, k2)
+    assert k_out.shape == (2, 3, 5, 16)  # the whole valid prefix, dequantized
+
+
+def test_int8_kv_cache_generation_within_tolerance(tiny, tiny_gqa):
+    for model in (tiny, tiny_gqa):
+        ids = torch.tensor([list(b"To be or not")])
+        with torch.inference_mode():
+            full = model(ids)
+            cache = mf.StaticKVCache.for_model(model, 1, 32, dtype="int8")
+            assert cache.quantized and cache.k[0].dtype == torch.int8
+            step_logits = torch.stack([model(ids[:, i:i + 1], cache=cache)[0, 0]
+                                       for i in range(ids.shape[1])])
+        # stated tolerance: logits within 2% of their spread of the float model's
+        assert (step_logits - full[0]).abs().max() <= 0.02 * full.abs().max()
+
+
+def test_int8_kv_cache_greedy_on_reference_model(reference):
+    agree = greedy_agreement(reference, reference, list(b"Once upon a time"), n=8,
+                             kv_dtype="int8")
+    assert agree.identical
+
+
+def test_float_cache_unchanged_and_bad_dtype():
+    cache = mf.StaticKVCache(1, 1, 1, 4, 4)
+    assert cache.dtype == torch.float32 and not cache.quantized
+    assert cache.bytes_per_token == 2 * 4 * 4
+    with pytest.raises(ValueError, match="int8"):
+        mf.StaticKVCache(1, 1, 1, 4, 4, dtype=torch.int32)
+
+
+def test_generate_passes_kv_dtype(tiny):
+    params = mf.SamplingParams(temperature=0, max_new_tokens=6)
+    a = mf.generate(tiny, [list(b"abc"), list(b"hello")], params)
+    b = mf.generate(tiny, [list(b"abc"), list(b"hello")], params, kv_dtype="int8")
+    assert [len(c.token_ids) for c in b] == [6, 6]
+    assert [c.token_ids[0] for c in a] == [c.token_ids[0] for c in b]
+    scaled = lively_model("tiny", seed=1)
+    assert len(mf.generate(scaled, "hi", params, mf.ByteTokenizer(), kv_dtype="int8")[0]
+               .token_ids) == 6
