@@ -6,6 +6,7 @@ the figures and sliders of the course live in `minifer.lessons`.
 
 from .cache import StaticKVCache
 from .config import PRESETS, GPTConfig
+from .evaluate import perplexity
 from .generate import (
     Completion,
     TextStopper,
@@ -16,15 +17,17 @@ from .generate import (
     prefill,
     stream,
 )
-from .evaluate import perplexity
 from .model import GPT
 from .pretrained import load_pretrained
+from .quantize import model_bytes, quantize
 from .sampling import SamplingParams
+from .speculative import PromptLookupDrafter, speculative_generate
 from .tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
     "GPT",
     "PRESETS",
+    "PromptLookupDrafter",
     "ByteTokenizer",
     "Completion",
     "GPTConfig",
@@ -37,8 +40,11 @@ __all__ = [
     "default_device",
     "generate",
     "load_pretrained",
+    "model_bytes",
     "perplexity",
     "prefill",
+    "quantize",
+    "speculative_generate",
     "stream",
 ]
 __version__ = "0.1.0"

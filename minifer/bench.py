@@ -170,7 +170,7 @@ class Command:
 COMMANDS: dict[str, Command] = {}
 
 # Modules that call `register_command` when imported; `main` imports them before parsing.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("minifer.bench_decode", "minifer.bench_quant", "minifer.bench_spec")
 
 
 def register_command(name: str, help: str,

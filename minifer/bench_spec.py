@@ -1,0 +1,198 @@
+"""Speculative decoding, measured: ``python -m minifer.bench spec``.
+
+Tokens/s of plain greedy decoding and of speculative decoding (the shipped draft model, and
+draft-free prompt lookup) on the shipped Shakespeare pair, batch 1, in the same run. Runs are
+interleaved (plain, draft, lookup, plain, …) so a busy machine slows all of them alike, and each
+figure is the median after warm-up. Next to the measurement: the acceptance rate α, tokens per
+target pass, the cost ratio c = draft pass / target decode step, and Leviathan et al.'s expected
+speed-up (1 − α^(k+1)) / ((1 − α)(k·c + 1)) — which assumes that verifying k + 1 tokens costs
+the same as decoding one; where that fails (a small model on a CPU) the measurement falls short.
+
+The functions are importable so the lesson measures exactly as the command does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import bench
+from .generate import generate
+from .sampling import SamplingParams
+from .speculative import (
+    Drafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    SpecStats,
+    expected_speedup,
+    expected_tokens_per_pass,
+    speculative_generate,
+)
+
+__all__ = ["REFERENCE", "PROMPT", "SpecPoint", "interleaved_medians", "measure", "run",
+           "format_report"]
+
+# Claim SPEC-3's reference run (the seed's figures).
+REFERENCE = {"draft_params": 148_000, "target_params": 5_100_000, "k": 4, "tokens": 80,
+             "target_passes": 21, "accepted": 59}
+
+PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+
+
+@dataclass(frozen=True)
+class SpecPoint:
+    """One configuration measured against plain decoding of the same length."""
+
+    drafter: str
+    k: int
+    temperature: float
+    stats: SpecStats  # of one run (the last)
+    plain_s: float  # median wall time of plain decoding
+    spec_s: float  # median wall time of speculative decoding
+
+    @property
+    def tokens(self) -> int:
+        return self.stats.tokens
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_s / self.spec_s
+
+    @property
+    def plain_tok_s(self) -> float:
+        return self.tokens / self.plain_s
+
+    @property
+    def spec_tok_s(self) -> float:
+        return self.tokens / self.spec_s
+
+    @property
+    def alpha(self) -> float:
+        return self.stats.alpha
+
+    @property
+    def cost_ratio(self) -> float:
+        """c: one draft forward pass / one plain decode step of the target (0 for prompt lookup)."""
+        s = self.stats
+        if s.draft_passes == 0:
+            return 0.0
+        return (s.draft_time_s / s.draft_passes) / (self.plain_s / self.tokens)
+
+    @property
+    def expected_tokens_per_pass(self) -> float:
+        return expected_tokens_per_pass(self.alpha, self.k)
+
+    @property
+    def expected_speedup(self) -> float:
+        return expected_speedup(self.alpha, self.k, self.cost_ratio)
+
+
+def interleaved_medians(fns: Sequence[Callable[[], object]], *, warmup: int = 1,
+                        repeats: int = 5) -> list[float]:
+    """Median seconds of each function, timing them in turn (a, b, c, a, b, c, …)."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def measure(target, drafters: Sequence[Drafter], prompt_ids: list[int], *, k: int = 4,
+            new_tokens: int = 80, temperature: float = 0.0, seed: int = 0,
+            warmup: int = 1, repeats: int = 5) -> list[SpecPoint]:
+    """Plain vs speculative decoding with each drafter, interleaved; one `SpecPoint` each.
+
+    CPU timings (call it on the device the models live on; the last token's `.tolist()` syncs).
+    """
+    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, ignore_eos=True,
+                            seed=None if temperature == 0 else seed)
+    last: dict[int, SpecStats] = {}
+
+    def plain():
+        return generate(target, prompt_ids, params)
+
+    def spec_fn(i, d):
+        def f():
+            last[i] = speculative_generate(target, d, prompt_ids, params, k=k)[0].stats
+        return f
+
+    with torch.inference_mode():
+        medians = interleaved_medians([plain] + [spec_fn(i, d) for i, d in enumerate(drafters)],
+                                      warmup=warmup, repeats=repeats)
+    return [SpecPoint(d.name, k, temperature, last[i], medians[0], medians[i + 1])
+            for i, d in enumerate(drafters)]
+
+
+def run(*, k: int = 4, new_tokens: int = 80, repeats: int = 5, prompt: str = PROMPT,
+        ks: Sequence[int] = (1, 2, 3, 4)) -> dict:
+    """The benchmark on the shipped pair: a k sweep for the draft model, prompt lookup at `k`."""
+    from .pretrained import load_pretrained
+
+    target, tok = load_pretrained("shakespeare")
+    draft, _ = load_pretrained("shakespeare-draft")
+    ids = tok.encode(prompt)
+    sweep = []
+    for kk in ks:
+        sweep += measure(target, [ModelDrafter(draft)], ids, k=kk, new_tokens=new_tokens,
+                         repeats=repeats)
+    main = measure(target, [ModelDrafter(draft), PromptLookupDrafter()], ids, k=k,
+                   new_tokens=new_tokens, repeats=repeats)
+    return {"target_params": target.num_params(), "draft_params": draft.num_params(),
+            "prompt_tokens": len(ids), "sweep": sweep, "main": main,
+            "threads": torch.get_num_threads()}
+
+
+def format_report(r: dict) -> str:
+    ref = REFERENCE
+    lines = [
+        f"speculative decoding, shipped pair: target {r['target_params']:,} params, draft "
+        f"{r['draft_params']:,} ({r['target_params'] / r['draft_params']:.0f}x smaller); "
+        f"greedy, batch 1, {r['prompt_tokens']}-token prompt, {r['threads']} threads",
+        f"  (claim SPEC-3 reference: draft {ref['draft_params']:,}, target "
+        f"{ref['target_params']:,}, k={ref['k']}: {ref['tokens']} tokens in "
+        f"{ref['target_passes']} target passes, {ref['accepted']} accepted)",
+        "  drafter                                k  tokens  passes  accepted/proposed  alpha  "
+        "tok/pass  c      plain tok/s  spec tok/s  speed-up  expected",
+    ]
+    for p in list(r["sweep"]) + list(r["main"]):
+        s = p.stats
+        lines.append(
+            f"  {p.drafter[:37]:37}  {p.k:>2}  {p.tokens:>6}  {s.target_passes:>6}  "
+            f"{s.accepted:>8}/{s.proposed:<8}  {p.alpha:5.2f}  {s.tokens_per_pass:8.2f}  "
+            f"{p.cost_ratio:5.3f}  {p.plain_tok_s:11.1f}  {p.spec_tok_s:10.1f}  "
+            f"x{p.speedup:7.2f}  x{p.expected_speedup:6.2f}")
+    return "\n".join(lines)
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per target pass (default 4)")
+    parser.add_argument("--ks", type=int, nargs="*", default=[1, 2, 3, 4],
+                        help="k values of the draft-model sweep (default: 1 2 3 4)")
+    parser.add_argument("--new-tokens", type=int, default=80, help="tokens generated (default 80)")
+    parser.add_argument("--repeats", type=int, default=5, help="counted runs (default 5)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--prompt", default=PROMPT, help="the prompt (default: Romeo)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(format_report(run(k=args.k, ks=args.ks, new_tokens=args.new_tokens,
+                            repeats=args.repeats, prompt=args.prompt)))
+    return 0
+
+
+bench.register_command("spec", "plain vs speculative decoding (draft model, prompt lookup) on the "
+                       "shipped Shakespeare pair, greedy, batch 1", _arguments, _run)

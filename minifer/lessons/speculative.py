@@ -1,0 +1,250 @@
+"""Lesson 09, speculative decoding: the reference run beside ours, a k sweep with Leviathan et
+al.'s expected speed-up laid over the measurement, predictable vs creative text, the exactness
+of speculative *sampling* made visible, and a k / temperature panel."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from .. import speculative as spec
+from ..bench_spec import REFERENCE, SpecPoint, interleaved_medians, measure
+from ..cache import StaticKVCache
+from ..config import GPTConfig
+from ..generate import generate
+from ..model import GPT
+from ..sampling import SamplingParams
+from ..speculative import ModelDrafter, SpecStats, expected_speedup, speculative_generate
+from .common import style
+
+__all__ = ["reference_rows", "stats_row", "sweep", "verify_cost", "speedup_figure",
+           "point_figure", "panel", "acceptance_figure", "accept_hist_figure", "toy_pair",
+           "exact_last_token", "target_counts", "spec_counts", "always_accept",
+           "distribution_figure", "tv_distance"]
+
+
+# ---- SPEC-3: the reference run beside ours ------------------------------------------------------
+def reference_rows(stats: SpecStats, target_params: int, draft_params: int) -> list[dict]:
+    """The seed's figures (claim SPEC-3) and ours, as table rows."""
+    ref = REFERENCE
+    return [
+        {"run": "claim SPEC-3 (seed)", "draft params": ref["draft_params"],
+         "target params": ref["target_params"], "k": ref["k"], "tokens": ref["tokens"],
+         "target passes": ref["target_passes"], "plain passes": ref["tokens"],
+         "accepted": ref["accepted"], "tokens/pass": round(ref["tokens"] / ref["target_passes"], 2)},
+        {"run": "ours (this notebook)", "draft params": draft_params, "target params": target_params,
+         "k": stats.k, "tokens": stats.tokens, "target passes": stats.target_passes,
+         "plain passes": stats.tokens, "accepted": stats.accepted,
+         "tokens/pass": round(stats.tokens_per_pass, 2)},
+    ]
+
+
+def stats_row(name: str, s: SpecStats) -> dict:
+    return {"run": name, "k": s.k, "tokens": s.tokens, "target passes": s.target_passes,
+            "accepted": s.accepted, "proposed": s.proposed, "alpha": round(s.alpha, 3),
+            "tokens/pass": round(s.tokens_per_pass, 2)}
+
+
+# ---- the k sweep ----------------------------------------------------------------------------
+def sweep(target, draft, prompt_ids: list[int], ks: Sequence[int] = (1, 2, 3, 4, 6), *,
+          temperature: float = 0.0, new_tokens: int = 48, repeats: int = 3) -> list[SpecPoint]:
+    """Measure plain vs speculative decoding (draft model) for each k (interleaved timings)."""
+    out = []
+    for k in ks:
+        out += measure(target, [ModelDrafter(draft)], prompt_ids, k=k, new_tokens=new_tokens,
+                       temperature=temperature, repeats=repeats)
+    return out
+
+
+def verify_cost(target, prompt_ids: list[int], ks: Sequence[int], repeats: int = 7) -> dict[int, float]:
+    """Time of one target pass over k + 1 new tokens, relative to a one-token decode step.
+
+    Leviathan et al.'s formula assumes verification is as cheap as one decode step (true when
+    the weights' memory traffic dominates, as on a GPU). A small model on a CPU is partly
+    compute-bound, so checking k + 1 tokens costs more.
+    """
+    dev = next(target.parameters()).device
+    cache = StaticKVCache.for_model(target, 1, len(prompt_ids) + max(ks) + 2)
+    fns = []
+    with torch.inference_mode():
+        target(torch.tensor([prompt_ids], device=dev), cache=cache)
+    for t in [1] + [k + 1 for k in ks]:
+        x = torch.tensor([prompt_ids[:1] * t], device=dev)
+
+        def f(x=x, t=t):
+            with torch.inference_mode():
+                target(x, cache=cache)
+            cache.rollback(t)
+        fns.append(f)
+    med = interleaved_medians(fns, warmup=2, repeats=repeats)
+    return {k: m / med[0] for k, m in zip(ks, med[1:])}
+
+
+def speedup_figure(points: Sequence[SpecPoint], verify: dict[int, float] | None = None,
+                   k_max: int = 8) -> go.Figure:
+    """Measured speed-up per k, with the analytic expectation from the measured α and c."""
+    alpha = sum(p.stats.accepted for p in points) / max(
+        1, sum(p.stats.accepted + p.stats.rejections for p in points))
+    c = sum(p.cost_ratio for p in points) / len(points)
+    ks = list(range(1, k_max + 1))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens per target pass", "speed-up vs plain"))
+    fig.add_trace(go.Scatter(x=ks, y=[round(spec.expected_tokens_per_pass(alpha, k), 3) for k in ks],
+                             mode="lines", name=f"expected, α={alpha:.2f}"), 1, 1)
+    fig.add_trace(go.Scatter(x=[p.k for p in points], y=[round(p.stats.tokens_per_pass, 3) for p in points],
+                             mode="markers", marker=dict(size=10), name="measured tokens/pass"), 1, 1)
+    fig.add_trace(go.Scatter(x=ks, y=[round(expected_speedup(alpha, k, c), 3) for k in ks],
+                             mode="lines", name=f"Leviathan: c={c:.2f}"), 1, 2)
+    if verify:
+        vk = sorted(verify)
+        fig.add_trace(go.Scatter(
+            x=vk, y=[round(spec.expected_tokens_per_pass(alpha, k) / (k * c + verify[k]), 3) for k in vk],
+            mode="lines", line=dict(dash="dash"), name="+ measured verify cost"), 1, 2)
+    fig.add_trace(go.Scatter(x=[p.k for p in points], y=[round(p.speedup, 3) for p in points],
+                             mode="markers", marker=dict(size=10, symbol="diamond"),
+                             name="measured speed-up"), 1, 2)
+    fig.add_hline(y=1.0, line=dict(color="gray", width=1), row=1, col=2)
+    style(fig, "Speculative decoding: expectation vs measurement", "k (draft tokens per pass)", "",
+          height=380, width=860)
+    fig.update_xaxes(title_text="k")
+    return fig
+
+
+def point_figure(p: SpecPoint, k_max: int = 8) -> go.Figure:
+    """One panel setting: α, tokens/pass and measured speed-up; the analytic curve over k."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(
+        f"k={p.k}, T={p.temperature:g}", "speed-up: Leviathan vs measured"))
+    names = ["α (accept prob.)", "tokens / target pass", "measured speed-up", "expected speed-up"]
+    vals = [p.alpha, p.stats.tokens_per_pass, p.speedup, p.expected_speedup]
+    fig.add_trace(go.Bar(x=names, y=[round(v, 3) for v in vals], showlegend=False), 1, 1)
+    ks = list(range(1, k_max + 1))
+    fig.add_trace(go.Scatter(x=ks, y=[round(expected_speedup(p.alpha, k, p.cost_ratio), 3) for k in ks],
+                             mode="lines", name=f"expected (α={p.alpha:.2f}, c={p.cost_ratio:.2f})"), 1, 2)
+    fig.add_trace(go.Scatter(x=[p.k], y=[round(p.speedup, 3)], mode="markers",
+                             marker=dict(size=12, symbol="diamond"), name="measured"), 1, 2)
+    fig.add_hline(y=1.0, line=dict(color="gray", width=1), row=1, col=2)
+    return style(fig, f"{p.drafter}: {p.stats.accepted}/{p.stats.proposed} drafts accepted",
+                 "", "", height=360, width=860)
+
+
+def panel(target, draft, prompt_ids: list[int], new_tokens: int = 48) -> widgets.interactive:
+    """Sliders k and temperature → a measured run (plain vs speculative) and its figure."""
+
+    def show(k: int = 4, temperature: float = 0.0) -> go.Figure:
+        p = measure(target, [ModelDrafter(draft)], prompt_ids, k=k, new_tokens=new_tokens,
+                    temperature=temperature, warmup=0, repeats=1)[0]
+        fig = point_figure(p)
+        fig.show()
+        return fig
+
+    k = widgets.IntSlider(value=4, min=1, max=8, description="k", continuous_update=False)
+    t = widgets.FloatSlider(value=0.0, min=0.0, max=1.5, step=0.25, description="temperature",
+                            continuous_update=False)
+    return widgets.interactive(show, k=k, temperature=t)
+
+
+# ---- predictable vs creative text -----------------------------------------------------------
+def acceptance_figure(rows: Sequence[dict]) -> go.Figure:
+    """Grouped bars: α and tokens/pass per (text, drafter) row of `stats_row`-like dicts."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("α: per-token acceptance", "tokens per target pass"))
+    for col, key in ((1, "alpha"), (2, "tokens/pass")):
+        fig.add_trace(go.Bar(x=[r["run"] for r in rows], y=[r[key] for r in rows],
+                             showlegend=False), 1, col)
+    return style(fig, "Predictable text is accepted more", "", "", height=380, width=860)
+
+
+def accept_hist_figure(stats: dict[str, SpecStats]) -> go.Figure:
+    """How many drafts each round accepted (0 … k), per run."""
+    fig = go.Figure()
+    for name, s in stats.items():
+        fig.add_trace(go.Bar(x=list(range(s.k + 1)), y=s.accept_hist, name=name))
+    return style(fig, "Accepted drafts per target pass", "accepted in the round", "rounds")
+
+
+# ---- the distribution check -------------------------------------------------------------------
+def toy_pair(vocab: int = 6, scale: float = 30.0) -> tuple[GPT, GPT]:
+    """A tiny-vocabulary target and a *different* draft (random, sharpened weights), so exact
+    probabilities can be computed by enumeration."""
+    cfg = GPTConfig(vocab_size=vocab, context_length=16, n_layer=1, n_head=2, n_embd=16)
+    models = []
+    for seed in (0, 5):
+        m = GPT.from_config(cfg, seed=seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.dim() == 2:
+                    p.mul_(scale)
+        models.append(m.eval())
+    return models[0], models[1]
+
+
+def exact_last_token(model, prompt: list[int], n: int, temperature: float = 1.0) -> list[float]:
+    """Exact distribution of the n-th generated token (summing over the tokens before it)."""
+    V = model.config.vocab_size
+    seqs = list(itertools.product(range(V), repeat=n - 1))
+    ids = torch.tensor([list(prompt) + list(s) + [0] for s in seqs])
+    with torch.inference_mode():
+        lp = (model(ids)[:, len(prompt) - 1:-1] / temperature).log_softmax(-1)  # (S, n, V)
+    prefix = torch.zeros(len(seqs))
+    for i in range(n - 1):
+        prefix += lp[torch.arange(len(seqs)), i, torch.tensor([s[i] for s in seqs])]
+    last = (prefix[:, None] + lp[:, n - 1]).exp().sum(0)
+    return [round(float(x), 6) for x in last]
+
+
+def target_counts(model, prompt: list[int], n: int, samples: int, seed: int = 0,
+                  temperature: float = 1.0) -> list[int]:
+    """Counts of the n-th token over `samples` target-only generations (one batch)."""
+    torch.manual_seed(seed)
+    params = SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True)
+    outs = generate(model, [list(prompt)] * samples, params)
+    c = Counter(o.token_ids[n - 1] for o in outs)
+    return [c[v] for v in range(model.config.vocab_size)]
+
+
+def spec_counts(target, draft, prompt: list[int], n: int, samples: int, k: int = 2,
+                temperature: float = 1.0) -> list[int]:
+    """Counts of the n-th token over `samples` seeded speculative generations.
+
+    Each run generates n + 1 tokens, so with n = k + 1 the n-th token is the round's last draft
+    (kept or replaced by the rule), not the bonus token drawn from the target itself.
+    """
+    drafter = ModelDrafter(draft)
+    c: Counter = Counter()
+    for i in range(samples):
+        params = SamplingParams(temperature=temperature, max_new_tokens=n + 1, ignore_eos=True,
+                                seed=i)
+        c[speculative_generate(target, drafter, prompt, params, k=k)[0].token_ids[n - 1]] += 1
+    return [c[v] for v in range(target.config.vocab_size)]
+
+
+@contextmanager
+def always_accept() -> Iterator[None]:
+    """Swap in a deliberately wrong acceptance rule (keep every draft) — for the demonstration."""
+    saved = spec._accept
+    spec._accept = lambda p_d, q_d, u: torch.ones_like(p_d, dtype=torch.bool)
+    try:
+        yield
+    finally:
+        spec._accept = saved
+
+
+def tv_distance(p: Sequence[float], counts: Sequence[int]) -> float:
+    n = sum(counts)
+    return round(0.5 * sum(abs(a - c / n) for a, c in zip(p, counts)), 4)
+
+
+def distribution_figure(exact: Sequence[float], series: dict[str, Sequence[int]]) -> go.Figure:
+    """Exact target probabilities vs empirical frequencies of each sampler."""
+    xs = [str(v) for v in range(len(exact))]
+    fig = go.Figure(go.Bar(x=xs, y=list(exact), name="target, exact"))
+    for name, counts in series.items():
+        n = sum(counts)
+        fig.add_trace(go.Bar(x=xs, y=[round(c / n, 4) for c in counts],
+                             name=f"{name} (TV {tv_distance(exact, counts):.3f})"))
+    return style(fig, "Distribution of one generated token", "token id", "probability")

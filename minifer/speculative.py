@@ -1,0 +1,525 @@
+"""Speculative decoding: a cheap drafter guesses k tokens, the target checks them in one pass.
+
+Decoding costs one target forward pass per token, and at batch 1 each pass is limited by reading
+the weights, not by arithmetic: checking k + 1 tokens costs about as much as producing one
+(claim SPEC-1). So a *drafter* proposes k tokens cheaply, the target runs once over
+``[last token, d1 … dk]`` — like a small prefill on top of its KV cache — and keeps the drafted
+prefix it agrees with plus one token of its own. Every target pass yields at least one token.
+
+- **Greedy** (temperature 0): a draft token is kept when it equals the target's argmax, so the
+  output is exactly the target's own greedy output (SPEC-2).
+- **Sampling**: draft token d (drawn from the draft's distribution q) is accepted with
+  probability min(1, p(d)/q(d)); at the first rejection a token is drawn from
+  normalise(max(0, p − q)); after k acceptances a bonus token is drawn from p. The output then
+  follows exactly the target's distribution p (Leviathan et al. 2023; Chen et al. 2023).
+  The same logits processing (logit bias, repetition penalty, temperature, top-k, top-p) turns
+  logits into p and q, position by position, so "the target's distribution" is the one
+  `minifer.generate` samples from. The repetition penalty is applied exactly: the draft tokens
+  before a position count as seen at that position, for the draft and for the target.
+
+Drafters share one small interface (`Drafter`): `ModelDrafter` runs a small model with its own
+KV cache; `PromptLookupDrafter` copies the tokens that followed the latest earlier occurrence of
+the last few tokens (n-gram / prompt-lookup decoding) and needs no model at all. A deterministic
+proposal is a valid q (all its mass on the proposed token), so prompt lookup is exact under
+sampling too.
+
+Both caches roll back the rejected tail (`StaticKVCache.rollback`). The draft's cache lags the
+sequence by the tokens it has not been fed yet (after a full acceptance, the last draft token
+and the bonus token): the next round feeds them in its first draft pass.
+
+Batch 1: the cache's write slot is shared by all rows and rows accept different numbers of
+tokens, so several prompts are run one after another (each `SpecCompletion` has its own stats).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import StaticKVCache
+from .generate import (
+    Completion,
+    TextStopper,
+    _advance_row,
+    _check_lengths,
+    _eos_id,
+    _sync,
+    _usable_vocab,
+    encode_prompts,
+    prefill,
+)
+from .sampling import SamplingParams, process_logits, sample
+
+__all__ = ["SpecStats", "SpecCompletion", "Drafter", "ModelDrafter", "PromptLookupDrafter",
+           "speculative_generate", "expected_tokens_per_pass", "expected_speedup"]
+
+
+# ---- statistics ------------------------------------------------------------------------------
+@dataclass
+class SpecStats:
+    """What one speculative run did.
+
+    `target_passes` counts every target forward pass (the prompt's prefill included), so it
+    compares directly with plain decoding, which needs one pass per token. Without an early stop
+    (EOS or a stop string cutting a verified chunk short), ``tokens == accepted + target_passes``:
+    the prefill yields the first token, every verification pass its accepted drafts plus one.
+    """
+
+    k: int
+    drafter: str = ""
+    tokens: int = 0  # generated tokens
+    target_passes: int = 0  # prefill + verification passes
+    draft_passes: int = 0  # forward passes of the draft model (prefill included; 0 for lookup)
+    rounds: int = 0  # verification passes
+    proposed: int = 0  # draft tokens the target checked
+    accepted: int = 0  # of those, kept
+    rejections: int = 0  # rounds that stopped at a rejected draft token
+    accept_hist: list[int] = field(default_factory=list)  # rounds that accepted 0, 1, …, k drafts
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0  # target passes + the acceptance step
+    wall_time_s: float = 0.0
+    prompts: int = 1  # runs merged into these stats (several prompts run one after another)
+
+    def __post_init__(self) -> None:
+        if not self.accept_hist:
+            self.accept_hist = [0] * (self.k + 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (an estimate of α)."""
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance probability α: accepted / (accepted + rejections).
+
+        Each round tests drafts until the first rejection, so drafts after it were never tested;
+        accepted / proposed counts them as failures and underestimates α.
+        """
+        tested = self.accepted + self.rejections
+        return self.accepted / tested if tested else float("nan")
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Generated tokens per target forward pass (plain decoding: 1)."""
+        return self.tokens / self.target_passes if self.target_passes else float("nan")
+
+    @property
+    def passes_per_token(self) -> float:
+        return self.target_passes / self.tokens if self.tokens else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_time_s if self.wall_time_s > 0 else float("nan")
+
+    def merge(self, other: SpecStats) -> SpecStats:
+        """The sum of two runs' stats (same k)."""
+        if other.k != self.k:
+            raise ValueError(f"cannot merge stats of k={self.k} and k={other.k}")
+        return SpecStats(
+            k=self.k, drafter=self.drafter, tokens=self.tokens + other.tokens,
+            target_passes=self.target_passes + other.target_passes,
+            draft_passes=self.draft_passes + other.draft_passes,
+            rounds=self.rounds + other.rounds, proposed=self.proposed + other.proposed,
+            accepted=self.accepted + other.accepted,
+            rejections=self.rejections + other.rejections,
+            accept_hist=[a + b for a, b in zip(self.accept_hist, other.accept_hist)],
+            draft_time_s=self.draft_time_s + other.draft_time_s,
+            target_time_s=self.target_time_s + other.target_time_s,
+            wall_time_s=self.wall_time_s + other.wall_time_s,
+            prompts=self.prompts + other.prompts,
+        )
+
+    def summary(self) -> str:
+        return (f"{self.tokens} tokens in {self.target_passes} target passes "
+                f"({self.tokens_per_pass:.2f} tokens/pass), {self.accepted}/{self.proposed} "
+                f"draft tokens accepted ({self.acceptance_rate:.0%}), k={self.k}, "
+                f"drafter={self.drafter}")
+
+
+@dataclass
+class SpecCompletion(Completion):
+    """A `Completion` with the speculative run's `stats`."""
+
+    stats: SpecStats | None = None
+
+
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """Leviathan et al.'s expected tokens per target pass: (1 − α^(k+1)) / (1 − α)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, c: float) -> float:
+    """Expected wall-time speed-up over plain decoding, with c = draft pass cost / target pass
+    cost: tokens per pass / (k·c + 1) (Leviathan et al. 2023, Theorem 3.8)."""
+    return expected_tokens_per_pass(alpha, k) / (k * c + 1.0)
+
+
+# ---- drafters --------------------------------------------------------------------------------
+@dataclass
+class _Ctx:
+    """What a drafter needs to know about the run (set once per prompt)."""
+
+    params: SamplingParams
+    vocab: int  # leading vocabulary entries that may be sampled
+    vocab_size: int  # the model's vocabulary (logits width)
+    device: torch.device
+    generator: torch.Generator | None
+    max_len: int
+    k: int  # most tokens drafted per round
+
+
+class Drafter:
+    """Proposes draft tokens. Subclasses implement `begin`, `propose` and `commit`.
+
+    - ``begin(prompt_ids, ctx)``: a new sequence starts (a model drafter prefills here);
+    - ``propose(seq, k, seen)`` → ``(tokens, q)``: up to k draft tokens ``(n,)`` continuing the
+      host list `seq` (prompt + all tokens so far) and, when sampling, their distributions
+      ``(n, V)`` (None: the proposal is deterministic — all of q's mass on each token);
+    - ``commit(accepted, proposed)``: the target kept the first `accepted` of `proposed` tokens.
+
+    `passes` counts the drafter's model forward passes.
+    """
+
+    name = "drafter"
+    passes = 0
+
+    def begin(self, prompt_ids: list[int], ctx: _Ctx) -> None:
+        self.ctx = ctx
+
+    def propose(self, seq: list[int], k: int, seen: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def commit(self, accepted: int, proposed: int) -> None:
+        pass
+
+
+class ModelDrafter(Drafter):
+    """A small language model drafts, with its own `StaticKVCache` kept in step with the target's."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.name = f"draft model ({sum(p.numel() for p in model.parameters()):,} params)"
+
+    def begin(self, prompt_ids: list[int], ctx: _Ctx) -> None:
+        self.ctx = ctx
+        self.passes = 0
+        cfg = self.model.config
+        cache = getattr(self, "cache", None)
+        if cache is None or cache.max_len < ctx.max_len or cache.device != ctx.device:
+            cache = StaticKVCache.for_model(self.model, 1, ctx.max_len, device=ctx.device)
+        self.cache = cache  # reused by the next prompt or call when it is big enough
+        self.cache.reset()
+        ids = torch.tensor([prompt_ids], device=ctx.device)
+        prefill(self.model, ids, self.cache)  # the draft's logits here are not needed
+        self.passes += 1
+        self.n_cached = len(prompt_ids)  # tokens of the sequence in the draft's cache
+        self.buf = torch.empty(ctx.k, dtype=torch.long, device=ctx.device)
+        self.q = None if ctx.params.greedy else torch.empty(ctx.k, cfg.vocab_size, device=ctx.device)
+        p = ctx.params
+        self.plain_argmax = (p.greedy and not p.logit_bias and p.repetition_penalty == 1.0)
+
+    def propose(self, seq, k, seen):
+        ctx, params = self.ctx, self.ctx.params
+        tokens = self.buf[:k]
+        if k == 0:
+            return tokens, None
+        x = torch.tensor([seq[self.n_cached:]], device=ctx.device)  # 1 token, or 2 after a full accept
+        self.n_cached = len(seq)
+        seen = None if seen is None else seen.clone()
+        for i in range(k):
+            logits = self.model(x, cache=self.cache, last_only=True)[:, -1]  # (1, V)
+            self.passes += 1
+            if ctx.vocab < ctx.vocab_size:
+                logits[:, ctx.vocab:] = float("-inf")
+            if self.plain_argmax:  # top-k / top-p never change the argmax
+                tokens[i] = logits[0].argmax()
+                x = tokens[i:i + 1].view(1, 1)
+                continue
+            proc = process_logits(logits, params, seen)
+            if params.greedy:
+                tokens[i] = proc[0].argmax()
+            else:
+                probs = proc.softmax(dim=-1)
+                self.q[i] = probs[0]
+                tokens[i] = torch.multinomial(probs[0], 1, generator=ctx.generator)[0]
+            x = tokens[i:i + 1].view(1, 1)
+            if seen is not None:
+                seen[0, tokens[i]] = True
+        # The cache now holds seq + d1..d(k-1); dk was never fed.
+        return tokens, None if params.greedy else self.q[:k]
+
+    def commit(self, accepted, proposed):
+        if proposed == 0:
+            return
+        keep = min(accepted, proposed - 1)  # d1..d_accepted stay (dk is not in the cache)
+        self.cache.rollback(proposed - 1 - keep)
+        self.n_cached += keep
+
+
+class PromptLookupDrafter(Drafter):
+    """Draft-free n-gram drafting ("prompt lookup decoding").
+
+    Find the most recent earlier occurrence of the last `max_ngram` tokens (then shorter n-grams,
+    down to `min_ngram`) in the prompt and the output so far, and propose the tokens that
+    followed it. Costs no forward pass; shines when the output repeats its input (quoting,
+    editing code, summarising, a passage seen before); proposes nothing when there is no match
+    (the round is then an ordinary decode step).
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.name = f"prompt lookup (n-grams {min_ngram}..{max_ngram})"
+
+    def begin(self, prompt_ids, ctx):
+        self.ctx = ctx
+        self.passes = 0
+
+    @staticmethod
+    def lookup(seq: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+        """Up to k tokens that followed the latest earlier match of seq's last n-gram."""
+        L = len(seq)
+        for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+            pattern = list(seq[L - n:])
+            first = pattern[0]
+            for i in range(L - n - 1, -1, -1):
+                if seq[i] == first and list(seq[i:i + n]) == pattern:
+                    return list(seq[i + n:i + n + k])
+        return []
+
+    def propose(self, seq, k, seen):
+        found = self.lookup(seq, k, self.max_ngram, self.min_ngram) if k > 0 else []
+        return torch.tensor(found, dtype=torch.long, device=self.ctx.device), None
+
+
+def _as_drafter(draft) -> Drafter:
+    if isinstance(draft, Drafter):
+        return draft
+    if isinstance(draft, torch.nn.Module) and hasattr(draft, "config"):
+        return ModelDrafter(draft)
+    raise ValueError(f"draft must be a GPT model or a Drafter (e.g. PromptLookupDrafter()), "
+                     f"got {type(draft).__name__}")
+
+
+# ---- the acceptance rule ---------------------------------------------------------------------
+def _accept(p_d: torch.Tensor, q_d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Accept draft token d with probability min(1, p(d)/q(d)): u·q(d) < p(d) for u ~ U[0, 1).
+
+    Written without a division, so q(d) = 0 (a token the draft could not have sampled) accepts
+    when p(d) > 0 and never when p(d) = 0.
+    """
+    return u * q_d < p_d
+
+
+def _check_tokenizers(tokenizer, draft_tokenizer) -> None:
+    if tokenizer is None or draft_tokenizer is None or draft_tokenizer is tokenizer:
+        return
+    same = (type(tokenizer) is type(draft_tokenizer)
+            and tokenizer.vocab_size == draft_tokenizer.vocab_size
+            and tokenizer.eos_token_id == draft_tokenizer.eos_token_id)
+    hf_a, hf_b = getattr(tokenizer, "hf", None), getattr(draft_tokenizer, "hf", None)
+    if same and hf_a is not None and hf_b is not None:
+        same = hf_a.get_vocab(with_added_tokens=True) == hf_b.get_vocab(with_added_tokens=True)
+    if not same:
+        raise ValueError("the draft's tokenizer differs from the target's: draft tokens would mean "
+                         "different text; speculative decoding needs one shared vocabulary")
+
+
+# ---- the loop --------------------------------------------------------------------------------
+def speculative_generate(
+    target: torch.nn.Module,
+    draft,
+    prompts,
+    params: SamplingParams | None = None,
+    k: int = 4,
+    tokenizer=None,
+    *,
+    draft_tokenizer=None,
+    target_cache: StaticKVCache | None = None,
+) -> list[SpecCompletion]:
+    """Generate with speculative decoding; returns one `SpecCompletion` (with `.stats`) per prompt.
+
+    `draft` is a small GPT sharing the target's vocabulary, or any `Drafter` (e.g.
+    `PromptLookupDrafter()`). `k` is the number of tokens drafted per target pass (fewer near
+    `max_new_tokens`, which is never exceeded). Stops like `minifer.generate`: EOS,
+    `max_new_tokens`, stop strings matched on text. Greedy output equals the target's greedy
+    output; sampled output follows the target's distribution. Prompts run one at a time (batch 1).
+    Any prompt `generate` accepts is accepted: drafting never goes past prompt + max_new_tokens.
+
+    `draft_tokenizer`: the draft's tokenizer, checked against `tokenizer` (they must agree).
+    `target_cache`: a batch-1 `StaticKVCache` for the target to use (and leave filled) instead
+    of allocating one; pass a `ModelDrafter` as `draft` to keep the draft's cache (`.cache`)
+    the same way.
+    """
+    params = params or SamplingParams()
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k (draft tokens per target pass) must be an integer >= 1, got {k!r}")
+    drafter = _as_drafter(draft)
+    cfg = target.config
+    device = next(target.parameters()).device
+    models = [("target", target)]
+    if isinstance(drafter, ModelDrafter):
+        dcfg = drafter.model.config
+        if dcfg.vocab_size != cfg.vocab_size or dcfg.eos_token_id != cfg.eos_token_id:
+            raise ValueError(
+                f"draft and target must share a vocabulary: draft has {dcfg.vocab_size} tokens "
+                f"(eos {dcfg.eos_token_id}), target {cfg.vocab_size} (eos {cfg.eos_token_id})")
+        if next(drafter.model.parameters()).device != device:
+            raise ValueError("draft and target must be on the same device")
+        models.append(("draft", drafter.model))
+    _check_tokenizers(tokenizer, draft_tokenizer)
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings are matched on text: pass tokenizer= to use stop")
+    ids_list = encode_prompts(prompts, tokenizer, cfg.vocab_size)
+    vocab = _usable_vocab(cfg, tokenizer, params)
+    for name, m in models:
+        try:
+            _check_lengths(ids_list, params, m.config.context_length)
+        except ValueError as err:
+            raise ValueError(f"{err} (the {name} model's context)") from None
+    if target_cache is not None:
+        need = max(len(p) for p in ids_list) + params.max_new_tokens
+        if target_cache.batch_size != 1 or target_cache.max_len < need:
+            raise ValueError(f"target_cache must have batch_size 1 and max_len >= {need}, got "
+                             f"{target_cache.batch_size} and {target_cache.max_len}")
+    return [_one(target, drafter, index, prompt, params, k, tokenizer, vocab, device, target_cache)
+            for index, prompt in enumerate(ids_list)]
+
+
+def _one(target, drafter: Drafter, index: int, prompt: list[int], params: SamplingParams, k: int,
+         tokenizer, vocab: int, device: torch.device,
+         cache: StaticKVCache | None) -> SpecCompletion:
+    cfg = target.config
+    V = cfg.vocab_size
+    result = SpecCompletion(index=index, prompt_token_ids=prompt)
+    stats = SpecStats(k=k, drafter=drafter.name)
+    result.stats = stats
+    stopper = TextStopper(tokenizer, params.stop) if tokenizer is not None else None
+    texts: list[str] = []
+    eos = None if params.ignore_eos else _eos_id(cfg, tokenizer)
+    gen = None
+    if not params.greedy and params.seed is not None:
+        gen = torch.Generator(device=device).manual_seed(params.seed)
+    max_len = len(prompt) + params.max_new_tokens
+    ctx = _Ctx(params, vocab, V, device, gen, max_len, k)
+    seen = None
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(1, V, dtype=torch.bool, device=device)
+        seen[0, torch.tensor(prompt, device=device)] = True
+    # The target's greedy path may skip logits processing when it cannot change the argmax.
+    plain_argmax = (params.greedy and not params.logit_bias and params.repetition_penalty == 1.0
+                    and params.top_k == 0 and params.top_p == 1.0)
+    ids_buf = torch.empty(1, k + 1, dtype=torch.long, device=device)
+    res_buf = torch.empty(k + 2, dtype=torch.long, device=device)
+    rows = torch.arange(k + 1, device=device)
+
+    def emit(token: int, now: float) -> bool:
+        """Record a token; True when the row is finished."""
+        last_step = len(result.token_ids) + 1 == params.max_new_tokens
+        event = _advance_row(result, stopper, token, now, eos, last_step)
+        if stopper is not None:
+            texts.append(event.text)
+        return event.finish_reason is not None
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        if cache is None:
+            cache = StaticKVCache.for_model(target, 1, max_len, device=device)
+        cache.reset()
+        logits = prefill(target, torch.tensor([prompt], device=device), cache)
+        if vocab < V:
+            logits[:, vocab:] = float("-inf")
+        pending = int(sample(logits, params, seen, None if gen is None else [gen])[0])
+        stats.target_passes += 1
+        t1 = time.perf_counter()
+        stats.target_time_s += t1 - t0
+        drafter.begin(prompt, ctx)
+        stats.draft_time_s += time.perf_counter() - t1
+        seq = list(prompt)
+        done = emit(pending, time.perf_counter() - t0)
+        while not done:
+            seq.append(pending)
+            if seen is not None:
+                seen[0, pending] = True
+            remaining = params.max_new_tokens - len(result.token_ids)
+            k_eff = min(k, remaining - 1)  # a round yields at most k_eff + 1 tokens
+            td = time.perf_counter()
+            drafts, q = drafter.propose(seq, k_eff, seen)
+            n = drafts.shape[0]
+            tt = time.perf_counter()
+            stats.draft_time_s += tt - td
+
+            # One target pass over [pending, d1..dn]: logits for positions after each.
+            ids_buf[0, 0] = pending
+            ids_buf[0, 1:n + 1] = drafts
+            logits = target(ids_buf[:, :n + 1], cache=cache)[0]  # (n+1, V)
+            if vocab < V:
+                logits[:, vocab:] = float("-inf")
+            seen_rows = None
+            if seen is not None:  # at position i the drafts before it count as seen
+                seen_rows = seen.expand(n + 1, V).clone()
+                if n:
+                    onehot = torch.zeros(n + 1, V, dtype=torch.long, device=device)
+                    onehot[rows[1:n + 1], drafts] = 1
+                    seen_rows |= onehot.cumsum(0) > 0
+            if params.greedy:
+                proc = logits if plain_argmax else process_logits(logits, params, seen_rows)
+                choice = proc.argmax(dim=-1)  # (n+1,)
+                a = (choice[:n] == drafts).long().cumprod(0).sum()
+                nxt = choice.index_select(0, a.view(1))[0]
+            else:
+                p = process_logits(logits, params, seen_rows).softmax(dim=-1)  # (n+1, V)
+                if q is None:  # deterministic proposal: q is one-hot on each draft token
+                    q = torch.zeros(n, V, device=device)
+                    q[rows[:n], drafts] = 1.0
+                p_d, q_d = p[rows[:n], drafts], q[rows[:n], drafts]
+                u = torch.rand(n, device=device, generator=gen)
+                a = _accept(p_d, q_d, u).long().cumprod(0).sum()
+                resid = torch.empty_like(p)
+                resid[:n] = (p[:n] - q).clamp_(min=0)  # where to go after a rejection at i
+                resid[n] = p[n]  # all accepted: the bonus token comes from p
+                row = resid.index_select(0, a.view(1))[0]
+                row = torch.where(row.sum() > 0, row, p.index_select(0, a.view(1))[0])  # p == q: residual empty, use p
+                nxt = torch.multinomial(row, 1, generator=gen)[0]
+            res_buf[:n] = drafts
+            res_buf[n] = a
+            res_buf[n + 1] = nxt
+            host = res_buf[:n + 2].tolist()  # the round's one device → host transfer
+            accepted, pending = host[n], host[n + 1]
+            cache.rollback(n - accepted)  # keep pending + d1..d_accepted
+            stats.rounds += 1
+            stats.target_passes += 1
+            stats.proposed += n
+            stats.accepted += accepted
+            stats.rejections += accepted < n
+            stats.accept_hist[accepted] += 1
+            td = time.perf_counter()
+            stats.target_time_s += td - tt
+            drafter.commit(accepted, n)
+            stats.draft_time_s += time.perf_counter() - td
+
+            now = time.perf_counter() - t0
+            for tok in host[:accepted]:
+                done = emit(tok, now)
+                if done:
+                    break
+                seq.append(tok)
+                if seen is not None:
+                    seen[0, tok] = True
+            if not done:
+                done = emit(pending, now)
+        _sync(device)
+        stats.wall_time_s = time.perf_counter() - t0
+    stats.tokens = len(result.token_ids)
+    stats.draft_passes = drafter.passes
+    if stopper is not None:
+        result.text = "".join(texts)
+    return result

@@ -1,0 +1,81 @@
+"""Lesson 09: figure builders and the k / temperature panel, called without a kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import lively_model
+
+from minifer import SamplingParams
+from minifer.bench_spec import SpecPoint, interleaved_medians, measure
+from minifer.lessons import speculative as L
+from minifer.speculative import PromptLookupDrafter, SpecStats, speculative_generate
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return lively_model("tiny", seed=0), lively_model("tiny-gqa", seed=1)
+
+
+def test_reference_rows_and_stats_row(pair):
+    target, draft = pair
+    s = speculative_generate(target, draft, [1, 2, 3], SamplingParams(temperature=0, max_new_tokens=20,
+                                                                      ignore_eos=True), k=4)[0].stats
+    rows = L.reference_rows(s, target.num_params(), draft.num_params())
+    assert rows[0]["target passes"] == 21 and rows[0]["accepted"] == 59
+    assert rows[1]["tokens"] == 20 and rows[1]["target passes"] == s.target_passes
+    row = L.stats_row("x", s)
+    assert row["accepted"] <= row["proposed"] and 0 <= row["alpha"] <= 1
+    fig = L.accept_hist_figure({"x": s})
+    assert list(fig.data[0].y) == s.accept_hist
+
+
+def test_measure_sweep_and_figures(pair):
+    target, draft = pair
+    points = L.sweep(target, draft, [1, 2, 3], ks=(1, 3), new_tokens=12, repeats=1)
+    assert [p.k for p in points] == [1, 3]
+    for p in points:
+        assert isinstance(p, SpecPoint) and p.tokens == 12 and p.speedup > 0
+        assert p.cost_ratio > 0 and p.expected_speedup > 0
+    verify = L.verify_cost(target, [1, 2, 3], ks=(1, 3), repeats=1)
+    assert set(verify) == {1, 3} and all(v > 0 for v in verify.values())
+    fig = L.speedup_figure(points, verify, k_max=6)
+    assert len(fig.data[0].y) == 6 and len(fig.data) == 5
+    lookup = measure(target, [PromptLookupDrafter()], [1, 2, 1, 2], k=2, new_tokens=8, repeats=1)[0]
+    assert lookup.cost_ratio == 0.0 and lookup.stats.draft_passes == 0
+    fig = L.acceptance_figure([L.stats_row("a", lookup.stats), L.stats_row("b", points[0].stats)])
+    assert list(fig.data[0].x) == ["a", "b"]
+
+
+def test_panel_callback(pair):
+    target, draft = pair
+    ui = L.panel(target, draft, [1, 2, 3], new_tokens=10)
+    ui.children[0].value = 3
+    ui.children[1].value = 1.0
+    fig = ui.result
+    assert len(fig.data[0].y) == 4 and 0 <= fig.data[0].y[0] <= 1 and fig.data[0].y[1] >= 1
+    assert "k=3, T=1" in fig.layout.annotations[0].text
+
+
+def test_distribution_check_separates_right_from_wrong_rule():
+    t, d = L.toy_pair(vocab=4)
+    exact = L.exact_last_token(t, [0, 1], 3)
+    assert abs(sum(exact) - 1) < 1e-4
+    target_only = L.target_counts(t, [0, 1], 3, 300)
+    right = L.spec_counts(t, d, [0, 1], 3, 150, k=2)
+    with L.always_accept():
+        wrong = L.spec_counts(t, d, [0, 1], 3, 150, k=2)
+    assert L.spec._accept(torch.zeros(1), torch.ones(1), torch.ones(1)).tolist() == [False]  # restored
+    assert L.tv_distance(exact, target_only) < 0.1 and L.tv_distance(exact, right) < 0.15
+    assert L.tv_distance(exact, wrong) > 0.3
+    fig = L.distribution_figure(exact, {"target only": target_only, "speculative": right})
+    assert len(fig.data) == 3 and list(fig.data[0].y) == exact
+
+
+def test_interleaved_medians():
+    calls = []
+    med = interleaved_medians([lambda: calls.append("a"), lambda: calls.append("b")], warmup=1, repeats=2)
+    assert calls == ["a", "b"] * 3 and len(med) == 2
+    with pytest.raises(ValueError):
+        interleaved_medians([lambda: None], repeats=0)
+    assert SpecStats(k=1).merge(SpecStats(k=1)).prompts == 2
