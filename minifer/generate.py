@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .bench import sync
 from .cache import StaticKVCache
 from .sampling import SamplingParams, make_generators, sample
 from .tokenizer import TokenizerLike
@@ -33,13 +34,6 @@ def default_device() -> torch.device:
     if mps is not None and mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 # ---- the two kinds of forward pass ---------------------------------------------------------
@@ -297,7 +291,7 @@ def stream(
             else:
                 seq = buf[:, : T + step + 1]
                 logits = model(seq, start=start if padded else None, last_only=True)[:, -1]
-        _sync(device)
+        sync(device)
 
 
 def _usable_vocab(cfg, tokenizer: TokenizerLike | None, params: SamplingParams) -> int:

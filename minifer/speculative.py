@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .bench import sync
 from .cache import StaticKVCache
 from .generate import (
     Completion,
@@ -46,7 +47,6 @@ from .generate import (
     _advance_row,
     _check_lengths,
     _eos_id,
-    _sync,
     _usable_vocab,
     encode_prompts,
     prefill,
@@ -516,7 +516,7 @@ def _one(target, drafter: Drafter, index: int, prompt: list[int], params: Sampli
                     seen[0, tok] = True
             if not done:
                 done = emit(pending, now)
-        _sync(device)
+        sync(device)
         stats.wall_time_s = time.perf_counter() - t0
     stats.tokens = len(result.token_ids)
     stats.draft_passes = drafter.passes
