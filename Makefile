@@ -39,7 +39,7 @@ bench: $(STAMP)
 
 # Retrain the shipped tokenizer and Shakespeare models (≈40 min on 2 CPU cores; resumable).
 train: $(STAMP)
-	sh scripts/install_train_deps.sh
+	PATH="$(CURDIR)/$(BIN):$$PATH" sh scripts/install_train_deps.sh
 	$(BIN)/python -m minifer.train
 
 clean:
