@@ -6,13 +6,13 @@ the figures and sliders of the course live in `minifer.lessons`.
 
 from .cache import StaticKVCache
 from .config import PRESETS, GPTConfig
+from .device import default_device
 from .evaluate import perplexity
 from .generate import (
     Completion,
     TextStopper,
     TokenEvent,
     decode_step,
-    default_device,
     generate,
     prefill,
     stream,

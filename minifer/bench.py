@@ -25,25 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .device import as_device as _device
+from .device import sync
+
 __all__ = ["Timing", "sync", "time_fn", "measure_bandwidth", "measure_matmul_flops",
            "Command", "COMMANDS", "COMMAND_MODULES", "register_command", "main"]
-
-
-def _device(device: str | torch.device) -> torch.device:
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch device such as 'cpu', 'cuda', 'cuda:0' or "
-                         f"'mps', got {device!r}") from None
-
-
-def sync(device: str | torch.device = "cpu") -> None:
-    """Wait until ``device`` has finished all queued work (no-op on the CPU, which is synchronous)."""
-    dev = _device(device)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    elif dev.type == "mps":
-        torch.mps.synchronize()
 
 
 @dataclass(frozen=True)

@@ -18,22 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .bench import sync
 from .cache import StaticKVCache
+from .device import sync
 from .sampling import SamplingParams, make_generators, sample
 from .tokenizer import TokenizerLike
 
 Prompt = str | Sequence[int]
-
-
-def default_device() -> torch.device:
-    """The best device here: CUDA when present, then Apple's MPS, then the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
 
 
 # ---- the two kinds of forward pass ---------------------------------------------------------

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .bench import sync
 from .cache import StaticKVCache
+from .device import sync
 from .generate import (
     Completion,
     TextStopper,

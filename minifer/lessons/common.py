@@ -20,7 +20,7 @@ def setup(threads: int | None = None, seed: int = 0) -> torch.device:
     if threads is not None:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    from ..generate import default_device
+    from ..device import default_device
 
     return default_device()
 
