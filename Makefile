@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -e ".[dev]"
 	touch $(STAMP)
 
+# Jupyter refuses to start as root unless told; containers (and Binder-like images) often run as root.
+LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
