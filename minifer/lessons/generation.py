@@ -133,6 +133,6 @@ def panel(model, prompt_ids: list[int]) -> widgets.interactive:
         fig.show()
         return fig
 
-    slider = widgets.IntSlider(value=16, min=2, max=128, step=2, description="new tokens",
+    slider = widgets.IntSlider(value=16, min=2, max=128, step=2, description="new tokens", style={"description_width": "initial"},
                                continuous_update=False)
     return widgets.interactive(show, new_tokens=slider)

@@ -209,5 +209,5 @@ def panel(sweep: Sweep, context: int = 512, output_tokens: int = 100) -> widgets
         context=widgets.SelectionSlider(options=list(sweep.lengths), value=context,
                                         description="context", continuous_update=False),
         output_tokens=widgets.IntSlider(value=output_tokens, min=1, max=1000, step=1,
-                                        description="new tokens", continuous_update=False),
+                                        description="new tokens", style={"description_width": "initial"}, continuous_update=False),
     )

@@ -250,7 +250,7 @@ def panel(qp: QuantPanel, precision: str = "int8", batch: int = 1) -> widgets.in
     return widgets.interactive(
         qp.show,
         precision=widgets.Dropdown(options=list(qp.rows), value=precision,
-                                   description="precision"),
+                                   description="precision", style={"description_width": "initial"}),
         batch=widgets.SelectionSlider(options=BATCHES, value=batch, description="batch",
                                       continuous_update=False),
     )

@@ -189,7 +189,7 @@ def panel(model: str = "llama-3-8b", precision: str = "bf16", batch: int = 1,
         batch=widgets.SelectionSlider(options=BATCHES, value=batch, description="batch",
                                       continuous_update=False),
         hardware=widgets.Dropdown(options=hardware_options, value=hardware,
-                                  description="hardware"),
+                                  description="hardware", style={"description_width": "initial"}),
         context=widgets.SelectionSlider(options=CONTEXTS, value=context, description="context",
                                         continuous_update=False),
     )
@@ -205,7 +205,7 @@ def prefill_panel(model: str = "llama-3-8b", precision: str = "bf16", prompt_tok
         prompt_tokens=widgets.SelectionSlider(options=PROMPTS, value=prompt_tokens,
                                               description="prompt", continuous_update=False),
         hardware=widgets.Dropdown(options=HARDWARE_CHOICES, value=hardware,
-                                  description="hardware"),
+                                  description="hardware", style={"description_width": "initial"}),
     )
 
 

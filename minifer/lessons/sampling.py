@@ -85,9 +85,9 @@ def panel(logits: torch.Tensor, tokenizer, seen: torch.Tensor | None = None) -> 
 
     return widgets.interactive(
         show,
-        temperature=widgets.FloatSlider(value=1.0, min=0.0, max=2.0, step=0.05, description="temperature",
+        temperature=widgets.FloatSlider(value=1.0, min=0.0, max=2.0, step=0.05, description="temperature", style={"description_width": "initial"},
                                         continuous_update=False),
-        top_k=widgets.IntSlider(value=0, min=0, max=50, description="top-k (0=off)", continuous_update=False),
+        top_k=widgets.IntSlider(value=0, min=0, max=50, description="top-k (0=off)", style={"description_width": "initial"}, continuous_update=False),
         top_p=widgets.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.05, description="top-p",
                                   continuous_update=False),
         repetition_penalty=widgets.FloatSlider(value=1.0, min=1.0, max=3.0, step=0.1, description="penalty",

@@ -144,7 +144,7 @@ def panel(target, draft, prompt_ids: list[int], new_tokens: int = 48) -> widgets
         return fig
 
     k = widgets.IntSlider(value=4, min=1, max=8, description="k", continuous_update=False)
-    t = widgets.FloatSlider(value=0.0, min=0.0, max=1.5, step=0.25, description="temperature",
+    t = widgets.FloatSlider(value=0.0, min=0.0, max=1.5, step=0.25, description="temperature", style={"description_width": "initial"},
                             continuous_update=False)
     return widgets.interactive(show, k=k, temperature=t)
 
