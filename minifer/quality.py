@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .evaluate import PerplexityResult, perplexity
-from .generate import generate
+from .generate import encode_prompts, generate
 from .sampling import SamplingParams
 from .tokenizer import TokenizerLike
 
@@ -23,20 +23,12 @@ __all__ = ["max_logit_diff", "top1_agreement", "GreedyAgreement", "greedy_agreem
            "validation_perplexity"]
 
 
-def _ids(prompt, tokenizer: TokenizerLike | None) -> list[int]:
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("prompt is text: pass tokenizer=")
-        return tokenizer.encode(prompt)
-    return [int(t) for t in prompt]
-
-
 @torch.inference_mode()
 def max_logit_diff(reference: torch.nn.Module, model: torch.nn.Module, prompt,
                    tokenizer: TokenizerLike | None = None, *, last_only: bool = False) -> float:
     """max |logit_model − logit_reference| over every position and vocabulary entry of `prompt`
     (``last_only``: only the next-token logits after the prompt, the ones generation uses)."""
-    ids = torch.tensor([_ids(prompt, tokenizer)])
+    ids = torch.tensor([encode_prompts(prompt, tokenizer, reference.config.vocab_size)[0]])
     a = reference(ids.to(next(reference.parameters()).device), last_only=last_only)
     b = model(ids.to(next(model.parameters()).device), last_only=last_only)
     return float((a.float().cpu() - b.float().cpu()).abs().max())
@@ -98,7 +90,7 @@ def greedy_agreement(reference: torch.nn.Module, model: torch.nn.Module, prompt,
     `reference_tokens` skips re-running the reference.
     """
     params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
-    ids = _ids(prompt, tokenizer)
+    ids = encode_prompts(prompt, tokenizer, reference.config.vocab_size)[0]
     if reference_tokens is None:
         reference_tokens = generate(reference, ids, params)[0].token_ids
     tokens = generate(model, ids, params, kv_dtype=kv_dtype)[0].token_ids

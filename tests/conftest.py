@@ -14,12 +14,19 @@ from minifer import GPT, ByteTokenizer, GPTConfig
 # beside us) extra OpenMP threads spin against each other: one thread is ~100x faster there.
 torch.set_num_threads(1)
 
-try:  # lesson tests build figures; never try to open a browser from a test run
-    import plotly.io as pio
-except ImportError:  # pragma: no cover - plotly is an optional extra
-    pass
-else:
+
+@pytest.fixture(autouse=True)
+def json_renderer():
+    """Lesson tests build figures: render them as JSON, never open a browser from a test run."""
+    try:
+        import plotly.io as pio
+    except ImportError:  # pragma: no cover - plotly is an optional extra
+        yield
+        return
+    old = pio.renderers.default
     pio.renderers.default = "json"
+    yield
+    pio.renderers.default = old
 
 
 def lively_model(preset: str = "tiny", seed: int = 0, scale: float = 10.0) -> GPT:

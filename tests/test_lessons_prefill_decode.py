@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import math
 
-import plotly.io as pio
 import pytest
 import torch
 
 import minifer as mf
 from minifer import bench, bench_decode
 from minifer.lessons import prefill_decode as PD
-
-
-@pytest.fixture(autouse=True)
-def json_renderer():
-    old = pio.renderers.default
-    pio.renderers.default = "json"  # outside a kernel: no browser
-    yield
-    pio.renderers.default = old
 
 
 @pytest.fixture(scope="module")

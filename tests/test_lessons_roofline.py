@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import plotly.io as pio
 import pytest
 
 from minifer import roofline as rl
 from minifer.lessons import kv_memory, roofline
-
-
-@pytest.fixture(autouse=True)
-def json_renderer():
-    old = pio.renderers.default
-    pio.renderers.default = "json"  # outside a kernel: no browser
-    yield
-    pio.renderers.default = old
 
 
 def controls(ui) -> dict:

@@ -19,8 +19,7 @@ from .common import style
 
 def show_token(tokenizer, token_id: int) -> str:
     """A token as readable text for tables (control characters and partial bytes escaped)."""
-    text = tokenizer.token_to_text(token_id) if hasattr(tokenizer, "token_to_text") else tokenizer.decode([token_id])
-    return text.encode("unicode_escape").decode("ascii")
+    return tokenizer.token_to_text(token_id).encode("unicode_escape").decode("ascii")
 
 
 def top_tokens(logits: torch.Tensor, tokenizer, k: int = 10) -> list[dict]:
