@@ -21,15 +21,13 @@ number is printed in "GB" it is **decimal** (1 GB = 1e9 bytes, the unit of spec 
 ``8B params × 2 bytes = 16 GB``); "GiB"/"KiB" are **binary** (1 GiB = 2**30 bytes, the unit the
 KV-cache claims use: 128 KiB per token, 2 GiB per sequence). The constants below name both.
 
-This module is pure Python: it imports neither torch nor plotly (``Hardware.measure`` imports
-:mod:`minifer.bench`, and with it torch, only when called).
+This module is pure arithmetic: it imports neither torch nor plotly, and never measures anything
+(`minifer.bench.probes` measures this machine and hands it a `Hardware`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,9 +35,9 @@ from typing import Any
 __all__ = [
     "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB",
     "BYTES_PER_VALUE", "HARDWARE", "MODELS",
-    "Hardware", "ModelSpec", "DecodeStep", "Prefill",
+    "Hardware", "ModelSpec", "DecodeEstimate", "PrefillEstimate",
     "value_bytes", "kv_bytes_per_token", "kv_cache_bytes", "kv_cache_gib", "kv_tokens_fit",
-    "kv_crossover_tokens", "weight_bytes", "decode_step", "prefill", "roofline_table",
+    "kv_crossover_tokens", "weight_bytes", "decode_time", "prefill_time", "roofline_table",
     "ridge_point", "critical_batch", "max_batch", "mbu", "mfu", "e2e_latency",
     "tokens_per_second",
 ]
@@ -147,52 +145,13 @@ class Hardware:
 
     @classmethod
     def preset(cls, name: str) -> Hardware:
-        """A named accelerator from :data:`HARDWARE`, or ``"this-machine"`` (measured, cached)."""
-        if name == "this-machine":
-            return _measured_this_machine()
+        """A named accelerator from :data:`HARDWARE` (measure this machine with
+        `minifer.bench.probes.measure_hardware`)."""
         try:
             return HARDWARE[name]
         except KeyError:
-            raise ValueError(f"unknown hardware {name!r}; choose one of "
-                             f"{[*HARDWARE, 'this-machine']}") from None
-
-    @classmethod
-    def measure(cls, device: str = "cpu", *, name: str | None = None,
-                precisions: Iterable[str] = ("fp32",)) -> Hardware:
-        """Measure this machine with :mod:`minifer.bench` probes (takes about a second).
-
-        The result is what *this* machine sustains (a copy-bandwidth probe and a big matmul),
-        not a spec-sheet peak, so treat it as a realistic ceiling. ``memory_bytes`` is the total
-        RAM (CPU) or device memory (CUDA).
-        """
-        from minifer import bench  # lazy: importing torch costs seconds
-
-        dtypes = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-        flops = {}
-        for p in precisions:
-            if p not in dtypes:
-                raise ValueError(f"precisions must be drawn from {list(dtypes)}, got {p!r}")
-            flops[p] = bench.measure_matmul_flops(device=device, dtype=dtypes[p])
-        return cls(name=name or f"this machine ({device}, measured)",
-                   bandwidth=bench.measure_bandwidth(device=device),
-                   flops=flops, memory_bytes=_device_memory_bytes(device))
-
-
-def _device_memory_bytes(device: str) -> float:
-    """Total memory of ``device`` in bytes: RAM for the CPU, device memory for CUDA."""
-    if str(device).startswith("cuda"):
-        import torch
-
-        return float(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # not POSIX: a guess that keeps the math going
-        return 8.0 * GiB
-
-
-@functools.lru_cache(maxsize=1)
-def _measured_this_machine() -> Hardware:
-    return Hardware.measure("cpu", name="this-machine")
+            raise ValueError(f"unknown hardware {name!r}; choose one of {list(HARDWARE)} "
+                             f"(or pass a Hardware, e.g. minifer.bench.this_machine())") from None
 
 
 HARDWARE: dict[str, Hardware] = {
@@ -416,7 +375,7 @@ def _compute_precision(precision: str, compute_precision: str | None) -> str:
 # --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class DecodeStep:
+class DecodeEstimate:
     """One decode step of ``batch`` sequences (each makes one new token), roofline estimate.
 
     Times in seconds, sizes in bytes. ``tpot_s = max(read_s, compute_s)``.
@@ -449,7 +408,7 @@ class DecodeStep:
 
 
 @dataclass(frozen=True)
-class Prefill:
+class PrefillEstimate:
     """A prefill of ``batch`` prompts of ``prompt_tokens`` tokens each, roofline estimate.
 
     ``ttft_s = max(read_s, compute_s)`` is the time to first token, queueing excluded.
@@ -494,10 +453,10 @@ def _roof(flops: float, nbytes: float, hw: Hardware, compute_precision: str):
     return read_s, compute_s, time_s, bound, read_s / time_s, compute_s / time_s
 
 
-def decode_step(spec: ModelSpec | str, hw: Hardware | str, batch: int = 1, context: int = 0,
+def decode_time(spec: ModelSpec | str, hw: Hardware | str, batch: int = 1, context: int = 0,
                 precision: str = "bf16", include_kv: bool = False,
                 include_attention: bool = False, kv_precision: str | None = None,
-                compute_precision: str | None = None) -> DecodeStep:
+                compute_precision: str | None = None) -> DecodeEstimate:
     """Roofline time of one decode step: every sequence in the batch makes one token.
 
     Bytes read = weights once (shared by the batch) [+ the KV cache of ``batch × context``
@@ -520,7 +479,7 @@ def decode_step(spec: ModelSpec | str, hw: Hardware | str, batch: int = 1, conte
         flops += _attention_flops_per_token(spec, context) * batch
     nbytes = wb + kvb
     read_s, compute_s, tpot, bound, mbu_, mfu_ = _roof(flops, nbytes, hw, cp)
-    return DecodeStep(model=spec.name, hardware=hw.name, batch=batch, context=context,
+    return DecodeEstimate(model=spec.name, hardware=hw.name, batch=batch, context=context,
                       precision=precision, compute_precision=cp, kv_precision=kv_p,
                       weight_bytes=wb, kv_bytes=kvb, bytes_read=nbytes,
                       flops=flops, read_s=read_s, compute_s=compute_s, tpot_s=tpot, bound=bound,
@@ -528,9 +487,9 @@ def decode_step(spec: ModelSpec | str, hw: Hardware | str, batch: int = 1, conte
                       tokens_per_s_total=batch / tpot, mbu=mbu_, mfu=mfu_)
 
 
-def prefill(spec: ModelSpec | str, hw: Hardware | str, prompt_tokens: int, batch: int = 1,
+def prefill_time(spec: ModelSpec | str, hw: Hardware | str, prompt_tokens: int, batch: int = 1,
             precision: str = "bf16", include_attention: bool = False,
-            compute_precision: str | None = None) -> Prefill:
+            compute_precision: str | None = None) -> PrefillEstimate:
     """Roofline time of a prefill: all ``prompt_tokens`` of ``batch`` prompts in one pass.
 
     Bytes read = the weights once; FLOPs = 2 × params × tokens [+ causal attention: token i
@@ -547,7 +506,7 @@ def prefill(spec: ModelSpec | str, hw: Hardware | str, prompt_tokens: int, batch
         pairs = prompt_tokens * (prompt_tokens + 1) / 2
         flops += 4 * spec.n_layer * spec.n_head * spec.head_dim * pairs * batch
     read_s, compute_s, ttft, bound, mbu_, mfu_ = _roof(flops, wb, hw, cp)
-    return Prefill(model=spec.name, hardware=hw.name, batch=batch, prompt_tokens=prompt_tokens,
+    return PrefillEstimate(model=spec.name, hardware=hw.name, batch=batch, prompt_tokens=prompt_tokens,
                    precision=precision, compute_precision=cp, weight_bytes=wb, bytes_read=wb, flops=flops,
                    read_s=read_s, compute_s=compute_s, ttft_s=ttft, bound=bound,
                    arithmetic_intensity=flops / wb,
@@ -557,9 +516,9 @@ def prefill(spec: ModelSpec | str, hw: Hardware | str, prompt_tokens: int, batch
 def roofline_table(spec: ModelSpec | str, hw: Hardware | str, batches: Iterable[int],
                    context: int = 0, precision: str = "bf16", include_kv: bool = False,
                    include_attention: bool = False,
-                   kv_precision: str | None = None) -> list[DecodeStep]:
-    """:func:`decode_step` for each batch size: the table of claim PD-8, one row per batch."""
-    return [decode_step(spec, hw, batch=b, context=context, precision=precision,
+                   kv_precision: str | None = None) -> list[DecodeEstimate]:
+    """`decode_time` for each batch size: the table of claim PD-8, one row per batch."""
+    return [decode_time(spec, hw, batch=b, context=context, precision=precision,
                         include_kv=include_kv, include_attention=include_attention,
                         kv_precision=kv_precision) for b in batches]
 
