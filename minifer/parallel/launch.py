@@ -110,11 +110,17 @@ def _wait_all(procs: list[subprocess.Popen], logs, timeout_s: float) -> None:
     pids = [p.pid for p in procs]
     while True:
         codes = [p.poll() for p in procs]
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            r = failed[0]
-            raise WorkerError(f"rank {r} of {len(procs)} exited with code {codes[r]}; its output "
-                              f"ends with:\n{_tail(logs[r])}", pids)
+        if any(c not in (None, 0) for c in codes):
+            # One failure usually brings down the ranks waiting on it ("connection reset"):
+            # give them a moment, then show every failed rank's output, first failure first.
+            first = next(r for r, c in enumerate(codes) if c not in (None, 0))
+            time.sleep(0.5)
+            codes = [p.poll() for p in procs]
+            failed = [first] + [r for r, c in enumerate(codes) if c not in (None, 0) and r != first]
+            details = "\n".join(f"--- rank {r} (exit code {codes[r]}), last output:\n"
+                                f"{_tail(logs[r], 1500)}" for r in failed)
+            raise WorkerError(f"rank {first} of {len(procs)} exited with code {codes[first]}; "
+                              f"failed ranks: {failed}\n{details}", pids)
         if all(c == 0 for c in codes):
             return
         if time.monotonic() > deadline:

@@ -163,7 +163,7 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
     ids = ids.to(device)
     cache = rank_cache(model, plan, B, total, device=device)
     cache.reset([T - len(p) for p in prompts])
-    gens = make_generators(params, B, device) if comm.group is None or dist.get_rank() == 0 else None
+    gens = make_generators(params, B, device) if plan.rank == 0 else None
     eos = None if params.ignore_eos else eos_token_id
     out: list[list[int]] = [[] for _ in range(B)]
     reasons = ["length"] * B
