@@ -14,7 +14,6 @@ here), while the greedy tokens must be identical.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 
 import pytest
@@ -29,6 +28,7 @@ from minifer.parallel import (
     launch,
     rank_cache,
     run_local,
+    running,
     shard_gpt,
     shard_plan,
     weight_bytes,
@@ -211,11 +211,7 @@ def test_config_digest_tells_configs_apart():
 
 # ---- real processes -------------------------------------------------------------------------
 def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    return not running([pid])
 
 
 def test_two_processes_match_single_process():

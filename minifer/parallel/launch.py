@@ -53,6 +53,20 @@ class TPResult:
     text: list[str] | None = None  # decoded completions, when a tokenizer was known
 
 
+def running(pids: list[int]) -> list[int]:
+    """Those of `pids` that still exist as processes (after a run: none)."""
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            continue
+        except PermissionError:  # exists, owned by someone else (a recycled pid)
+            pass
+        alive.append(pid)
+    return alive
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
