@@ -150,6 +150,7 @@ def test_threads_uneven_split_and_sampling():
     a = run_threads(model, 2, PROMPT, sampled, allow_uneven=True, keep_logits=False)
     b = run_threads(model, 2, PROMPT, sampled, allow_uneven=True, keep_logits=False)
     assert a[0].token_ids == a[1].token_ids == b[0].token_ids  # broadcast + same seed
+    assert a[0].token_ids == [mf.generate(model, PROMPT, sampled)[0].token_ids]  # as one process
 
 
 def test_threads_batch_with_left_padding():
@@ -251,8 +252,9 @@ def test_failing_rank_ends_every_process():
 
 def test_mismatched_configs_are_refused():
     args = ["--prompt", "Hi", "--max-new-tokens", "2", "--timeout", "60"]
-    with pytest.raises(WorkerError, match="ranks disagree"):
+    with pytest.raises(WorkerError, match="ranks disagree") as err:
         launch([["--model", "tiny", *args], ["--model", "tiny-gqa", *args]], timeout_s=60)
+    assert all(_gone(p) for p in err.value.pids)  # both raised ValueError; both are gone
 
 
 def test_timeout_ends_every_process():

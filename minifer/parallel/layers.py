@@ -169,7 +169,8 @@ def shard_gpt(model: nn.Module, plan: ShardPlan, all_reduce: AllReduce) -> nn.Mo
 
     The rest of `GPT` (embeddings, LayerNorms, output head, the forward pass itself) is unchanged
     and replicated, so ``model(ids, cache=...)`` runs as before, with a cache of this rank's
-    K/V heads (see :func:`rank_cache`). Returns `model`.
+    K/V heads (see :func:`minifer.parallel.rank_cache`). The sharded attention always uses the
+    fused SDPA kernel (``set_attention("math")`` no longer applies). Returns `model`.
     """
     for block in model.transformer.h:
         block.attn = TPAttention(block.attn, plan, all_reduce)

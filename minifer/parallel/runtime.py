@@ -241,5 +241,6 @@ def shard_for_rank(model, comm: Comm, rank: int, world_size: int, *,
                  "dtype": str(next(model.parameters()).dtype)}
     check_same_config(model.config, plan_args, comm)
     plan = shard_plan(model.config, world_size, rank, allow_uneven=allow_uneven)
-    model = shard_gpt(model.to(comm.device), plan, comm.all_reduce)
+    # Slice where the full model was loaded (usually the CPU), then move only this rank's share.
+    model = shard_gpt(model, plan, comm.all_reduce).to(comm.device)
     return model, plan
