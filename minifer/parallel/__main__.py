@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--allow-uneven", action="store_true",
                    help="split heads unevenly when they do not divide the world size")
+    p.add_argument("--device", choices=["auto", "cpu"], default="auto",
+                   help="auto: cuda:LOCAL_RANK with NCCL when CUDA is present, else the CPU "
+                        "with gloo; cpu: always the CPU with gloo")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank")
     p.add_argument("--keep-logits", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--report", help="write each rank's report as JSON; '{rank}' in the path is "
@@ -91,7 +94,8 @@ def run_rank(args: argparse.Namespace) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    comm, rank, world = init_group(timeout_s=args.timeout)
+    comm, rank, world = init_group(device="cpu" if args.device == "cpu" else None,
+                                   timeout_s=args.timeout)
     try:
         model, tok = load_model(args.model, args.init_seed)
         model = model.to(dtype=getattr(torch, DTYPES[args.dtype]))

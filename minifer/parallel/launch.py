@@ -76,7 +76,8 @@ def free_port() -> int:
 
 def launch(args_per_rank: list[list[str]], *, threads: int = 1, timeout_s: float = 120.0,
            workdir: str | Path | None = None) -> list[int]:
-    """Start ``python -m minifer.parallel ARGS`` once per rank and wait for all to succeed.
+    """Start ``python -m minifer.parallel --device cpu ARGS`` once per rank (gloo on the CPU,
+    even where CUDA is present) and wait for all to succeed.
 
     Returns the pids (all exited). Raises :class:`WorkerError` with the failing rank's stderr
     if any rank exits non-zero or the whole run takes longer than `timeout_s`; every process is
@@ -103,7 +104,8 @@ def launch(args_per_rank: list[list[str]], *, threads: int = 1, timeout_s: float
                 log = open(logdir / f"rank{rank}.log", "w+b")  # noqa: SIM115 (closed below)
                 logs.append(log)
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "minifer.parallel", "--threads", str(threads), *args],
+                    [sys.executable, "-m", "minifer.parallel", "--device", "cpu", "--threads",
+                     str(threads), *args],
                     env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
             _wait_all(procs, logs, timeout_s)
             return [p.pid for p in procs]
