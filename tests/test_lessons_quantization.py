@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import plotly.graph_objects as go
 import pytest
 import torch
 
@@ -32,7 +33,10 @@ def test_precision_rows(rows):
     assert r["bf16"].total_mb * 2 == pytest.approx(r["fp32"].total_mb, abs=0.02)
     assert r["int4"].linear_mb < r["int8"].linear_mb < r["bf16"].linear_mb
     assert r["int4"].max_dlogit > r["int8"].max_dlogit > 0
-    assert "top-1 agree" in Q.rows_table(rows)
+    assert "top-1 agree" in Q.rows_table(rows, detail=True)
+    portable = Q.rows_table(rows)  # bytes and perplexity's change, to 1 decimal
+    assert "top-1 agree" not in portable and "Δ perplexity vs fp32" in portable
+    assert portable.splitlines()[1].split()[-1] == "+0.0"  # fp32 against itself
 
 
 def test_quality_figure_highlights(rows):
@@ -46,12 +50,19 @@ def test_panel_callback(rows, models):
     qp = Q.QuantPanel(rows, models, context=8, rounds=1)
     res = qp.result("int8", 4)
     assert res["batch"] == 4 and res["ms/token"] > 0 and res["tokens/s"] > 0
-    assert list(res["speed"].data[0].x) == list(models)
     assert qp.ms(4) is qp.ms(4)  # measured once per batch
+    fig = qp.figure("int8", 4)  # the panel's callback: a plain function returning a figure
+    assert isinstance(fig, go.Figure) and fig.layout.title.text.startswith("int8:")
+    speed = fig.data[-1]
+    assert list(speed.x) == list(models) and len(fig.data) == len(rows) + 1
     ui = Q.panel(qp, "int4", 1)
-    assert ui.result["precision"] == "int4"
+    assert isinstance(ui.result, go.Figure) and ui.result.layout.title.text.startswith("int4:")
+    ui.children[1].value = 4  # the batch slider
+    assert "at batch 4" in ui.result.layout.title.text
     with pytest.raises(ValueError, match="precision"):
         qp.result("int3", 1)
+    with pytest.raises(ValueError, match="precision"):
+        qp.figure("int3", 1)
 
 
 def test_roofline_rows_quant2():

@@ -3,7 +3,8 @@
 With an NVIDIA driver present (nvidia-smi answers) the default build from PyPI, which bundles
 CUDA, is installed. Everywhere else the CPU-only build is taken from PyTorch's CPU wheel index:
 it is ~200 MB instead of several GB. Set TORCH_SPEC (e.g. "torch==2.13.0") or
-TORCH_INDEX_URL to override; an already installed torch ≥ 2.4 is left alone.
+TORCH_INDEX_URL to override; an already installed torch in the supported range (pyproject.toml)
+is left alone.
 """
 
 import os
@@ -11,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-MIN_VERSION = (2, 4)
+MIN_VERSION, MAX_VERSION = (2, 4), (2, 15)  # as pyproject.toml: torch>=2.4,<2.15
 
 
 def installed_version() -> tuple[int, ...] | None:
@@ -29,10 +30,10 @@ def has_nvidia_gpu() -> bool:
 
 def main() -> int:
     version = installed_version()
-    if version is not None and version >= MIN_VERSION:
+    if version is not None and MIN_VERSION <= version < MAX_VERSION:
         print(f"torch {'.'.join(map(str, version))} already installed")
         return 0
-    spec = os.environ.get("TORCH_SPEC", "torch>=2.4")
+    spec = os.environ.get("TORCH_SPEC", "torch>=2.4,<2.15")
     cmd = [sys.executable, "-m", "pip", "install", spec]
     index = os.environ.get("TORCH_INDEX_URL")
     if index is None and not has_nvidia_gpu():

@@ -14,7 +14,8 @@ import torch
 from ..cache import StaticKVCache
 from ..generation import Completion, decode_step, generate, prefill
 from ..sampling import SamplingParams
-from .common import style
+from .common import control, style
+from .common import panel as _panel
 
 
 def show_token(tokenizer, token_id: int) -> str:
@@ -127,11 +128,7 @@ def timeline_figure(c: Completion, title: str | None = None) -> go.Figure:
 def panel(model, prompt_ids: list[int]) -> widgets.interactive:
     """Slider: how many tokens to generate → a measured arrival timeline."""
 
-    def show(new_tokens: int = 16) -> go.Figure:
-        fig = timeline_figure(timeline(model, prompt_ids, new_tokens, repeats=1))
-        fig.show()
-        return fig
+    def figure(new_tokens: int = 16) -> go.Figure:
+        return timeline_figure(timeline(model, prompt_ids, new_tokens, repeats=1))
 
-    slider = widgets.IntSlider(value=16, min=2, max=128, step=2, description="new tokens", style={"description_width": "initial"},
-                               continuous_update=False)
-    return widgets.interactive(show, new_tokens=slider)
+    return _panel(figure, new_tokens=control("int", "new tokens", value=16, min=2, max=128, step=2))

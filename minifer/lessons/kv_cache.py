@@ -12,7 +12,8 @@ import torch
 from ..cache import StaticKVCache
 from ..generation import decode_step, generate, prefill
 from ..sampling import SamplingParams
-from .common import style
+from .common import control, style
+from .common import panel as _panel
 
 
 def keys_never_change(model, prompt_ids: list[int], steps: int = 8) -> dict:
@@ -79,6 +80,28 @@ def step_times(model, prompt_ids: list[int], new_tokens: int, use_cache: bool, r
     return [1e3 * statistics.median(r[i] for r in runs) for i in range(new_tokens)]
 
 
+def step_times_pair(model, prompt_ids: list[int], new_tokens: int, repeats: int = 3
+                    ) -> tuple[list[float], list[float]]:
+    """Per-token times (ms) with and without the cache, measured turn about.
+
+    One warm-up each, then `repeats` rounds of (cached run, recomputed run); each entry is the
+    median over the rounds. Alternating the two puts both under the same load: a busy machine
+    slows both alike instead of whichever happened to run while it was busy.
+    """
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    warm = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    runs: dict[bool, list[list[float]]] = {True: [], False: []}
+    for use_cache in (True, False):
+        generate(model, [prompt_ids], warm, use_cache=use_cache)
+    for _ in range(repeats):
+        for use_cache in (True, False):
+            c = generate(model, [prompt_ids], params, use_cache=use_cache)[0]
+            runs[use_cache].append([c.token_times[0]] + c.itl)
+    med = {u: [1e3 * statistics.median(r[i] for r in rs) for i in range(new_tokens)]
+           for u, rs in runs.items()}
+    return med[True], med[False]
+
+
 def ms_per_token(times_ms: list[float]) -> float:
     """Mean decode time per token (the steps after the first)."""
     return statistics.fmean(times_ms[1:])
@@ -110,13 +133,10 @@ def step_time_figure(cached_ms: list[float], recompute_ms: list[float], prompt_t
 def panel(model, new_tokens: int = 32, repeats: int = 1) -> widgets.interactive:
     """Slider: context (prompt) length → measured step times with and without the cache."""
 
-    def show(context: int = 64) -> go.Figure:
+    def figure(context: int = 64) -> go.Figure:
         ids = list(range(1, context + 1))
-        fig = step_time_figure(step_times(model, ids, new_tokens, True, repeats),
-                               step_times(model, ids, new_tokens, False, repeats), context)
-        fig.show()
-        return fig
+        cached, recomputed = step_times_pair(model, ids, new_tokens, repeats)
+        return step_time_figure(cached, recomputed, context)
 
-    slider = widgets.IntSlider(value=64, min=16, max=model.config.context_length - new_tokens,
-                               step=16, description="context", continuous_update=False)
-    return widgets.interactive(show, context=slider)
+    return _panel(figure, context=control("int", "context", value=64, min=16, step=16,
+                                          max=model.config.context_length - new_tokens))

@@ -1,6 +1,6 @@
 """Lesson: how much memory the KV cache takes (claims KV-4 ... KV-11, BATCH-3).
 
-Pure figure builders over :mod:`minifer.roofline`, their slider callbacks, and :func:`panel`.
+Pure figure builders over :mod:`minifer.roofline`, and :func:`panel`, the controls that call them.
 Units: figures use one unit throughout, chosen by ``unit``: "GiB" (binary, 2**30 bytes, the
 unit of the cache claims: "2 GB per sequence" is 2 GiB) or "GB" (decimal, 1e9 bytes, the unit
 of spec sheets and weights: "8B parameters × 2 bytes = 16 GB"). Titles say which.
@@ -21,7 +21,8 @@ from .. import roofline as rl
 from ..bench.decode import random_ids
 from ..cache import StaticKVCache
 from ..generation import prefill
-from .common import TEMPLATE, table
+from .common import control, sig, style, table
+from .common import panel as _panel
 
 MODEL_CHOICES = ["llama-3-8b", "llama-7b", "llama-2-70b", "llama-2-70b-mha", "80L-8kv",
                  "reference"]
@@ -36,11 +37,6 @@ def _unit(unit: str) -> float:
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {list(UNITS)}, got {unit!r}")
     return UNITS[unit]
-
-
-def _r(x: float) -> float:
-    """Round to 6 significant digits: stable figure JSON, no visible loss."""
-    return float(f"{x:.6g}")
 
 
 def per_token_label(nbytes: float) -> str:
@@ -67,21 +63,21 @@ def kv_figure(context: int = 4096, batch: int = 1, precision: str = "fp16",
 
     fig = make_subplots(rows=1, cols=2, column_widths=[0.3, 0.7], horizontal_spacing=0.12,
                         subplot_titles=(f"{hw.name}", f"cache of {batch:,} sequence(s)"))
-    fig.add_trace(go.Bar(x=["memory"], y=[_r(weights / scale)], name="weights"), 1, 1)
-    fig.add_trace(go.Bar(x=["memory"], y=[_r(cache / scale)], name="KV cache"), 1, 1)
-    fig.add_hline(y=_r(hw.memory_bytes / scale), line_dash="dash", row=1, col=1,
+    fig.add_trace(go.Bar(x=["memory"], y=[sig(weights / scale)], name="weights"), 1, 1)
+    fig.add_trace(go.Bar(x=["memory"], y=[sig(cache / scale)], name="KV cache"), 1, 1)
+    fig.add_hline(y=sig(hw.memory_bytes / scale), line_dash="dash", row=1, col=1,
                   annotation_text="device memory")
     fig.update_layout(barmode="stack")
 
     sizes = [rl.kv_cache_bytes(spec, c, batch, precision) / scale for c in CONTEXTS]
-    fig.add_trace(go.Scatter(x=CONTEXTS, y=[_r(y) for y in sizes], mode="lines+markers",
+    fig.add_trace(go.Scatter(x=CONTEXTS, y=[sig(y) for y in sizes], mode="lines+markers",
                              name="KV cache by context"), 1, 2)
-    fig.add_trace(go.Scatter(x=CONTEXTS, y=[_r(weights / scale)] * len(CONTEXTS), mode="lines",
+    fig.add_trace(go.Scatter(x=CONTEXTS, y=[sig(weights / scale)] * len(CONTEXTS), mode="lines",
                              name="weights (size)", line=dict(dash="dot")), 1, 2)
-    fig.add_trace(go.Scatter(x=CONTEXTS, y=[_r((hw.memory_bytes - weights) / scale)]
+    fig.add_trace(go.Scatter(x=CONTEXTS, y=[sig((hw.memory_bytes - weights) / scale)]
                              * len(CONTEXTS), mode="lines", name="room after weights",
                              line=dict(dash="dash")), 1, 2)
-    fig.add_trace(go.Scatter(x=[context], y=[_r(cache / scale)], mode="markers",
+    fig.add_trace(go.Scatter(x=[context], y=[sig(cache / scale)], mode="markers",
                              showlegend=False, marker=dict(size=12, color="crimson")), 1, 2)
     fig.update_xaxes(type="log", title_text="context (tokens per sequence)", row=1, col=2)
     fig.update_yaxes(type="log", title_text=unit, row=1, col=2)
@@ -92,18 +88,7 @@ def kv_figure(context: int = 4096, batch: int = 1, precision: str = "fp16",
              f"weights ({weight_precision}) {weights / scale:,.2f} {unit}; "
              f"{fits:,} sequences of {context:,} tokens fit beside them in "
              f"{hw.memory_bytes / scale:,.1f} {unit}")
-    fig.update_layout(title=dict(text=title, font=dict(size=12)), template=TEMPLATE,
-                      width=1000, height=380, margin=dict(l=50, r=20, t=70, b=50))
-    return fig
-
-
-def show_kv(context: int = 4096, batch: int = 1, precision: str = "fp16",
-            model: str = "llama-3-8b", hardware: str = "a100-80gb",
-            weight_precision: str = "fp16", unit: str = "GiB") -> go.Figure:
-    """Slider callback: build :func:`kv_figure`, show it, return it (for asserts)."""
-    fig = kv_figure(context, batch, precision, model, hardware, weight_precision, unit)
-    fig.show()
-    return fig
+    return style(fig, title, width=1000, height=380, title_size=12, top=70, legend=False)
 
 
 def gqa_figure(precision: str = "fp16",
@@ -112,13 +97,13 @@ def gqa_figure(precision: str = "fp16",
     """KV bytes per token of several models (KiB): grouped-query attention shrinks the cache by
     the group size, e.g. Llama-2-70B's 64 query heads share 8 K/V heads: 8× smaller (KV-9)."""
     specs = [rl.ModelSpec.preset(m) for m in models]
-    kib = [_r(rl.kv_bytes_per_token(s, precision) / rl.KiB) for s in specs]
+    kib = [sig(rl.kv_bytes_per_token(s, precision) / rl.KiB) for s in specs]
     labels = [f"{s.name}<br>{s.n_head} Q / {s.n_kv_head} KV heads" for s in specs]
     fig = go.Figure(go.Bar(x=labels, y=kib, text=[f"{k:,.0f}" for k in kib],
                            textposition="outside"))
-    fig.update_layout(title=f"KV cache per token ({precision}, KiB = 1,024 bytes)",
-                      yaxis_title="KiB per token", template=TEMPLATE, width=720, height=380,
-                      margin=dict(l=50, r=20, t=50, b=80))
+    style(fig, f"KV cache per token ({precision}, KiB = 1,024 bytes)", y="KiB per token",
+          width=720, height=380, legend=False)
+    fig.update_layout(margin=dict(b=80))  # two-line bar labels
     return fig
 
 
@@ -141,21 +126,18 @@ def kv_text(**kwargs) -> str:
 def panel(context: int = 4096, batch: int = 1, precision: str = "fp16",
           model: str = "llama-3-8b", hardware: str = "a100-80gb",
           weight_precision: str = "fp16", unit: str = "GiB") -> widgets.interactive:
-    """Sliders for :func:`show_kv`: context, batch, cache precision, model, hardware, weights'
-    precision and the unit of the figure."""
-    return widgets.interactive(
-        show_kv,
-        context=widgets.SelectionSlider(options=CONTEXTS, value=context, description="context",
-                                        continuous_update=False),
-        batch=widgets.SelectionSlider(options=BATCHES, value=batch, description="batch",
-                                      continuous_update=False),
-        precision=widgets.Dropdown(options=PRECISIONS, value=precision, description="cache"),
-        model=widgets.Dropdown(options=MODEL_CHOICES, value=model, description="model"),
-        hardware=widgets.Dropdown(options=HARDWARE_CHOICES, value=hardware,
-                                  description="hardware", style={"description_width": "initial"}),
-        weight_precision=widgets.Dropdown(options=PRECISIONS, value=weight_precision,
-                                          description="weights"),
-        unit=widgets.Dropdown(options=list(UNITS), value=unit, description="unit"),
+    """Controls for :func:`kv_figure`: context, batch, cache precision, model, hardware,
+    weights' precision and the unit of the figure."""
+    return _panel(
+        kv_figure,
+        context=control("select", "context", options=CONTEXTS, value=context),
+        batch=control("select", "batch", options=BATCHES, value=batch),
+        precision=control("dropdown", "cache", options=PRECISIONS, value=precision),
+        model=control("dropdown", "model", options=MODEL_CHOICES, value=model),
+        hardware=control("dropdown", "hardware", options=HARDWARE_CHOICES, value=hardware),
+        weight_precision=control("dropdown", "weights", options=PRECISIONS,
+                                 value=weight_precision),
+        unit=control("dropdown", "unit", options=list(UNITS), value=unit),
     )
 
 
@@ -271,11 +253,9 @@ def attention_memory_figure(rows: list[dict]) -> go.Figure:
     for name, key, dash in (("attention math (scores written out)", "math MiB", "solid"),
                             ("fused SDPA", "sdpa MiB", "solid"),
                             ("one layer's T×T score matrix", "one score matrix MiB", "dot")):
-        fig.add_trace(go.Scatter(x=x, y=[_r(r[key]) for r in rows], mode="lines+markers",
+        fig.add_trace(go.Scatter(x=x, y=[sig(r[key]) for r in rows], mode="lines+markers",
                                  name=name, line=dict(dash=dash)))
     fig.update_xaxes(type="log", title_text="prompt tokens T")
     fig.update_yaxes(type="log", title_text="peak extra memory during prefill (MiB)")
-    fig.update_layout(title="Prefill peak memory: O(T²) with the score matrix, O(T) fused",
-                      template=TEMPLATE, width=720, height=380,
-                      margin=dict(l=60, r=20, t=50, b=50))
-    return fig
+    return style(fig, "Prefill peak memory: O(T²) with the score matrix, O(T) fused",
+                 width=720, height=380, legend=False)

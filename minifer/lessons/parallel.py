@@ -13,18 +13,14 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .. import roofline as rl
-from .common import TEMPLATE, table
+from .common import control, sig, style, table
+from .common import panel as _panel
 
 DEGREES = [1, 2, 4, 8]
 BANDWIDTHS_GBS = [8, 16, 32, 64, 128, 256, 450, 900]  # per direction, GB/s
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
 LATENCY_US = 1.0  # per ring step; NVLink-like (PCIe presets use 5 µs)
 LATENCIES_US = [0.5, 1, 2, 5, 10, 20]
-
-
-def _r(x: float) -> float:
-    """Round to 6 significant digits: stable figure JSON, no visible loss."""
-    return float(f"{x:.6g}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -75,12 +71,9 @@ def memory_figure(results: dict, unit: float = rl.MB) -> go.Figure:
     for key, name in (("sharded weights B", "sharded weights (blocks)"),
                       ("replicated B", "replicated (embeddings, norms, head)"),
                       ("KV cache B", "KV cache")):
-        fig.add_trace(go.Bar(x=x, y=[_r(r[key] / unit) for r in rows], name=name))
-    fig.update_layout(barmode="stack", template=TEMPLATE, width=720, height=380,
-                      title="What each process holds (MB = 10⁶ bytes)", yaxis_title="MB",
-                      margin=dict(l=60, r=20, t=50, b=50),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1))
-    return fig
+        fig.add_trace(go.Bar(x=x, y=[sig(r[key] / unit) for r in rows], name=name))
+    fig.update_layout(barmode="stack")
+    return style(fig, "What each process holds (MB = 10⁶ bytes)", y="MB", width=720, height=380)
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,25 +132,25 @@ def tp_figure(degree: int = 8, bandwidth_gbs: float = 450, batch: int = 1,
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.09,
                         subplot_titles=("memory per device (GB)", "time per token (ms)",
                                         "latency vs throughput, batch 1–128"))
-    fig.add_trace(go.Bar(x=names, y=[_r(t.weight_bytes_per_device / rl.GB) for t in runs],
+    fig.add_trace(go.Bar(x=names, y=[sig(t.weight_bytes_per_device / rl.GB) for t in runs],
                          name="weights", marker_color="steelblue"), 1, 1)
-    fig.add_trace(go.Bar(x=names, y=[_r(t.kv_bytes_per_device / rl.GB) for t in runs],
+    fig.add_trace(go.Bar(x=names, y=[sig(t.kv_bytes_per_device / rl.GB) for t in runs],
                          name="KV cache", marker_color="lightsteelblue"), 1, 1)
-    fig.add_hline(y=_r(hw.memory_bytes / rl.GB), line_dash="dash", row=1, col=1,
+    fig.add_hline(y=sig(hw.memory_bytes / rl.GB), line_dash="dash", row=1, col=1,
                   annotation_text=f"{hw.memory_bytes / rl.GB:.0f} GB")
-    fig.add_trace(go.Bar(x=names, y=[_r(max(t.read_s, t.compute_s) * 1e3) for t in runs],
+    fig.add_trace(go.Bar(x=names, y=[sig(max(t.read_s, t.compute_s) * 1e3) for t in runs],
                          name="read/compute share", marker_color="seagreen"), 1, 2)
-    fig.add_trace(go.Bar(x=names, y=[_r(t.comm_s * 1e3) for t in runs], name="all-reduce",
+    fig.add_trace(go.Bar(x=names, y=[sig(t.comm_s * 1e3) for t in runs], name="all-reduce",
                          marker_color="darkorange"), 1, 2)
     for d, c in zip(DEGREES, colors, strict=True):
         pts = [rl.tp_decode(model, hardware, d, lk, b, context, precision) for b in BATCHES]
         pts = [p for p in pts if p.fits]
         fig.add_trace(go.Scatter(
-            x=[_r(p.tpot_ms) for p in pts], y=[_r(p.tokens_per_s_per_device) for p in pts],
+            x=[sig(p.tpot_ms) for p in pts], y=[sig(p.tokens_per_s_per_device) for p in pts],
             mode="lines+markers", name=f"degree {d}", line=dict(color=c, width=3 if d == degree else 1),
             text=[f"batch {p.batch}" for p in pts], showlegend=False), 1, 3)
         if pts:
-            fig.add_annotation(x=_r(pts[0].tpot_ms), y=_r(pts[0].tokens_per_s_per_device),
+            fig.add_annotation(x=sig(pts[0].tpot_ms), y=sig(pts[0].tokens_per_s_per_device),
                                text=f"TP{d}", showarrow=False, yshift=10, row=1, col=3)
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="TP degree", row=1, col=1)
@@ -170,37 +163,21 @@ def tp_figure(degree: int = 8, bandwidth_gbs: float = 450, batch: int = 1,
              f"GB per device ({fit}), {sel.tpot_ms:.2f} ms/token of which all-reduce "
              f"{sel.comm_s * 1e3:.2f} ms ({sel.comm_fraction:.0%}), "
              f"{sel.tokens_per_s_per_device:,.1f} tok/s per device")
-    fig.update_layout(title=dict(text=title, font=dict(size=12)), template=TEMPLATE,
-                      width=1050, height=400, margin=dict(l=50, r=20, t=80, b=50),
-                      legend=dict(orientation="h", yanchor="bottom", y=-0.35, x=0))
-    return fig
-
-
-def show_tp(degree: int = 8, bandwidth_gbs: float = 450, latency_us: float = LATENCY_US,
-            batch: int = 1) -> go.Figure:
-    """Slider callback: build :func:`tp_figure`, show it, return it (for asserts)."""
-    fig = tp_figure(degree, bandwidth_gbs, batch, latency_us=latency_us)
-    fig.show()
+    style(fig, title, width=1050, height=400, title_size=12, top=80, legend=False)
+    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=-0.35, x=0))  # below: 3 panels
     return fig
 
 
 def panel(degree: int = 8, bandwidth_gbs: float = 450, latency_us: float = LATENCY_US,
           batch: int = 1) -> widgets.interactive:
-    """Sliders for :func:`show_tp`: TP degree, the interconnect's bandwidth (GB/s per direction)
-    and latency (µs per ring step), and the batch."""
-    style = {"description_width": "initial"}
-    return widgets.interactive(
-        show_tp,
-        degree=widgets.SelectionSlider(options=DEGREES, value=degree, description="TP degree",
-                                       continuous_update=False, style=style),
-        bandwidth_gbs=widgets.SelectionSlider(options=BANDWIDTHS_GBS, value=bandwidth_gbs,
-                                              description="link GB/s", continuous_update=False,
-                                              style=style),
-        latency_us=widgets.SelectionSlider(options=LATENCIES_US, value=latency_us,
-                                           description="link latency µs",
-                                           continuous_update=False, style=style),
-        batch=widgets.SelectionSlider(options=BATCHES, value=batch, description="batch",
-                                      continuous_update=False),
+    """Controls for :func:`tp_figure`: TP degree, the interconnect's bandwidth (GB/s per
+    direction) and latency (µs per ring step), and the batch."""
+    return _panel(
+        tp_figure,
+        degree=control("select", "TP degree", options=DEGREES, value=degree),
+        bandwidth_gbs=control("select", "link GB/s", options=BANDWIDTHS_GBS, value=bandwidth_gbs),
+        latency_us=control("select", "link latency µs", options=LATENCIES_US, value=latency_us),
+        batch=control("select", "batch", options=BATCHES, value=batch),
     )
 
 

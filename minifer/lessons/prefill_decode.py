@@ -18,14 +18,10 @@ from plotly.subplots import make_subplots
 
 from .. import roofline as rl
 from ..bench.decode import REFERENCE, time_decode_step, time_prefill
-from .common import TEMPLATE
+from .common import control, sig, style
+from .common import panel as _panel
 
 LENGTHS = (16, 64, 128, 256, 512, 1000)  # prompt tokens = cached tokens for decode (≤ 1023)
-
-
-def _r(x: float, digits: int = 4) -> float:
-    """Round to ``digits`` significant digits (timings: more would be noise)."""
-    return float(f"{x:.{digits}g}")
 
 
 @dataclass(frozen=True)
@@ -135,16 +131,16 @@ def sweep_figure(sweep: Sweep, context: int | None = None,
     x = list(sweep.lengths)
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
         "time (ms)", "throughput (tokens/s)"))
-    fig.add_trace(go.Scatter(x=x, y=[_r(s * 1e3) for s in sweep.prefill_s],
+    fig.add_trace(go.Scatter(x=x, y=[sig(s * 1e3, 4) for s in sweep.prefill_s],
                              mode="lines+markers", name="prefill of a prompt of N tokens (TTFT)",
                              line=dict(color="#1f77b4")), 1, 1)
-    fig.add_trace(go.Scatter(x=x, y=[_r(s * 1e3) for s in sweep.decode_s],
+    fig.add_trace(go.Scatter(x=x, y=[sig(s * 1e3, 4) for s in sweep.decode_s],
                              mode="lines+markers", name="one decode step, N tokens cached (TPOT)",
                              line=dict(color="#d62728")), 1, 1)
-    fig.add_trace(go.Scatter(x=x, y=[_r(sweep.prefill_tokens_per_s(t)) for t in x],
+    fig.add_trace(go.Scatter(x=x, y=[sig(sweep.prefill_tokens_per_s(t), 4) for t in x],
                              mode="lines+markers", name="prefill tok/s",
                              line=dict(color="#1f77b4"), showlegend=False), 1, 2)
-    fig.add_trace(go.Scatter(x=x, y=[_r(sweep.decode_tokens_per_s(t)) for t in x],
+    fig.add_trace(go.Scatter(x=x, y=[sig(sweep.decode_tokens_per_s(t), 4) for t in x],
                              mode="lines+markers", name="decode tok/s",
                              line=dict(color="#d62728"), showlegend=False), 1, 2)
     if reference:
@@ -159,14 +155,13 @@ def sweep_figure(sweep: Sweep, context: int | None = None,
     if context is not None:
         i = sweep.index(context)
         fig.add_trace(go.Scatter(x=[context, context],
-                                 y=[_r(sweep.prefill_s[i] * 1e3), _r(sweep.decode_s[i] * 1e3)],
+                                 y=[sig(sweep.prefill_s[i] * 1e3, 4), sig(sweep.decode_s[i] * 1e3, 4)],
                                  mode="markers", name=f"{context} tokens", showlegend=False,
                                  marker=dict(size=13, color="black", symbol="circle-open")), 1, 1)
     fig.update_xaxes(type="log", title_text="tokens (prompt, or already cached)")
     fig.update_yaxes(type="log")
-    fig.update_layout(template=TEMPLATE, width=980, height=380,
-                      margin=dict(l=50, r=20, t=60, b=50),
-                      legend=dict(orientation="h", yanchor="bottom", y=1.08, x=0))
+    style(fig, "", width=980, height=380, top=60, legend=False)
+    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.08, x=0))  # above the subplot titles
     return fig
 
 
@@ -191,23 +186,14 @@ def request_figure(sweep: Sweep, context: int = 512, output_tokens: int = 100) -
     return fig
 
 
-def show(sweep: Sweep, context: int = 512, output_tokens: int = 100) -> go.Figure:
-    """Slider callback: build :func:`request_figure`, show it, return it (for asserts)."""
-    fig = request_figure(sweep, context, output_tokens)
-    fig.show()
-    return fig
-
-
 def panel(sweep: Sweep, context: int = 512, output_tokens: int = 100) -> widgets.interactive:
     """Sliders over a measured :class:`Sweep`: context (prompt) length and answer length."""
 
-    def callback(context: int = context, output_tokens: int = output_tokens) -> go.Figure:
-        return show(sweep, context, output_tokens)
+    def figure(context: int = context, output_tokens: int = output_tokens) -> go.Figure:
+        return request_figure(sweep, context, output_tokens)
 
-    return widgets.interactive(
-        callback,
-        context=widgets.SelectionSlider(options=list(sweep.lengths), value=context,
-                                        description="context", continuous_update=False),
-        output_tokens=widgets.IntSlider(value=output_tokens, min=1, max=1000, step=1,
-                                        description="new tokens", style={"description_width": "initial"}, continuous_update=False),
+    return _panel(
+        figure,
+        context=control("select", "context", options=list(sweep.lengths), value=context),
+        output_tokens=control("int", "new tokens", value=output_tokens, min=1, max=1000),
     )

@@ -13,16 +13,18 @@ from dataclasses import dataclass
 import ipywidgets as widgets
 import plotly.graph_objects as go
 import torch
+from plotly.subplots import make_subplots
 
 from .. import roofline as rl
 from ..bench.quant import time_variants
 from ..quality import greedy_agreement, max_logit_diff, top1_agreement, validation_perplexity
 from ..quantization import PRECISIONS, model_bytes, quantize, quantize_int8
-from .common import style, table
+from .common import control, style, table
+from .common import panel as _panel
 
 __all__ = ["PrecisionRow", "quantized_models", "precision_rows", "rows_table", "quality_figure",
            "measure_speed", "speed_figure", "roofline_rows", "roofline_figure", "outlier_rows",
-           "outlier_figure", "QuantPanel", "panel", "BATCHES"]
+           "outlier_figure", "panel_figure", "QuantPanel", "panel", "BATCHES"]
 
 BATCHES = (1, 4, 16, 32, 64)
 COLORS = {"fp32": "#1f77b4", "bf16": "#2ca02c", "fp16": "#98df8a", "int8": "#ff7f0e",
@@ -68,8 +70,9 @@ def precision_rows(models: dict[str, torch.nn.Module], tokenizer, prompt: str,
                    ) -> list[PrecisionRow]:
     """For each model against ``models["fp32"]``: bytes; perplexity and top-1 agreement on the
     first ``max_chars`` of held-out text; identical free-running greedy tokens (of
-    ``n_tokens``) from ``prompt``; max |Δlogit| on ``prompt``. Rounded so stored outputs are
-    stable (perplexity to 3 decimals, Δlogit to 3 significant digits)."""
+    ``n_tokens``) from ``prompt``; max |Δlogit| on ``prompt``. Perplexity and agreement to 3
+    decimals, Δlogit to 3 significant digits: this machine's numbers (:func:`rows_table` prints
+    the part that is the same everywhere)."""
     from ..pretrained import load_validation_text
 
     text = (load_validation_text() if text is None else text)[:max_chars]
@@ -90,22 +93,38 @@ def precision_rows(models: dict[str, torch.nn.Module], tokenizer, prompt: str,
     return rows
 
 
-def rows_table(rows: list[PrecisionRow]) -> str:
-    return table([r.as_dict() for r in rows], floatfmt="{:,.3f}")
+def rows_table(rows: list[PrecisionRow], detail: bool = False) -> str:
+    """The rows as a plain-text table.
+
+    By default only what is the same on every machine: the bytes, and the change of perplexity
+    from fp32's to 1 decimal (its lower digits, like agreement counts, greedy runs and Δlogits,
+    move with the CPU's bf16/int8/int4 kernels). ``detail=True`` prints every column to 3
+    decimals: this machine's numbers.
+    """
+    if detail:
+        return table([r.as_dict() for r in rows], floatfmt="{:,.3f}")
+    base = next(r for r in rows if r.precision == "fp32").perplexity
+    return table([{"precision": r.precision, "total MB": r.total_mb, "linear MB": r.linear_mb,
+                   "Δ perplexity vs fp32": f"{round(r.perplexity - base, 1) + 0.0:+.1f}"}
+                  for r in rows])
 
 
 def quality_figure(rows: list[PrecisionRow], highlight: str | None = None) -> go.Figure:
-    """Perplexity (lower is better) against megabytes stored: the cost and the gain."""
+    """Perplexity's rise over fp32 (lower is better) against megabytes stored: cost and gain.
+
+    Plotted to 1 decimal, the precision the claim needs: the digits after it change with the
+    CPU's kernels (and bf16/fp16/int8 within ±0.05 of fp32 are equally good)."""
+    base = next(r for r in rows if r.precision == "fp32").perplexity
     fig = go.Figure()
     for r in rows:
         fig.add_trace(go.Scatter(
-            x=[r.total_mb], y=[r.perplexity], mode="markers+text", name=r.precision,
+            x=[r.total_mb], y=[round(r.perplexity - base, 1) + 0.0], mode="markers+text", name=r.precision,
             text=[r.precision], textposition="top center",
             marker=dict(size=16 if r.precision == highlight else 11,
                         color=COLORS.get(r.precision, "#7f7f7f"),
                         line=dict(width=2 if r.precision == highlight else 0, color="black"))))
     style(fig, "Quality vs size (held-out Shakespeare)", "model size (MB, 10⁶ bytes)",
-          "validation perplexity")
+          "perplexity − fp32's")
     fig.update_layout(showlegend=False)
     return fig
 
@@ -209,9 +228,34 @@ def outlier_figure(rows: list[dict]) -> go.Figure:
 
 
 # ---- the panel -----------------------------------------------------------------------------
+def panel_figure(rows: list[PrecisionRow], ms: dict[str, float], batch: int,
+                 precision: str) -> go.Figure:
+    """One precision in context: left, quality against size (:func:`quality_figure`); right, the
+    measured decode step of every precision at ``batch`` (:func:`speed_figure`); the title
+    sums up ``precision``'s row."""
+    r = {row.precision: row for row in rows}[precision]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=(
+        "quality vs size (held-out Shakespeare)", f"measured decode step at batch {batch}"))
+    for trace in quality_figure(rows, precision).data:
+        fig.add_trace(trace, 1, 1)
+    for trace in speed_figure(ms, batch, precision).data:
+        fig.add_trace(trace, 1, 2)
+    fig.update_xaxes(title_text="model size (MB, 10⁶ bytes)", row=1, col=1)
+    fig.update_yaxes(title_text="perplexity − fp32's", row=1, col=1)
+    fig.update_xaxes(title_text="precision", row=1, col=2)
+    fig.update_yaxes(title_text="ms per decode step", row=1, col=2)
+    title = (f"{precision}: {r.total_mb:.2f} MB, perplexity {r.perplexity:.1f}, top-1 agreement "
+             f"{r.agreement:.0%}; decode {ms[precision]:.2f} ms/step at batch {batch} "
+             f"({batch * 1e3 / ms[precision]:,.0f} tokens/s)")
+    return style(fig, title, width=1000, height=400, title_size=13, top=70, legend=False)
+
+
 class QuantPanel:
-    """Precision dropdown + batch slider. ``show(precision, batch)`` is the plain callback: it
-    prints the precision's row, shows both figures and returns a dict a test can check."""
+    """Precision dropdown + batch slider over measured rows and models.
+
+    :meth:`figure` is the panel's plain callback (precision, batch → figure); :meth:`result`
+    gives the same numbers as a dict for asserts; decode steps are measured once per batch.
+    """
 
     def __init__(self, rows: list[PrecisionRow], models: dict[str, torch.nn.Module],
                  context: int = 64, rounds: int = 3) -> None:
@@ -225,33 +269,25 @@ class QuantPanel:
             self._ms[batch] = measure_speed(self.models, batch, self.context, self.rounds)
         return self._ms[batch]
 
-    def result(self, precision: str, batch: int) -> dict:
+    def _check(self, precision: str) -> None:
         if precision not in self.rows:
             raise ValueError(f"precision must be one of {list(self.rows)}, got {precision!r}")
-        ms = self.ms(batch)
-        r = self.rows[precision]
-        return {**r.as_dict(), "batch": batch, "ms/token": ms[precision],
-                "tokens/s": batch * 1e3 / ms[precision],
-                "quality": quality_figure(list(self.rows.values()), precision),
-                "speed": speed_figure(ms, batch, precision)}
 
-    def show(self, precision: str = "int8", batch: int = 1) -> dict:
-        res = self.result(precision, batch)
-        print(f"{precision}: {res['total MB']:.2f} MB, perplexity {res['perplexity']:.3f}, "
-              f"top-1 agreement {res['top-1 agree']:.1%}, max |Δlogit| {res['max |Δlogit|']}, "
-              f"decode {res['ms/token']:.2f} ms/step at batch {batch} "
-              f"({res['tokens/s']:,.0f} tokens/s)")
-        res["quality"].show()
-        res["speed"].show()
-        return res
+    def result(self, precision: str, batch: int) -> dict:
+        """``precision``'s row with its measured decode step at ``batch``."""
+        self._check(precision)
+        ms = self.ms(batch)
+        return {**self.rows[precision].as_dict(), "batch": batch, "ms/token": ms[precision],
+                "tokens/s": batch * 1e3 / ms[precision]}
+
+    def figure(self, precision: str = "int8", batch: int = 1) -> go.Figure:
+        """:func:`panel_figure` for ``precision`` at ``batch``."""
+        self._check(precision)
+        return panel_figure(list(self.rows.values()), self.ms(batch), batch, precision)
 
 
 def panel(qp: QuantPanel, precision: str = "int8", batch: int = 1) -> widgets.interactive:
-    return widgets.interactive(
-        qp.show,
-        precision=widgets.Dropdown(options=list(qp.rows), value=precision,
-                                   description="precision", style={"description_width": "initial"}),
-        batch=widgets.SelectionSlider(options=BATCHES, value=batch, description="batch",
-                                      continuous_update=False),
-    )
-
+    """Controls for :meth:`QuantPanel.figure`: precision and batch."""
+    return _panel(qp.figure,
+                  precision=control("dropdown", "precision", options=list(qp.rows), value=precision),
+                  batch=control("select", "batch", options=BATCHES, value=batch))

@@ -1,7 +1,7 @@
 """Lesson: prefill versus decode on the roofline (claims PD-*, BATCH-2, QUANT-2, QUANT-5).
 
-Pure figure builders (slider values → ``go.Figure``) over :mod:`minifer.roofline`, the callbacks
-that show them, and :func:`panel`, the sliders of the notebook. All numbers come from the
+Pure figure builders (slider values → ``go.Figure``) over :mod:`minifer.roofline`, and
+:func:`panel`, the controls of the notebook that call them. All numbers come from the
 analytic model, rounded to 6 significant digits so a stored figure compares equal on re-run.
 """
 
@@ -13,7 +13,8 @@ from plotly.subplots import make_subplots
 
 from .. import roofline as rl
 from ..bench.probes import this_machine
-from .common import TEMPLATE, table
+from .common import control, sig, style, table
+from .common import panel as _panel
 
 MODEL_CHOICES = ["llama-3-8b", "llama-7b", "6.74b", "llama-2-70b", "reference"]
 HARDWARE_CHOICES = list(rl.HARDWARE)
@@ -22,11 +23,6 @@ BATCHES = [2**i for i in range(12)]  # 1 ... 2048
 CONTEXTS = [0, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 PROMPTS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000]  # tokens
 PD8_BATCHES = (1, 8, 32, 128, 256, 512, 1024)
-
-
-def _r(x: float) -> float:
-    """Round to 6 significant digits: stable figure JSON, no visible loss."""
-    return float(f"{x:.6g}")
 
 
 def _hardware(name: str) -> rl.Hardware:
@@ -66,27 +62,27 @@ def decode_figure(model: str = "llama-3-8b", precision: str = "bf16", batch: int
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08, subplot_titles=(
         f"roofline (ridge {ridge:,.0f} FLOP/byte)", "time per decode step", "throughput"))
     ai = [0.1, ridge, 1e5]
-    fig.add_trace(go.Scatter(x=[_r(x) for x in ai], y=[_r(min(peak, x * bw) / 1e12) for x in ai],
+    fig.add_trace(go.Scatter(x=[sig(x) for x in ai], y=[sig(min(peak, x * bw) / 1e12) for x in ai],
                              mode="lines", name="roof", line=dict(color="black")), 1, 1)
-    fig.add_trace(go.Scatter(x=[_r(this.arithmetic_intensity)],
-                             y=[_r(this.flops / this.tpot_s / 1e12)], mode="markers",
+    fig.add_trace(go.Scatter(x=[sig(this.arithmetic_intensity)],
+                             y=[sig(this.flops / this.tpot_s / 1e12)], mode="markers",
                              name=f"batch {batch}", marker=dict(size=12, color="crimson")), 1, 1)
 
     x = BATCHES
     for name, ys, dash in (("read", [s.read_s for s in steps], "dot"),
                            ("compute", [s.compute_s for s in steps], "dash"),
                            ("TPOT", [s.tpot_s for s in steps], "solid")):
-        fig.add_trace(go.Scatter(x=x, y=[_r(y * 1e3) for y in ys], mode="lines", name=name,
+        fig.add_trace(go.Scatter(x=x, y=[sig(y * 1e3) for y in ys], mode="lines", name=name,
                                  line=dict(dash=dash)), 1, 2)
-    fig.add_trace(go.Scatter(x=[batch], y=[_r(this.tpot_s * 1e3)], mode="markers",
+    fig.add_trace(go.Scatter(x=[batch], y=[sig(this.tpot_s * 1e3)], mode="markers",
                              showlegend=False, marker=dict(size=12, color="crimson")), 1, 2)
 
-    fig.add_trace(go.Scatter(x=x, y=[_r(s.tokens_per_s_total) for s in steps],
+    fig.add_trace(go.Scatter(x=x, y=[sig(s.tokens_per_s_total) for s in steps],
                              mode="lines", name="tok/s total"), 1, 3)
-    fig.add_trace(go.Scatter(x=x, y=[_r(s.tokens_per_s_per_user) for s in steps],
+    fig.add_trace(go.Scatter(x=x, y=[sig(s.tokens_per_s_per_user) for s in steps],
                              mode="lines", name="tok/s per user"), 1, 3)
-    fig.add_trace(go.Scatter(x=[batch, batch], y=[_r(this.tokens_per_s_total),
-                                                  _r(this.tokens_per_s_per_user)],
+    fig.add_trace(go.Scatter(x=[batch, batch], y=[sig(this.tokens_per_s_total),
+                                                  sig(this.tokens_per_s_per_user)],
                              mode="markers", showlegend=False,
                              marker=dict(size=12, color="crimson")), 1, 3)
 
@@ -98,17 +94,7 @@ def decode_figure(model: str = "llama-3-8b", precision: str = "bf16", batch: int
     fig.update_yaxes(title_text="ms", row=1, col=2)
     fig.update_xaxes(title_text="batch", row=1, col=3)
     fig.update_yaxes(title_text="tokens/s", row=1, col=3)
-    fig.update_layout(title=dict(text=_title(this), font=dict(size=13)), template=TEMPLATE,
-                      width=1000, height=380, margin=dict(l=50, r=20, t=70, b=50))
-    return fig
-
-
-def show_decode(model: str = "llama-3-8b", precision: str = "bf16", batch: int = 1,
-                hardware: str = "illustrative", context: int = 0) -> go.Figure:
-    """Slider callback: build :func:`decode_figure`, show it, return it (for asserts)."""
-    fig = decode_figure(model, precision, batch, hardware, context)
-    fig.show()
-    return fig
+    return style(fig, _title(this), width=1000, height=380, title_size=13, top=70, legend=False)
 
 
 def prefill_figure(model: str = "llama-3-8b", precision: str = "bf16",
@@ -121,26 +107,16 @@ def prefill_figure(model: str = "llama-3-8b", precision: str = "bf16",
     for name, ys, dash in (("read weights", [s.read_s for s in runs], "dot"),
                            ("compute", [s.compute_s for s in runs], "dash"),
                            ("TTFT", [s.ttft_s for s in runs], "solid")):
-        fig.add_trace(go.Scatter(x=PROMPTS, y=[_r(y * 1e3) for y in ys], mode="lines",
+        fig.add_trace(go.Scatter(x=PROMPTS, y=[sig(y * 1e3) for y in ys], mode="lines",
                                  name=name, line=dict(dash=dash)))
-    fig.add_trace(go.Scatter(x=[prompt_tokens], y=[_r(p.ttft_s * 1e3)], mode="markers",
+    fig.add_trace(go.Scatter(x=[prompt_tokens], y=[sig(p.ttft_s * 1e3)], mode="markers",
                              name=f"{prompt_tokens:,} tokens",
                              marker=dict(size=12, color="crimson")))
     fig.update_xaxes(type="log", title_text="prompt tokens")
     fig.update_yaxes(type="log", title_text="ms")
     title = (f"{p.model}, {precision}: prefill of {prompt_tokens:,} tokens = "
              f"{p.flops / 1e12:,.3g} TFLOP, TTFT {p.ttft_s * 1e3:,.2f} ms, {p.bound}-bound")
-    fig.update_layout(title=dict(text=title, font=dict(size=13)), template=TEMPLATE,
-                      width=720, height=360, margin=dict(l=50, r=20, t=60, b=50))
-    return fig
-
-
-def show_prefill(model: str = "llama-3-8b", precision: str = "bf16", prompt_tokens: int = 2000,
-                 hardware: str = "illustrative") -> go.Figure:
-    """Slider callback for :func:`prefill_figure`."""
-    fig = prefill_figure(model, precision, prompt_tokens, hardware)
-    fig.show()
-    return fig
+    return style(fig, title, width=720, height=360, title_size=13, top=60, legend=False)
 
 
 def pd8_rows(model: str = "llama-3-8b", hardware: str = "illustrative", precision: str = "bf16",
@@ -176,43 +152,38 @@ def pd8_table_figure(**kwargs) -> go.Figure:
     cells = [[f"{r[c]:,}" if isinstance(r[c], (int, float)) else r[c] for r in rows]
              for c in cols]
     fig = go.Figure(go.Table(header=dict(values=cols), cells=dict(values=cells)))
-    fig.update_layout(template=TEMPLATE, width=720, height=60 + 30 * len(rows),
-                      margin=dict(l=10, r=10, t=10, b=10))
+    style(fig, "", width=720, height=60 + 30 * len(rows), top=10, legend=False)
+    fig.update_layout(margin=dict(l=10, r=10, b=10))  # a table needs no room for axes
     return fig
 
 
 def panel(model: str = "llama-3-8b", precision: str = "bf16", batch: int = 1,
           hardware: str = "illustrative", context: int = 0,
           measured: bool = False) -> widgets.interactive:
-    """Sliders for :func:`show_decode`: model, precision, batch, hardware, context length.
+    """Controls for :func:`decode_figure`: model, precision, batch, hardware, context length.
 
     ``measured=True`` adds "this-machine" to the hardware list (measured on first use, ~1 s).
     """
     hardware_options = HARDWARE_CHOICES + (["this-machine"] if measured else [])
-    return widgets.interactive(
-        show_decode,
-        model=widgets.Dropdown(options=MODEL_CHOICES, value=model, description="model"),
-        precision=widgets.Dropdown(options=PRECISIONS, value=precision, description="weights"),
-        batch=widgets.SelectionSlider(options=BATCHES, value=batch, description="batch",
-                                      continuous_update=False),
-        hardware=widgets.Dropdown(options=hardware_options, value=hardware,
-                                  description="hardware", style={"description_width": "initial"}),
-        context=widgets.SelectionSlider(options=CONTEXTS, value=context, description="context",
-                                        continuous_update=False),
+    return _panel(
+        decode_figure,
+        model=control("dropdown", "model", options=MODEL_CHOICES, value=model),
+        precision=control("dropdown", "weights", options=PRECISIONS, value=precision),
+        batch=control("select", "batch", options=BATCHES, value=batch),
+        hardware=control("dropdown", "hardware", options=hardware_options, value=hardware),
+        context=control("select", "context", options=CONTEXTS, value=context),
     )
 
 
 def prefill_panel(model: str = "llama-3-8b", precision: str = "bf16", prompt_tokens: int = 2000,
                   hardware: str = "illustrative") -> widgets.interactive:
-    """Sliders for :func:`show_prefill`: model, precision, prompt length, hardware."""
-    return widgets.interactive(
-        show_prefill,
-        model=widgets.Dropdown(options=MODEL_CHOICES, value=model, description="model"),
-        precision=widgets.Dropdown(options=PRECISIONS, value=precision, description="weights"),
-        prompt_tokens=widgets.SelectionSlider(options=PROMPTS, value=prompt_tokens,
-                                              description="prompt", continuous_update=False),
-        hardware=widgets.Dropdown(options=HARDWARE_CHOICES, value=hardware,
-                                  description="hardware", style={"description_width": "initial"}),
+    """Controls for :func:`prefill_figure`: model, precision, prompt length, hardware."""
+    return _panel(
+        prefill_figure,
+        model=control("dropdown", "model", options=MODEL_CHOICES, value=model),
+        precision=control("dropdown", "weights", options=PRECISIONS, value=precision),
+        prompt_tokens=control("select", "prompt", options=PROMPTS, value=prompt_tokens),
+        hardware=control("dropdown", "hardware", options=HARDWARE_CHOICES, value=hardware),
     )
 
 
@@ -285,9 +256,9 @@ def measured_figure(hw: rl.Hardware, spec: rl.ModelSpec | str, batches, step_s,
     for name, ys, dash in (("roofline: read", [s.read_s for s in curve], "dot"),
                            ("roofline: compute", [s.compute_s for s in curve], "dash"),
                            ("roofline: max", [s.tpot_s for s in curve], "solid")):
-        fig.add_trace(go.Scatter(x=MEASURED_BATCHES, y=[_r(y * 1e3) for y in ys], mode="lines",
+        fig.add_trace(go.Scatter(x=MEASURED_BATCHES, y=[sig(y * 1e3) for y in ys], mode="lines",
                                  name=name, line=dict(dash=dash, color="gray")), 1, 1)
-    fig.add_trace(go.Scatter(x=batches, y=[_r(t * 1e3) for t in step_s], mode="lines+markers",
+    fig.add_trace(go.Scatter(x=batches, y=[sig(t * 1e3) for t in step_s], mode="lines+markers",
                              name="measured", marker=dict(size=10, color="crimson")), 1, 1)
     ref = [(b, reference_ms[b]) for b in batches if b in (reference_ms or {})]
     if ref:
@@ -296,12 +267,12 @@ def measured_figure(hw: rl.Hardware, spec: rl.ModelSpec | str, batches, step_s,
                                  marker=dict(symbol="x", size=9, color="black")), 1, 1)
 
     ai = [0.05, ridge, max(1e3, 10 * ridge)]
-    fig.add_trace(go.Scatter(x=[_r(x) for x in ai], y=[_r(min(peak, x * hw.bandwidth) / 1e9)
+    fig.add_trace(go.Scatter(x=[sig(x) for x in ai], y=[sig(min(peak, x * hw.bandwidth) / 1e9)
                                                        for x in ai],
                              mode="lines", name="roof", line=dict(color="black"),
                              showlegend=False), 1, 2)
-    fig.add_trace(go.Scatter(x=[_r(s.arithmetic_intensity) for s in measured],
-                             y=[_r(s.flops / t / 1e9) for s, t in zip(measured, step_s)],
+    fig.add_trace(go.Scatter(x=[sig(s.arithmetic_intensity) for s in measured],
+                             y=[sig(s.flops / t / 1e9) for s, t in zip(measured, step_s)],
                              mode="markers+text", text=[f"batch {b}" for b in batches],
                              textposition="top left", name="measured (achieved)",
                              showlegend=False, marker=dict(size=10, color="crimson")), 1, 2)
@@ -313,6 +284,4 @@ def measured_figure(hw: rl.Hardware, spec: rl.ModelSpec | str, batches, step_s,
     fig.update_yaxes(title_text="GFLOP/s", row=1, col=2)
     title = (f"{spec.name}, {precision}, {context} tokens cached, on {hw.name}: "
              f"{hw.bandwidth / 1e9:,.1f} GB/s, {peak / 1e9:,.0f} GFLOP/s")
-    fig.update_layout(title=dict(text=title, font=dict(size=13)), template=TEMPLATE,
-                      width=1000, height=400, margin=dict(l=50, r=20, t=70, b=50))
-    return fig
+    return style(fig, title, width=1000, height=400, title_size=13, top=70, legend=False)

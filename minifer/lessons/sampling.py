@@ -11,7 +11,8 @@ import torch
 
 from ..generation import generate
 from ..sampling import SamplingParams, process_logits
-from .common import style
+from .common import control, style
+from .common import panel as _panel
 from .generation import show_token
 
 
@@ -77,21 +78,16 @@ def distribution_figure(logits: torch.Tensor, tokenizer, seen: torch.Tensor | No
 def panel(logits: torch.Tensor, tokenizer, seen: torch.Tensor | None = None) -> widgets.interactive:
     """Four sliders reshaping one real next-token distribution live."""
 
-    def show(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0) -> go.Figure:
-        fig = distribution_figure(logits, tokenizer, seen, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, repetition_penalty=repetition_penalty)
-        fig.show()
-        return fig
+    def figure(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0) -> go.Figure:
+        return distribution_figure(logits, tokenizer, seen, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, repetition_penalty=repetition_penalty)
 
-    return widgets.interactive(
-        show,
-        temperature=widgets.FloatSlider(value=1.0, min=0.0, max=2.0, step=0.05, description="temperature", style={"description_width": "initial"},
-                                        continuous_update=False),
-        top_k=widgets.IntSlider(value=0, min=0, max=50, description="top-k (0=off)", style={"description_width": "initial"}, continuous_update=False),
-        top_p=widgets.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.05, description="top-p",
-                                  continuous_update=False),
-        repetition_penalty=widgets.FloatSlider(value=1.0, min=1.0, max=3.0, step=0.1, description="penalty",
-                                               continuous_update=False),
+    return _panel(
+        figure,
+        temperature=control("float", "temperature", value=1.0, min=0.0, max=2.0, step=0.05),
+        top_k=control("int", "top-k (0=off)", value=0, min=0, max=50),
+        top_p=control("float", "top-p", value=1.0, min=0.05, max=1.0, step=0.05),
+        repetition_penalty=control("float", "penalty", value=1.0, min=1.0, max=3.0, step=0.1),
     )
 
 

@@ -22,7 +22,8 @@ from ..generation import generate
 from ..model import GPT
 from ..sampling import SamplingParams
 from ..speculative import ModelDrafter, SpecStats, expected_speedup, speculative_generate
-from .common import style
+from .common import control, sig, style
+from .common import panel as _panel
 
 __all__ = ["reference_rows", "stats_row", "sweep", "verify_cost", "speedup_figure",
            "point_figure", "panel", "acceptance_figure", "accept_hist_figure", "toy_pair",
@@ -136,17 +137,14 @@ def point_figure(p: SpecPoint, k_max: int = 8) -> go.Figure:
 def panel(target, draft, prompt_ids: list[int], new_tokens: int = 48) -> widgets.interactive:
     """Sliders k and temperature → a measured run (plain vs speculative) and its figure."""
 
-    def show(k: int = 4, temperature: float = 0.0) -> go.Figure:
+    def figure(k: int = 4, temperature: float = 0.0) -> go.Figure:
         p = measure(target, [ModelDrafter(draft)], prompt_ids, k=k, new_tokens=new_tokens,
                     temperature=temperature, warmup=0, repeats=1)[0]
-        fig = point_figure(p)
-        fig.show()
-        return fig
+        return point_figure(p)
 
-    k = widgets.IntSlider(value=4, min=1, max=8, description="k", continuous_update=False)
-    t = widgets.FloatSlider(value=0.0, min=0.0, max=1.5, step=0.25, description="temperature", style={"description_width": "initial"},
-                            continuous_update=False)
-    return widgets.interactive(show, k=k, temperature=t)
+    return _panel(figure, k=control("int", "k", value=4, min=1, max=8),
+                  temperature=control("float", "temperature", value=0.0, min=0.0, max=1.5,
+                                      step=0.25))
 
 
 # ---- predictable vs creative text -----------------------------------------------------------
@@ -184,7 +182,9 @@ def toy_pair(vocab: int = 6, scale: float = 30.0) -> tuple[GPT, GPT]:
 
 
 def exact_last_token(model, prompt: list[int], n: int, temperature: float = 1.0) -> list[float]:
-    """Exact distribution of the n-th generated token (summing over the tokens before it)."""
+    """Exact distribution of the n-th generated token (summing over the tokens before it),
+    to 3 decimals: enough to judge a sampler by 400 draws (whose own noise is ~0.02), and few
+    enough that the CPU's summation order (changing the 6th or 7th digit) never shows."""
     V = model.config.vocab_size
     seqs = list(itertools.product(range(V), repeat=n - 1))
     ids = torch.tensor([list(prompt) + list(s) + [0] for s in seqs])
@@ -194,7 +194,7 @@ def exact_last_token(model, prompt: list[int], n: int, temperature: float = 1.0)
     for i in range(n - 1):
         prefix += lp[torch.arange(len(seqs)), i, torch.tensor([s[i] for s in seqs])]
     last = (prefix[:, None] + lp[:, n - 1]).exp().sum(0)
-    return [round(float(x), 6) for x in last]
+    return [round(float(x), 3) for x in last]
 
 
 def target_counts(model, prompt: list[int], n: int, samples: int, seed: int = 0,
@@ -231,8 +231,10 @@ def always_accept(p_d: torch.Tensor, q_d: torch.Tensor, u: torch.Tensor) -> torc
 
 
 def tv_distance(p: Sequence[float], counts: Sequence[int]) -> float:
+    """Total-variation distance between probabilities `p` and the frequencies of `counts`, to 2
+    significant figures (what telling 0.02 from 0.5 needs)."""
     n = sum(counts)
-    return round(0.5 * sum(abs(a - c / n) for a, c in zip(p, counts)), 4)
+    return sig(0.5 * sum(abs(a - c / n) for a, c in zip(p, counts)), 2)
 
 
 def distribution_figure(exact: Sequence[float], series: dict[str, Sequence[int]]) -> go.Figure:
@@ -242,5 +244,5 @@ def distribution_figure(exact: Sequence[float], series: dict[str, Sequence[int]]
     for name, counts in series.items():
         n = sum(counts)
         fig.add_trace(go.Bar(x=xs, y=[round(c / n, 4) for c in counts],
-                             name=f"{name} (TV {tv_distance(exact, counts):.3f})"))
+                             name=f"{name} (TV {tv_distance(exact, counts):.2g})"))
     return style(fig, "Distribution of one generated token", "token id", "probability")
