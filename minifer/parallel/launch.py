@@ -29,6 +29,7 @@ import torch
 from ..config import GPTConfig
 from ..pretrained import PRETRAINED, model_files, save_checkpoint
 from ..sampling import SamplingParams
+from ..sequence import encode_prompts
 from ..tokenizer import Tokenizer
 from .layers import shard_plan
 from .runtime import PARENT_ENV, RankReport
@@ -171,8 +172,6 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
     lists. `threads`: torch threads per process. Errors in the split (heads not divisible,
     too many ranks) are raised here, before any process starts.
     """
-    from ..generate import encode_prompts  # (local: generate.py is being renamed)
-
     params = params or SamplingParams()
     if params.stop or params.repetition_penalty != 1.0:
         raise ValueError("the tensor-parallel loop supports temperature, top_k, top_p, seed, "

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config import GPTConfig
+from ..model import MLP, CausalSelfAttention
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -103,13 +103,17 @@ def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return lin
 
 
-class TPAttention(nn.Module):
-    """This rank's heads of a `CausalSelfAttention`: QKV column-parallel, output row-parallel."""
+class TPAttention(CausalSelfAttention):
+    """This rank's heads of a `CausalSelfAttention`: QKV column-parallel, output row-parallel.
 
-    def __init__(self, attn: nn.Module, plan: ShardPlan, all_reduce: AllReduce) -> None:
-        super().__init__()
+    Attention itself is the model's own (`CausalSelfAttention.attend`) over this rank's heads;
+    only the output projection differs: a partial sum, all-reduced, then the bias added once.
+    """
+
+    def __init__(self, attn: CausalSelfAttention, plan: ShardPlan, all_reduce: AllReduce) -> None:
+        nn.Module.__init__(self)
         hd, nh, nkv = attn.head_dim, attn.n_head, attn.n_kv_head
-        self.layer_idx, self.head_dim = attn.layer_idx, hd
+        self.layer_idx, self.head_dim, self.impl = attn.layer_idx, hd, attn.impl
         self.n_head, self.n_kv_head = plan.n_q, plan.n_kv  # this rank's heads only
         self.all_reduce = all_reduce
         q0, q1 = plan.q_heads
@@ -129,28 +133,15 @@ class TPAttention(nn.Module):
             attn.c_proj.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x, mask, is_causal, cache):
-        B, T, _ = x.shape
-        nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.c_attn(x).split([nh * hd, nkv * hd, nkv * hd], dim=2)
-        q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh_local, T, hd)
-        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv_local, T, hd)
-        v = v.view(B, T, nkv, hd).transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # this rank's K/V heads only
-        if nkv != nh:
-            k = k.repeat_interleave(nh // nkv, dim=1)
-            v = v.repeat_interleave(nh // nkv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-        y = self.c_proj(y.transpose(1, 2).reshape(B, T, nh * hd))  # partial sum (B, T, C)
-        y = self.all_reduce(y)
+        y = self.all_reduce(self.c_proj(self.attend(x, mask, is_causal, cache)))  # sum of partials
         return y if self.proj_bias is None else y + self.proj_bias
 
 
-class TPMLP(nn.Module):
+class TPMLP(MLP):
     """This rank's hidden units of an `MLP`: up column-parallel, down row-parallel."""
 
-    def __init__(self, mlp: nn.Module, plan: ShardPlan, all_reduce: AllReduce) -> None:
-        super().__init__()
+    def __init__(self, mlp: MLP, plan: ShardPlan, all_reduce: AllReduce) -> None:
+        nn.Module.__init__(self)
         h0, h1 = plan.mlp
         b = mlp.c_fc.bias
         self.c_fc = _linear_from(mlp.c_fc.weight[h0:h1], None if b is None else b[h0:h1])
@@ -160,7 +151,7 @@ class TPMLP(nn.Module):
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.all_reduce(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        y = self.all_reduce(super().forward(x))  # the model's MLP on this rank's units
         return y if self.proj_bias is None else y + self.proj_bias
 
 
@@ -169,8 +160,8 @@ def shard_gpt(model: nn.Module, plan: ShardPlan, all_reduce: AllReduce) -> nn.Mo
 
     The rest of `GPT` (embeddings, LayerNorms, output head, the forward pass itself) is unchanged
     and replicated, so ``model(ids, cache=...)`` runs as before, with a cache of this rank's
-    K/V heads (see :func:`minifer.parallel.rank_cache`). The sharded attention always uses the
-    fused SDPA kernel (``set_attention("math")`` no longer applies). Returns `model`.
+    K/V heads (see :func:`minifer.parallel.rank_cache`). The sharded attention keeps the
+    attention implementation the block had (``"sdpa"`` or ``"math"``). Returns `model`.
     """
     for block in model.transformer.h:
         block.attn = TPAttention(block.attn, plan, all_reduce)

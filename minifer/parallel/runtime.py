@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from ..cache import StaticKVCache
 from ..device import sync
-from ..sampling import SamplingParams, make_generators, sample
+from ..sampling import SamplingParams, make_generators, mask_padded_vocab, sample
+from ..sequence import Sequence
 from .layers import ShardPlan, shard_gpt, shard_plan, weight_bytes
 
 PARENT_ENV = "MINIFER_TP_PARENT_PID"
@@ -152,49 +153,45 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
     device = next(model.parameters()).device
     if not prompts or any(not p for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    eos = None if params.ignore_eos else eos_token_id
+    seqs = [Sequence(b, list(p), params, eos_id=eos) for b, p in enumerate(prompts)]
     B, T = len(prompts), max(len(p) for p in prompts)
-    total = T + params.max_new_tokens
-    if total > cfg.context_length:
-        raise ValueError(f"longest prompt ({T} tokens) + max_new_tokens="
-                         f"{params.max_new_tokens} exceeds the context of {cfg.context_length}")
+    max_len = T + params.max_new_tokens - 1  # the last token is never fed back
+    if max_len > cfg.context_length:
+        raise ValueError(f"longest prompt ({T} tokens) + max_new_tokens={params.max_new_tokens} "
+                         f"- 1 exceeds the context of {cfg.context_length}")
     ids = torch.zeros(B, T, dtype=torch.long)
     for b, p in enumerate(prompts):
         ids[b, T - len(p):] = torch.tensor(p)
     ids = ids.to(device)
-    cache = rank_cache(model, plan, B, total, device=device)
+    cache = rank_cache(model, plan, B, max_len, device=device)
     cache.reset([T - len(p) for p in prompts])
     gens = make_generators(params, B, device) if plan.rank == 0 else None
-    eos = None if params.ignore_eos else eos_token_id
-    out: list[list[int]] = [[] for _ in range(B)]
-    reasons = ["length"] * B
-    active = [True] * B
     logits_kept: list[list[float]] = []
     report = RankReport(rank=plan.rank, world_size=plan.world_size, device=str(device),
                         q_heads=plan.q_heads, kv_heads=plan.kv_heads, mlp_units=plan.mlp,
                         weight_bytes=weight_bytes(model), kv_bytes=cache.nbytes,
-                        token_ids=out, finish_reasons=reasons)
+                        token_ids=[s.output_ids for s in seqs], finish_reasons=[])
     token = torch.zeros(B, dtype=torch.long, device=device)
     with torch.inference_mode():
         sync(device)
-        t0 = time.perf_counter()
+        start = t0 = time.perf_counter()
         logits = model(ids, cache=cache, last_only=True)[:, -1]
         sync(device)
         report.prefill_s = time.perf_counter() - t0
-        for step in range(params.max_new_tokens):
+        for _ in range(params.max_new_tokens):
             if keep_logits:
                 logits_kept.append(logits[0].float().tolist())
             if plan.rank == 0:
-                if vocab is not None and vocab < cfg.vocab_size:
-                    logits[:, vocab:] = float("-inf")
+                if vocab is not None:
+                    mask_padded_vocab(logits, vocab)
                 token.copy_(sample(logits, params, None, gens))
             comm.broadcast(token, src=0)
             host = token.tolist()
-            for b in range(B):
-                if active[b]:
-                    out[b].append(host[b])
-                    if eos is not None and host[b] == eos:
-                        active[b], reasons[b] = False, "eos"
-            if not any(active) or step == params.max_new_tokens - 1:
+            for s in seqs:
+                if not s.finished:
+                    s.append(host[s.index], time.perf_counter() - start)
+            if all(s.finished for s in seqs):
                 break
             comm.reset()
             sync(device)
@@ -206,6 +203,7 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
             report.decode_steps += 1
             report.allreduce_calls_per_step = comm.calls
             report.allreduce_bytes_per_step = comm.bytes
+    report.finish_reasons = [s.finish_reason for s in seqs]
     report.broadcast_bytes_per_step = token.numel() * token.element_size() if comm.world_size > 1 else 0
     report.logits = logits_kept if keep_logits else None
     return report
