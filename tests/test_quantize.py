@@ -167,7 +167,9 @@ def test_quantized_tiny_model_generates_close_to_fp32(tiny, precision):
 
 
 def test_int4_unsupported_shape_falls_back_per_layer(tiny):
-    with pytest.warns(RuntimeWarning, match=r"lm_head \(257, 32\)"):
+    # Without a fused int4 kernel (e.g. torch 2.4 on a CPU) every layer falls back, and says so once.
+    expected = r"lm_head \(257, 32\)" if fused_available(4) else "fused int4 kernel unavailable"
+    with pytest.warns(RuntimeWarning, match=expected):
         q = quantize(tiny, "int4", group_size=32)
     if fused_available(4):
         assert q.transformer.h[0].mlp.c_fc.impl == "fused"
