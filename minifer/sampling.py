@@ -140,8 +140,24 @@ def sample(
         return processed.argmax(dim=-1)
     probs = processed.softmax(dim=-1)
     if generators is None:
-        return torch.multinomial(probs, 1).squeeze(-1)
-    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+        return draw(probs)
+    return torch.cat([draw(probs[i : i + 1], g) for i, g in enumerate(generators)])
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row of ``(..., V)`` non-negative weights, drawn in proportion to them.
+
+    Inverse CDF on one uniform number per row: the first index whose cumulative weight exceeds
+    ``u × total``. Unlike ``torch.multinomial``, whose algorithm (and so the token a seed gives)
+    changed between torch releases, this gives the same token for the same seed on every torch
+    version (``torch.rand``'s stream is stable) and every CPU (the sums are in float64, so only a
+    draw within ~1e-16 of a boundary could land differently). Zero weights are never drawn.
+    """
+    dtype = torch.float32 if probs.device.type == "mps" else torch.float64  # MPS has no float64
+    cdf = probs.to(dtype).cumsum(-1)
+    u = torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=dtype, device=probs.device)
+    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

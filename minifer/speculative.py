@@ -43,7 +43,7 @@ import torch
 from .cache import StaticKVCache
 from .device import sync
 from .generation import prefill
-from .sampling import SamplingParams, mask_padded_vocab, process_logits, sample
+from .sampling import SamplingParams, draw, mask_padded_vocab, process_logits, sample
 from .sequence import Completion, Sequence, prepare
 
 __all__ = ["SpecStats", "SpecCompletion", "Drafter", "DraftContext", "ModelDrafter",
@@ -235,7 +235,7 @@ class ModelDrafter(Drafter):
             else:
                 probs = proc.softmax(dim=-1)
                 self.q[i] = probs[0]
-                tokens[i] = torch.multinomial(probs[0], 1, generator=ctx.generator)[0]
+                tokens[i] = draw(probs[0], ctx.generator)
             x = tokens[i:i + 1].view(1, 1)
             if seen is not None:
                 seen[0, tokens[i]] = True
@@ -532,4 +532,4 @@ class _SpecRun:
         resid[n] = p[n]  # all accepted: the bonus token comes from p
         row = resid.index_select(0, a.view(1))[0]
         row = torch.where(row.sum() > 0, row, p.index_select(0, a.view(1))[0])  # p == q: use p
-        return a, torch.multinomial(row, 1, generator=self.gen)[0]
+        return a, draw(row, self.gen)

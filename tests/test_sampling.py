@@ -264,3 +264,19 @@ def test_top_p_nan_free_with_extreme_logits():
     assert not out.isnan().any()
     assert torch.isfinite(out[0]).tolist() == [True, False, False, False]
     assert math.isclose(out.softmax(-1)[0, 0].item(), 1.0)
+
+
+def test_draw_is_inverse_cdf_on_torch_rand():
+    """The token a seed gives is the same on every torch version: `draw` uses only torch.rand's
+    stream (stable across releases, unlike torch.multinomial's algorithm) and a cumulative sum."""
+    from minifer.sampling import draw
+
+    probs = torch.tensor([[0.1, 0.0, 0.2, 0.7], [0.5, 0.5, 0.0, 0.0]])
+    u = torch.rand((2, 1), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    expected = [next(i for i, c in enumerate(row.double().cumsum(0)) if c > x * row.sum())
+                for row, x in zip(probs, u[:, 0])]
+    assert draw(probs, torch.Generator().manual_seed(3)).tolist() == expected
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.stack([draw(probs[0], g) for _ in range(4000)]), minlength=4)
+    assert counts[1] == 0  # a zero weight is never drawn
+    assert (counts.double() / 4000 - probs[0].double()).abs().max() < 0.03  # in proportion
