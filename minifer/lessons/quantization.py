@@ -96,15 +96,18 @@ def precision_rows(models: dict[str, torch.nn.Module], tokenizer, prompt: str,
 def rows_table(rows: list[PrecisionRow], detail: bool = False) -> str:
     """The rows as a plain-text table.
 
-    By default only what is the same on every machine: the bytes, and the change of perplexity
-    from fp32's to 1 decimal (its lower digits, like agreement counts, greedy runs and Δlogits,
-    move with the CPU's bf16/int8/int4 kernels). ``detail=True`` prints every column to 3
-    decimals: this machine's numbers.
+    By default only what is the same on every machine: sizes in whole MB (int4's exact bytes
+    depend on how the kernel in use wants the 4-bit weights packed: 7.57 MB fused, 8.07 MB on
+    the reference path for the Shakespeare model), and the change of perplexity from fp32's to 1
+    decimal (its lower digits, like agreement counts, greedy runs and Δlogits, move with the
+    CPU's bf16/int8/int4 kernels). ``detail=True`` prints every column to 3 decimals: this
+    machine's numbers.
     """
     if detail:
         return table([r.as_dict() for r in rows], floatfmt="{:,.3f}")
     base = next(r for r in rows if r.precision == "fp32").perplexity
-    return table([{"precision": r.precision, "total MB": r.total_mb, "linear MB": r.linear_mb,
+    return table([{"precision": r.precision, "total MB": round(r.total_mb),
+                   "linear MB": round(r.linear_mb),
                    "Δ perplexity vs fp32": f"{round(r.perplexity - base, 1) + 0.0:+.1f}"}
                   for r in rows])
 
@@ -113,12 +116,14 @@ def quality_figure(rows: list[PrecisionRow], highlight: str | None = None) -> go
     """Perplexity's rise over fp32 (lower is better) against megabytes stored: cost and gain.
 
     Plotted to 1 decimal, the precision the claim needs: the digits after it change with the
-    CPU's kernels (and bf16/fp16/int8 within ±0.05 of fp32 are equally good)."""
+    CPU's kernels (and bf16/fp16/int8 within ±0.05 of fp32 are equally good); sizes in whole
+    MB, as int4's exact bytes depend on the kernel's packing (see :func:`rows_table`)."""
     base = next(r for r in rows if r.precision == "fp32").perplexity
     fig = go.Figure()
     for r in rows:
         fig.add_trace(go.Scatter(
-            x=[r.total_mb], y=[round(r.perplexity - base, 1) + 0.0], mode="markers+text", name=r.precision,
+            x=[round(r.total_mb)], y=[round(r.perplexity - base, 1) + 0.0], mode="markers+text",
+            name=r.precision,
             text=[r.precision], textposition="top center",
             marker=dict(size=16 if r.precision == highlight else 11,
                         color=COLORS.get(r.precision, "#7f7f7f"),
