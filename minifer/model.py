@@ -135,12 +135,18 @@ class GPT(nn.Module):
         """Import a `transformers` `GPT2LMHeadModel` already in memory (no download here).
 
         GPT-2 stores its linear layers as `Conv1D` with the weight transposed, so those are
-        transposed on the way in.
+        transposed on the way in. Config options this engine does not compute (another
+        activation, attention scaled other than by 1/√head_dim, cross-attention, an MLP width
+        other than 4 × n_embd) are a ValueError naming the option, never a silent conversion;
+        ``layer_norm_epsilon`` is carried over, and ``reorder_and_upcast_attn`` (attention in
+        fp32) is accepted for fp32 models, where it is the same arithmetic.
         """
-        hc = hf_model.config
-        act = getattr(hc, "activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"from_hf supports GPT-2's tanh GELU, got activation {act!r}")
+        hc = getattr(hf_model, "config", None)
+        if not isinstance(hf_model, nn.Module) or getattr(hc, "model_type", None) != "gpt2" \
+                or not hasattr(hf_model, "lm_head"):
+            raise TypeError(f"hf_model must be a transformers GPT2LMHeadModel, got "
+                            f"{type(hf_model).__name__}")
+        _check_hf_options(hc, next(hf_model.parameters()).dtype)
         config = GPTConfig(
             vocab_size=hc.vocab_size, context_length=hc.n_positions, n_layer=hc.n_layer,
             n_head=hc.n_head, n_embd=hc.n_embd,
@@ -214,6 +220,31 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:, :]
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
+
+
+def _check_hf_options(hc, dtype: torch.dtype) -> None:
+    """Raise a ValueError naming the first GPT-2 config option `GPT` cannot reproduce."""
+    act = getattr(hc, "activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"from_hf supports GPT-2's tanh GELU, got activation {act!r}")
+    unsupported = [  # (option, value that this engine computes)
+        ("scale_attn_weights", True),  # attention scores divided by √head_dim
+        ("scale_attn_by_inverse_layer_idx", False),  # ... and not also by the layer number
+        ("add_cross_attention", False),  # a decoder-only model
+    ]
+    for option, ours in unsupported:
+        value = getattr(hc, option, ours)
+        if bool(value) != ours:
+            raise ValueError(f"from_hf: GPT-2 config {option}={value!r} is not supported "
+                             f"(this engine computes {option}={ours})")
+    n_inner = getattr(hc, "n_inner", None)
+    if n_inner is not None and n_inner != 4 * hc.n_embd:
+        raise ValueError(f"from_hf: GPT-2 config n_inner={n_inner!r} is not supported (the MLP "
+                         f"width here is 4 × n_embd = {4 * hc.n_embd})")
+    if getattr(hc, "reorder_and_upcast_attn", False) and dtype != torch.float32:
+        raise ValueError(f"from_hf: GPT-2 config reorder_and_upcast_attn=True computes attention "
+                         f"in float32; this engine matches it only for a float32 model, got "
+                         f"{dtype} (convert the model with .float() first)")
 
 
 def _masks(device, B: int, T: int, offset: int, start: torch.Tensor | None):
