@@ -191,12 +191,27 @@ class GPT(nn.Module):
           left padding is taken from ``cache.start``.
         - `start`: without a cache, per-row count of left-padding tokens (None = no padding).
         - `last_only`: compute logits for the last position only (all prefill needs).
+
+        Token ids outside ``[0, vocab_size)`` are a ValueError. The check is one min/max
+        reduction; on a GPU it would cost a host sync, so there it runs only for calls with more
+        than one token per row (prefill, recompute) — the one-token decode step feeds tokens the
+        engine sampled itself (see `_checks_ids`).
         """
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, tokens), got {tuple(idx.shape)}")
         if idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"idx must hold integer token ids (int64/int32), got {idx.dtype}")
         B, T = idx.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"idx is empty (shape {tuple(idx.shape)}): give at least one token "
+                             f"per row")
+        if _checks_ids(idx.device.type, T):
+            lo, hi = (t.item() for t in torch.aminmax(idx))  # one reduction (~5 µs on a CPU)
+            V = self.config.vocab_size
+            if lo < 0 or hi >= V:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"idx must hold token ids in [0, {V}) (the vocabulary), "
+                                 f"got {bad}")
         offset = 0 if cache is None else cache.pos
         if offset + T > self.config.context_length:
             raise ValueError(
@@ -220,6 +235,18 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:, :]
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
+
+
+def _checks_ids(device_type: str, T: int) -> bool:
+    """Whether `GPT.forward` range-checks the token ids of a call with T tokens per row.
+
+    Always on the CPU (a reduction over B×T ints, no sync). On accelerators only when T > 1:
+    reading the result back would make every decode step wait for the device, and the decode
+    step's tokens come from the engine's own sampling, which draws only valid ids.
+    """
+    if device_type == "meta":  # shapes only, no values to check
+        return False
+    return device_type == "cpu" or T > 1
 
 
 def _check_hf_options(hc, dtype: torch.dtype) -> None:

@@ -198,3 +198,34 @@ def test_batch_size_mismatch_with_cache_raises(tiny):
 def test_gqa_has_fewer_kv_weights_than_mha(tiny, tiny_gqa):
     assert tiny_gqa.transformer.h[0].attn.c_attn.weight.shape == (32 + 2 * 2 * 8, 32)
     assert tiny.transformer.h[0].attn.c_attn.weight.shape == (3 * 32, 32)
+
+
+@pytest.mark.parametrize("bad", [-1, 257, 10**6])
+def test_out_of_range_ids_raise_value_error(tiny, bad):
+    ids = torch.tensor([[1, 2, bad, 3]])
+    with pytest.raises(ValueError, match=r"idx.*\[0, 257\).*" + str(bad)):
+        tiny(ids)
+    cache = StaticKVCache.for_model(tiny, 1, 16)
+    with pytest.raises(ValueError, match=r"\[0, 257\)"):
+        tiny(ids, cache=cache)
+    assert cache.pos == 0  # nothing written
+    tiny(torch.tensor([[1, 2]]), cache=cache)
+    with pytest.raises(ValueError, match=r"\[0, 257\)"):  # a CPU decode step is checked too
+        tiny(torch.tensor([[bad]]), cache=cache)
+    assert cache.pos == 2
+
+
+def test_range_check_skips_accelerator_decode_steps():
+    """The decode step's token comes from the engine's own sampling; on a GPU checking it would
+    cost a host sync per token, so only multi-token calls (prefill, recompute) are checked there."""
+    from minifer.model import _checks_ids
+    assert _checks_ids("cpu", 1) and _checks_ids("cpu", 7)
+    assert _checks_ids("cuda", 7) and _checks_ids("mps", 2)
+    assert not _checks_ids("cuda", 1) and not _checks_ids("mps", 1)
+    assert not _checks_ids("meta", 5)  # no values to check
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 3)])
+def test_empty_idx_raises(tiny, shape):
+    with pytest.raises(ValueError, match="idx.*empty"):
+        tiny(torch.zeros(shape, dtype=torch.long))
