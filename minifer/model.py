@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .cache import StaticKVCache
 from .config import GPTConfig
+from .device import as_device
 
 
 class CausalSelfAttention(nn.Module):
@@ -117,6 +118,8 @@ class GPT(nn.Module):
         """A randomly initialised model (GPT-2 init, seeded: same seed → same weights anywhere)."""
         if isinstance(config, str):
             config = GPTConfig.preset(config)
+        if device is not None:
+            as_device(device)  # a device this machine lacks: fail before building anything
         with torch.device("cpu"):
             model = cls(config)
         gen = torch.Generator().manual_seed(seed)
@@ -128,6 +131,7 @@ class GPT(nn.Module):
             elif name.endswith("bias"):  # GPT-2 init: zero biases (not torch's random default)
                 with torch.no_grad():
                     p.zero_()
+        device = None if device is None else as_device(device)
         return model.to(device=device, dtype=dtype).eval()
 
     @classmethod
