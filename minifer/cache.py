@@ -7,7 +7,13 @@ next free slot in place: the decode loop never concatenates or reallocates.
 
 Batches of prompts of different lengths are *left padded*: every row writes at the same slot
 (`pos`), and row ``b``'s real tokens start at slot ``start[b]``. Slots before ``start[b]`` hold
-padding that attention masks out, so each row behaves exactly as if it were alone.
+padding that attention masks out, so each row computes what it would compute alone.
+
+How exact: in fp32, cached and recomputed logits (and a row batched or alone) agree to float
+rounding (within 1e-5; kernels of different shapes add in different orders), so greedy tokens
+are identical. In bf16/fp16 they agree only to that dtype's precision (~1% of the logits'
+scale): greedy tokens can diverge after a near-tie. The int8 cache is an approximation
+(within 2% of the logits' scale). See tests/test_exactness.py.
 """
 
 from __future__ import annotations

@@ -94,6 +94,11 @@ class GPT(nn.Module):
     With ``cache=...`` the new tokens' K/V are written into the cache and attention reads all
     cached tokens (prefill: many new tokens; decode: one). Without a cache the whole sequence
     is recomputed, which is the reference path the KV-cache lesson compares against.
+
+    The cached, recomputed, chunked and left-padded paths compute the same function: in fp32
+    their logits agree to float rounding (within 1e-5), which keeps greedy tokens identical;
+    in bf16/fp16 only to that dtype's precision (~1% of the logits' scale), so greedy tokens
+    can diverge after a near-tie (tests/test_exactness.py).
     """
 
     def __init__(self, config: GPTConfig) -> None:
