@@ -202,9 +202,9 @@ class GPT(nn.Module):
         - `last_only`: compute logits for the last position only (all prefill needs).
 
         Token ids outside ``[0, vocab_size)`` are a ValueError. The check is one min/max
-        reduction; on a GPU it would cost a host sync, so there it runs only for calls with more
-        than one token per row (prefill, recompute) — the one-token decode step feeds tokens the
-        engine sampled itself (see `_checks_ids`).
+        reduction; on a GPU it costs a host sync, so there it runs only for calls that start a
+        sequence (no cache or an empty one): decode steps and speculative verification feed
+        tokens the engine produced itself, and never wait for it (see `_checks_ids`).
         """
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, tokens), got {tuple(idx.shape)}")
@@ -214,7 +214,7 @@ class GPT(nn.Module):
         if B == 0 or T == 0:
             raise ValueError(f"idx is empty (shape {tuple(idx.shape)}): give at least one token "
                              f"per row")
-        if _checks_ids(idx.device.type, T):
+        if _checks_ids(idx.device.type, cache is None or cache.pos == 0):
             lo, hi = (t.item() for t in torch.aminmax(idx))  # one reduction (~5 µs on a CPU)
             V = self.config.vocab_size
             if lo < 0 or hi >= V:
@@ -246,16 +246,18 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
 
 
-def _checks_ids(device_type: str, T: int) -> bool:
-    """Whether `GPT.forward` range-checks the token ids of a call with T tokens per row.
+def _checks_ids(device_type: str, fresh: bool) -> bool:
+    """Whether `GPT.forward` range-checks the token ids of a call.
 
-    Always on the CPU (a reduction over B×T ints, no sync). On accelerators only when T > 1:
-    reading the result back would make every decode step wait for the device, and the decode
-    step's tokens come from the engine's own sampling, which draws only valid ids.
+    Always on the CPU (a reduction over B×T ints, ~5 µs, no sync). On accelerators reading the
+    result back makes the host wait for the device, so only calls that start a sequence are
+    checked (`fresh`: no cache, or an empty one — a prefill, or a recompute); tokens appended to
+    a cache later (decode steps, speculative verification) come from the engine's own sampling
+    or drafter, which produce only valid ids.
     """
     if device_type == "meta":  # shapes only, no values to check
         return False
-    return device_type == "cpu" or T > 1
+    return device_type == "cpu" or fresh
 
 
 def _check_hf_options(hc, dtype: torch.dtype) -> None:

@@ -216,13 +216,13 @@ def test_out_of_range_ids_raise_value_error(tiny, bad):
 
 
 def test_range_check_skips_accelerator_decode_steps():
-    """The decode step's token comes from the engine's own sampling; on a GPU checking it would
-    cost a host sync per token, so only multi-token calls (prefill, recompute) are checked there."""
+    """Decode steps and verification chunks feed tokens the engine produced itself; on a GPU
+    checking them would cost a host sync per step, so there only fresh sequences are checked."""
     from minifer.model import _checks_ids
-    assert _checks_ids("cpu", 1) and _checks_ids("cpu", 7)
-    assert _checks_ids("cuda", 7) and _checks_ids("mps", 2)
-    assert not _checks_ids("cuda", 1) and not _checks_ids("mps", 1)
-    assert not _checks_ids("meta", 5)  # no values to check
+    assert _checks_ids("cpu", fresh=True) and _checks_ids("cpu", fresh=False)
+    assert _checks_ids("cuda", fresh=True) and _checks_ids("mps", fresh=True)
+    assert not _checks_ids("cuda", fresh=False) and not _checks_ids("mps", fresh=False)
+    assert not _checks_ids("meta", fresh=True)  # no values to check
 
 
 @pytest.mark.parametrize("shape", [(1, 0), (0, 3)])
