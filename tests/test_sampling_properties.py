@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from minifer.sampling import SamplingParams, make_generators, process_logits, sample
 
-PROPS = settings(max_examples=150, deadline=None,
+PROPS = settings(max_examples=100, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 INF = float("inf")
 FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens", "stop", "seed",
@@ -126,7 +126,7 @@ def test_process_logits_and_sample_never_nan_never_a_raw_error(case):
     assert support[torch.arange(logits.shape[0]), tokens].all()  # drawn from the support
 
 
-@PROPS
+@settings(PROPS, max_examples=30)
 @given(case=sampling_cases())
 def test_sampling_reproducible_with_a_seed(case):
     logits, params, seen = case
