@@ -43,7 +43,7 @@ bench: $(STAMP)
 # Retrain the shipped tokenizer and Shakespeare models (≈40 min on 2 CPU cores; resumable).
 train: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" sh scripts/install_train_deps.sh
-	$(BIN)/python -m minifer.train
+	$(BIN)/python -m minifer.training
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,26 +1,20 @@
 """minifer: a small, honest PyTorch inference engine for learning how LLM inference works.
 
 The engine (this package's top-level modules) imports only torch and the tokenizer libraries;
-the figures and sliders of the course live in `minifer.lessons`.
+measuring lives in `minifer.bench`, how the shipped models were made in `minifer.training`, and
+the figures and sliders of the course in `minifer.lessons`.
 """
 
 from .cache import StaticKVCache
 from .config import PRESETS, GPTConfig
 from .device import default_device
 from .evaluate import perplexity
-from .generate import (
-    Completion,
-    TextStopper,
-    TokenEvent,
-    decode_step,
-    generate,
-    prefill,
-    stream,
-)
+from .generation import decode_step, generate, prefill, stream
 from .model import GPT
 from .pretrained import load_pretrained
-from .quantize import model_bytes, quantize
+from .quantization import model_bytes, quantize
 from .sampling import SamplingParams
+from .sequence import Completion, Sequence, TextStopper, TokenEvent
 from .speculative import PromptLookupDrafter, speculative_generate
 from .tokenizer import ByteTokenizer, Tokenizer
 
@@ -32,6 +26,7 @@ __all__ = [
     "Completion",
     "GPTConfig",
     "SamplingParams",
+    "Sequence",
     "StaticKVCache",
     "TextStopper",
     "TokenEvent",

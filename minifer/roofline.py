@@ -21,15 +21,13 @@ number is printed in "GB" it is **decimal** (1 GB = 1e9 bytes, the unit of spec 
 ``8B params × 2 bytes = 16 GB``); "GiB"/"KiB" are **binary** (1 GiB = 2**30 bytes, the unit the
 KV-cache claims use: 128 KiB per token, 2 GiB per sequence). The constants below name both.
 
-This module is pure Python: it imports neither torch nor plotly (``Hardware.measure`` imports
-:mod:`minifer.bench`, and with it torch, only when called).
+This module is pure arithmetic: it imports neither torch nor plotly, and never measures anything
+(`minifer.bench.probes` measures this machine and hands it a `Hardware`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,9 +35,9 @@ from typing import Any
 __all__ = [
     "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB",
     "BYTES_PER_VALUE", "HARDWARE", "MODELS",
-    "Hardware", "ModelSpec", "DecodeStep", "Prefill",
+    "Hardware", "ModelSpec", "DecodeEstimate", "PrefillEstimate",
     "value_bytes", "kv_bytes_per_token", "kv_cache_bytes", "kv_cache_gib", "kv_tokens_fit",
-    "kv_crossover_tokens", "weight_bytes", "decode_step", "prefill", "roofline_table",
+    "kv_crossover_tokens", "weight_bytes", "decode_time", "prefill_time", "roofline_table",
     "ridge_point", "critical_batch", "max_batch", "mbu", "mfu", "e2e_latency",
     "tokens_per_second",
 ]
@@ -147,52 +145,13 @@ class Hardware:
 
     @classmethod
     def preset(cls, name: str) -> Hardware:
-        """A named accelerator from :data:`HARDWARE`, or ``"this-machine"`` (measured, cached)."""
-        if name == "this-machine":
-            return _measured_this_machine()
+        """A named accelerator from :data:`HARDWARE` (measure this machine with
+        `minifer.bench.probes.measure_hardware`)."""
         try:
             return HARDWARE[name]
         except KeyError:
-            raise ValueError(f"unknown hardware {name!r}; choose one of "
-                             f"{[*HARDWARE, 'this-machine']}") from None
-
-    @classmethod
-    def measure(cls, device: str = "cpu", *, name: str | None = None,
-                precisions: Iterable[str] = ("fp32",)) -> Hardware:
-        """Measure this machine with :mod:`minifer.bench` probes (takes about a second).
-
-        The result is what *this* machine sustains (a copy-bandwidth probe and a big matmul),
-        not a spec-sheet peak, so treat it as a realistic ceiling. ``memory_bytes`` is the total
-        RAM (CPU) or device memory (CUDA).
-        """
-        from minifer import bench  # lazy: importing torch costs seconds
-
-        dtypes = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-        flops = {}
-        for p in precisions:
-            if p not in dtypes:
-                raise ValueError(f"precisions must be drawn from {list(dtypes)}, got {p!r}")
-            flops[p] = bench.measure_matmul_flops(device=device, dtype=dtypes[p])
-        return cls(name=name or f"this machine ({device}, measured)",
-                   bandwidth=bench.measure_bandwidth(device=device),
-                   flops=flops, memory_bytes=_device_memory_bytes(device))
-
-
-def _device_memory_bytes(device: str) -> float:
-    """Total memory of ``device`` in bytes: RAM for the CPU, device memory for CUDA."""
-    if str(device).startswith("cuda"):
-        import torch
-
-        return float(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # not POSIX: a guess that keeps the math going
-        return 8.0 * GiB
-
-
-@functools.lru_cache(maxsize=1)
-def _measured_this_machine() -> Hardware:
-    return Hardware.measure("cpu", name="this-machine")
+            raise ValueError(f"unknown hardware {name!r}; choose one of {list(HARDWARE)} "
+                             f"(or pass a Hardware, e.g. minifer.bench.this_machine())") from None
 
 
 HARDWARE: dict[str, Hardware] = {
@@ -416,7 +375,7 @@ def _compute_precision(precision: str, compute_precision: str | None) -> str:
 # --------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class DecodeStep:
+class DecodeEstimate:
     """One decode step of ``batch`` sequences (each makes one new token), roofline estimate.
 
     Times in seconds, sizes in bytes. ``tpot_s = max(read_s, compute_s)``.
@@ -449,7 +408,7 @@ class DecodeStep:
 
 
 @dataclass(frozen=True)
-class Prefill:
+class PrefillEstimate:
     """A prefill of ``batch`` prompts of ``prompt_tokens`` tokens each, roofline estimate.
 
     ``ttft_s = max(read_s, compute_s)`` is the time to first token, queueing excluded.
@@ -494,10 +453,10 @@ def _roof(flops: float, nbytes: float, hw: Hardware, compute_precision: str):
     return read_s, compute_s, time_s, bound, read_s / time_s, compute_s / time_s
 
 
-def decode_step(spec: ModelSpec | str, hw: Hardware | str, batch: int = 1, context: int = 0,
+def decode_time(spec: ModelSpec | str, hw: Hardware | str, batch: int = 1, context: int = 0,
                 precision: str = "bf16", include_kv: bool = False,
                 include_attention: bool = False, kv_precision: str | None = None,
-                compute_precision: str | None = None) -> DecodeStep:
+                compute_precision: str | None = None) -> DecodeEstimate:
     """Roofline time of one decode step: every sequence in the batch makes one token.
 
     Bytes read = weights once (shared by the batch) [+ the KV cache of ``batch × context``
@@ -520,7 +479,7 @@ def decode_step(spec: ModelSpec | str, hw: Hardware | str, batch: int = 1, conte
         flops += _attention_flops_per_token(spec, context) * batch
     nbytes = wb + kvb
     read_s, compute_s, tpot, bound, mbu_, mfu_ = _roof(flops, nbytes, hw, cp)
-    return DecodeStep(model=spec.name, hardware=hw.name, batch=batch, context=context,
+    return DecodeEstimate(model=spec.name, hardware=hw.name, batch=batch, context=context,
                       precision=precision, compute_precision=cp, kv_precision=kv_p,
                       weight_bytes=wb, kv_bytes=kvb, bytes_read=nbytes,
                       flops=flops, read_s=read_s, compute_s=compute_s, tpot_s=tpot, bound=bound,
@@ -528,9 +487,9 @@ def decode_step(spec: ModelSpec | str, hw: Hardware | str, batch: int = 1, conte
                       tokens_per_s_total=batch / tpot, mbu=mbu_, mfu=mfu_)
 
 
-def prefill(spec: ModelSpec | str, hw: Hardware | str, prompt_tokens: int, batch: int = 1,
+def prefill_time(spec: ModelSpec | str, hw: Hardware | str, prompt_tokens: int, batch: int = 1,
             precision: str = "bf16", include_attention: bool = False,
-            compute_precision: str | None = None) -> Prefill:
+            compute_precision: str | None = None) -> PrefillEstimate:
     """Roofline time of a prefill: all ``prompt_tokens`` of ``batch`` prompts in one pass.
 
     Bytes read = the weights once; FLOPs = 2 × params × tokens [+ causal attention: token i
@@ -547,7 +506,7 @@ def prefill(spec: ModelSpec | str, hw: Hardware | str, prompt_tokens: int, batch
         pairs = prompt_tokens * (prompt_tokens + 1) / 2
         flops += 4 * spec.n_layer * spec.n_head * spec.head_dim * pairs * batch
     read_s, compute_s, ttft, bound, mbu_, mfu_ = _roof(flops, wb, hw, cp)
-    return Prefill(model=spec.name, hardware=hw.name, batch=batch, prompt_tokens=prompt_tokens,
+    return PrefillEstimate(model=spec.name, hardware=hw.name, batch=batch, prompt_tokens=prompt_tokens,
                    precision=precision, compute_precision=cp, weight_bytes=wb, bytes_read=wb, flops=flops,
                    read_s=read_s, compute_s=compute_s, ttft_s=ttft, bound=bound,
                    arithmetic_intensity=flops / wb,
@@ -557,9 +516,9 @@ def prefill(spec: ModelSpec | str, hw: Hardware | str, prompt_tokens: int, batch
 def roofline_table(spec: ModelSpec | str, hw: Hardware | str, batches: Iterable[int],
                    context: int = 0, precision: str = "bf16", include_kv: bool = False,
                    include_attention: bool = False,
-                   kv_precision: str | None = None) -> list[DecodeStep]:
-    """:func:`decode_step` for each batch size: the table of claim PD-8, one row per batch."""
-    return [decode_step(spec, hw, batch=b, context=context, precision=precision,
+                   kv_precision: str | None = None) -> list[DecodeEstimate]:
+    """`decode_time` for each batch size: the table of claim PD-8, one row per batch."""
+    return [decode_time(spec, hw, batch=b, context=context, precision=precision,
                         include_kv=include_kv, include_attention=include_attention,
                         kv_precision=kv_precision) for b in batches]
 
@@ -645,3 +604,173 @@ def tokens_per_second(tpot_s: float, batch: int = 1) -> float:
     _check_positive(tpot_s, "tpot_s")
     _check_int(batch, "batch", 1)
     return batch / tpot_s
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor parallelism: the model split over N devices that all-reduce at every layer (PAR-1/2)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The link between devices as the ring all-reduce sees it.
+
+    ``bandwidth``: bytes/s one device can send (and at the same time receive) in one direction;
+    spec sheets often print the two directions added up. ``latency``: seconds of fixed cost per
+    ring step (launch, synchronisation, the wire), the term that dominates the small messages of
+    decode.
+    """
+
+    name: str
+    bandwidth: float
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive(self.bandwidth, "Interconnect.bandwidth")
+        _check_positive(self.latency, "Interconnect.latency", allow_zero=True)
+
+    @classmethod
+    def preset(cls, name: str) -> Interconnect:
+        """A named link from :data:`INTERCONNECTS`."""
+        try:
+            return INTERCONNECTS[name]
+        except KeyError:
+            raise ValueError(f"unknown interconnect {name!r}; choose one of "
+                             f"{list(INTERCONNECTS)}") from None
+
+
+INTERCONNECTS: dict[str, Interconnect] = {
+    # Bandwidths per direction from the spec sheets (NVLink: H100 SXM 900 GB/s and A100 600 GB/s
+    # "total", i.e. both directions; PCIe x16: 4.0 ≈ 32 GB/s, 5.0 ≈ 64 GB/s each way). The
+    # latencies are illustrative round numbers of the right order (microseconds per ring step),
+    # not measurements: a real all-reduce library's small-message cost depends on its algorithm.
+    "nvlink-h100": Interconnect("NVLink 4 (H100 SXM, 450 GB/s per direction)", 450e9, 1e-6),
+    "nvlink-a100": Interconnect("NVLink 3 (A100 SXM, 300 GB/s per direction)", 300e9, 1e-6),
+    "pcie-5": Interconnect("PCIe 5.0 x16 (64 GB/s per direction)", 64e9, 5e-6),
+    "pcie-4": Interconnect("PCIe 4.0 x16 (32 GB/s per direction)", 32e9, 5e-6),
+}
+
+
+def _as_link(link: Interconnect | str) -> Interconnect:
+    if isinstance(link, Interconnect):
+        return link
+    if isinstance(link, str):
+        return Interconnect.preset(link)
+    raise ValueError(f"link must be an Interconnect or a preset name, got {link!r}")
+
+
+def allreduce_time(nbytes: float, world: int, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` (the size of the tensor) over ``world`` devices.
+
+    The ring algorithm is a reduce-scatter followed by an all-gather: ``2(N-1)`` steps, in each
+    of which every device sends ``nbytes / N`` to its neighbour. With the usual latency-bandwidth
+    cost model (Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication
+    Operations in MPICH", 2005; Patarasuk & Yuan, "Bandwidth Optimal All-reduce Algorithms for
+    Clusters of Workstations", 2009):
+
+        T = 2(N-1) · latency + 2(N-1)/N · nbytes / bandwidth
+
+    The bandwidth term barely grows with N (it tends to 2 · nbytes / bandwidth), the latency
+    term grows linearly. One device needs no all-reduce: 0 s. NCCL's "bus bandwidth" is the
+    same 2(N-1)/N factor applied to measured times.
+    """
+    _check_positive(nbytes, "nbytes", allow_zero=True)
+    _check_int(world, "world", 1)
+    _check_positive(bandwidth, "bandwidth")
+    _check_positive(latency, "latency", allow_zero=True)
+    if world == 1:
+        return 0.0
+    steps = 2 * (world - 1)
+    return steps * latency + steps / world * nbytes / bandwidth
+
+
+@dataclass(frozen=True)
+class TPDecode:
+    """One decode step of a model split over ``degree`` devices by tensor parallelism.
+
+    Per device: 1/degree of the weights and of the K/V heads (K/V heads are copied when there
+    are fewer of them than devices), 1/degree of the FLOPs, and two all-reduces of
+    ``batch × d_model`` activations per layer on the critical path (not overlapped).
+    ``tpot_s = max(read_s, compute_s) + comm_s``. Bytes and seconds.
+    """
+
+    model: str
+    hardware: str
+    interconnect: str
+    degree: int
+    batch: int
+    context: int
+    precision: str
+    weight_bytes_per_device: float
+    kv_bytes_per_device: float
+    memory_per_device: float  # weights + KV cache
+    fits: bool  # memory_per_device <= the device's memory
+    allreduces_per_step: int
+    allreduce_bytes: float  # size of one all-reduced activation tensor
+    read_s: float
+    compute_s: float
+    comm_s: float
+    tpot_s: float
+    tokens_per_s: float  # this group of devices: batch / tpot
+    tokens_per_s_per_device: float
+
+    @property
+    def tpot_ms(self) -> float:
+        return self.tpot_s * 1e3
+
+    @property
+    def comm_fraction(self) -> float:
+        """Share of the step spent all-reducing."""
+        return self.comm_s / self.tpot_s
+
+
+def tp_decode(spec: ModelSpec | str, hw: Hardware | str, degree: int,
+              link: Interconnect | str = "nvlink-h100", batch: int = 1, context: int = 0,
+              precision: str = "bf16", kv_precision: str | None = None) -> TPDecode:
+    """Roofline time of a decode step with tensor parallelism of ``degree`` (claims PAR-1, PAR-2).
+
+    Each device reads its 1/degree of the weights (and of the KV cache of ``batch × context``
+    tokens) and does 1/degree of the FLOPs, then waits for ``2 × n_layer`` ring all-reduces of
+    ``batch × d_model`` activations (:func:`allreduce_time`). Everything is assumed split
+    evenly, embeddings included (Megatron splits them too); ``degree`` must divide ``n_head``.
+    Llama-2-70B in 16-bit on H100s: degree 1 does not fit in 80 GB; degree 8 over NVLink reads
+    17.5 GB per device per step.
+    """
+    spec, hw, link = _as_spec(spec), _as_hardware(hw), _as_link(link)
+    _check_int(degree, "degree", 1)
+    if spec.n_head % degree:
+        raise ValueError(f"degree must divide n_head={spec.n_head} (whole heads per device), "
+                         f"got {degree}")
+    _check_int(batch, "batch", 1)
+    _check_int(context, "context")
+    kv_p = _kv_precision(precision, kv_precision)
+    act = BYTES_PER_VALUE[_ACTIVATION_PRECISION[precision]]
+    wb = weight_bytes(spec, precision) / degree
+    kv_heads_here = math.ceil(spec.n_kv_head / degree)  # copies when degree > n_kv_head
+    kvb = kv_cache_bytes(spec, context, batch, kv_p) * kv_heads_here / spec.n_kv_head
+    flops = 2 * spec.params * batch / degree
+    read_s = (wb + kvb) / hw.bandwidth
+    compute_s = flops / hw.peak_flops(_compute_precision(precision, None))
+    n_ar = 2 * spec.n_layer
+    ar_bytes = batch * spec.d_model * act
+    comm_s = n_ar * allreduce_time(ar_bytes, degree, link.bandwidth, link.latency)
+    tpot = max(read_s, compute_s) + comm_s
+    return TPDecode(model=spec.name, hardware=hw.name, interconnect=link.name, degree=degree,
+                    batch=batch, context=context, precision=precision,
+                    weight_bytes_per_device=wb, kv_bytes_per_device=kvb,
+                    memory_per_device=wb + kvb, fits=wb + kvb <= hw.memory_bytes,
+                    allreduces_per_step=n_ar if degree > 1 else 0, allreduce_bytes=ar_bytes,
+                    read_s=read_s, compute_s=compute_s, comm_s=comm_s, tpot_s=tpot,
+                    tokens_per_s=batch / tpot, tokens_per_s_per_device=batch / tpot / degree)
+
+
+def tp_table(spec: ModelSpec | str, hw: Hardware | str, degrees: Iterable[int] = (1, 2, 4, 8),
+             link: Interconnect | str = "nvlink-h100", batch: int = 1, context: int = 0,
+             precision: str = "bf16", kv_precision: str | None = None) -> list[TPDecode]:
+    """:func:`tp_decode` for each degree: latency falls with the degree, throughput per device
+    falls too once all-reduces take a visible share of the step (PAR-2)."""
+    return [tp_decode(spec, hw, d, link, batch, context, precision, kv_precision)
+            for d in degrees]
+
+
+__all__ += ["Interconnect", "INTERCONNECTS", "TPDecode", "allreduce_time", "tp_decode",
+            "tp_table"]

@@ -78,6 +78,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy with nothing that can move the argmax: the raw logits' argmax is the token.
+
+        Top-k keeps the largest logit (and every tie with it); a logit bias, a repetition penalty
+        or top-p (which may cut between tied top tokens) can change it.
+        """
+        return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
+                and self.top_p == 1.0)
+
 
 def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) \
@@ -302,6 +312,14 @@ def sample(
     if generators is None:
         return torch.multinomial(probs, 1).squeeze(-1)
     return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Set the logits of entries past the first `vocab` to -inf, in place, so they are never
+    sampled: models pad their vocabulary beyond the tokenizer's (see `sequence.usable_vocab`)."""
+    if vocab < logits.shape[-1]:
+        logits[..., vocab:] = float("-inf")
+    return logits
 
 
 def make_generators(params: SamplingParams, batch: int, device: torch.device) -> list[torch.Generator] | None:

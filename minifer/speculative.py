@@ -34,27 +34,21 @@ tokens, so several prompts are run one after another (each `SpecCompletion` has 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .cache import StaticKVCache
 from .device import sync
-from .generate import (
-    Completion,
-    TextStopper,
-    _advance_row,
-    _check_lengths,
-    _eos_id,
-    _usable_vocab,
-    encode_prompts,
-    prefill,
-)
-from .sampling import SamplingParams, process_logits, sample
+from .generation import prefill
+from .sampling import SamplingParams, mask_padded_vocab, process_logits, sample
+from .sequence import Completion, Sequence, prepare
 
-__all__ = ["SpecStats", "SpecCompletion", "Drafter", "ModelDrafter", "PromptLookupDrafter",
-           "speculative_generate", "expected_tokens_per_pass", "expected_speedup"]
+__all__ = ["SpecStats", "SpecCompletion", "Drafter", "DraftContext", "ModelDrafter",
+           "PromptLookupDrafter", "speculative_generate", "accept_with_ratio",
+           "expected_tokens_per_pass", "expected_speedup"]
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -108,10 +102,6 @@ class SpecStats:
         return self.tokens / self.target_passes if self.target_passes else float("nan")
 
     @property
-    def passes_per_token(self) -> float:
-        return self.target_passes / self.tokens if self.tokens else float("nan")
-
-    @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_time_s if self.wall_time_s > 0 else float("nan")
 
@@ -162,7 +152,7 @@ def expected_speedup(alpha: float, k: int, c: float) -> float:
 
 # ---- drafters --------------------------------------------------------------------------------
 @dataclass
-class _Ctx:
+class DraftContext:
     """What a drafter needs to know about the run (set once per prompt)."""
 
     params: SamplingParams
@@ -189,7 +179,7 @@ class Drafter:
     name = "drafter"
     passes = 0
 
-    def begin(self, prompt_ids: list[int], ctx: _Ctx) -> None:
+    def begin(self, prompt_ids: list[int], ctx: DraftContext) -> None:
         self.ctx = ctx
 
     def propose(self, seq: list[int], k: int, seen: torch.Tensor | None
@@ -207,7 +197,7 @@ class ModelDrafter(Drafter):
         self.model = model
         self.name = f"draft model ({sum(p.numel() for p in model.parameters()):,} params)"
 
-    def begin(self, prompt_ids: list[int], ctx: _Ctx) -> None:
+    def begin(self, prompt_ids: list[int], ctx: DraftContext) -> None:
         self.ctx = ctx
         self.passes = 0
         cfg = self.model.config
@@ -222,8 +212,6 @@ class ModelDrafter(Drafter):
         self.n_cached = len(prompt_ids)  # tokens of the sequence in the draft's cache
         self.buf = torch.empty(ctx.k, dtype=torch.long, device=ctx.device)
         self.q = None if ctx.params.greedy else torch.empty(ctx.k, cfg.vocab_size, device=ctx.device)
-        p = ctx.params
-        self.plain_argmax = (p.greedy and not p.logit_bias and p.repetition_penalty == 1.0)
 
     def propose(self, seq, k, seen):
         ctx, params = self.ctx, self.ctx.params
@@ -236,9 +224,8 @@ class ModelDrafter(Drafter):
         for i in range(k):
             logits = self.model(x, cache=self.cache, last_only=True)[:, -1]  # (1, V)
             self.passes += 1
-            if ctx.vocab < ctx.vocab_size:
-                logits[:, ctx.vocab:] = float("-inf")
-            if self.plain_argmax:  # top-k / top-p never change the argmax
+            mask_padded_vocab(logits, ctx.vocab)
+            if params.plain_argmax:
                 tokens[i] = logits[0].argmax()
                 x = tokens[i:i + 1].view(1, 1)
                 continue
@@ -284,7 +271,7 @@ class PromptLookupDrafter(Drafter):
         self.passes = 0
 
     @staticmethod
-    def lookup(seq: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    def lookup(seq: abc.Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
         """Up to k tokens that followed the latest earlier match of seq's last n-gram."""
         L = len(seq)
         for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
@@ -310,11 +297,16 @@ def _as_drafter(draft) -> Drafter:
 
 
 # ---- the acceptance rule ---------------------------------------------------------------------
-def _accept(p_d: torch.Tensor, q_d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Accept draft token d with probability min(1, p(d)/q(d)): u·q(d) < p(d) for u ~ U[0, 1).
+AcceptRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def accept_with_ratio(p_d: torch.Tensor, q_d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The rule that keeps the target's distribution: accept draft token d with probability
+    min(1, p(d)/q(d)), i.e. when u·q(d) < p(d) for u ~ U[0, 1).
 
     Written without a division, so q(d) = 0 (a token the draft could not have sampled) accepts
-    when p(d) > 0 and never when p(d) = 0.
+    when p(d) > 0 and never when p(d) = 0. Any other rule (`accept=` of `speculative_generate`)
+    changes what the output follows; lesson 09 passes a wrong one to show it.
     """
     return u * q_d < p_d
 
@@ -344,28 +336,34 @@ def speculative_generate(
     *,
     draft_tokenizer=None,
     target_cache: StaticKVCache | None = None,
+    accept: AcceptRule = accept_with_ratio,
 ) -> list[SpecCompletion]:
     """Generate with speculative decoding; returns one `SpecCompletion` (with `.stats`) per prompt.
 
     `draft` is a small GPT sharing the target's vocabulary, or any `Drafter` (e.g.
     `PromptLookupDrafter()`). `k` is the number of tokens drafted per target pass (fewer near
     `max_new_tokens`, which is never exceeded). Stops like `minifer.generate`: EOS,
-    `max_new_tokens`, stop strings matched on text. Greedy output equals the target's greedy
-    output; sampled output follows the target's distribution. Prompts run one at a time (batch 1).
+    `max_new_tokens`, stop strings matched on text. Prompts run one at a time (batch 1).
     Any prompt `generate` accepts is accepted: drafting never goes past prompt + max_new_tokens.
+
+    Greedy output equals the target's own greedy output exactly in fp32 (tested). In bf16/fp16
+    the verification pass scores k + 1 positions at once, so its rounding differs from
+    one-token decoding and a near-tie can flip; sampled output follows the target's distribution.
 
     `draft_tokenizer`: the draft's tokenizer, checked against `tokenizer` (they must agree).
     `target_cache`: a batch-1 `StaticKVCache` for the target to use (and leave filled) instead
     of allocating one; pass a `ModelDrafter` as `draft` to keep the draft's cache (`.cache`)
-    the same way.
+    the same way. `accept(p_d, q_d, u)`: the acceptance rule used when sampling (default: the
+    exact one, `accept_with_ratio`).
     """
-    params = params or SamplingParams()
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k (draft tokens per target pass) must be an integer >= 1, got {k!r}")
+    if not callable(accept):
+        raise TypeError(f"accept must be a function (p_d, q_d, u) -> bool tensor, got {accept!r}")
     drafter = _as_drafter(draft)
     cfg = target.config
     device = next(target.parameters()).device
-    models = [("target", target)]
+    windows = {"target": cfg.context_length}
     if isinstance(drafter, ModelDrafter):
         dcfg = drafter.model.config
         if dcfg.vocab_size != cfg.vocab_size or dcfg.eos_token_id != cfg.eos_token_id:
@@ -374,152 +372,164 @@ def speculative_generate(
                 f"(eos {dcfg.eos_token_id}), target {cfg.vocab_size} (eos {cfg.eos_token_id})")
         if next(drafter.model.parameters()).device != device:
             raise ValueError("draft and target must be on the same device")
-        models.append(("draft", drafter.model))
+        windows["draft model"] = dcfg.context_length
     _check_tokenizers(tokenizer, draft_tokenizer)
-    if params.stop and tokenizer is None:
-        raise ValueError("stop strings are matched on text: pass tokenizer= to use stop")
-    ids_list = encode_prompts(prompts, tokenizer, cfg.vocab_size)
-    vocab = _usable_vocab(cfg, tokenizer, params)
-    for name, m in models:
-        try:
-            _check_lengths(ids_list, params, m.config.context_length)
-        except ValueError as err:
-            raise ValueError(f"{err} (the {name} model's context)") from None
+    req = prepare(target, prompts, params, tokenizer, context_lengths=windows)
     if target_cache is not None:
-        need = max(len(p) for p in ids_list) + params.max_new_tokens
+        need = max(s.max_len for s in req.sequences)
         if target_cache.batch_size != 1 or target_cache.max_len < need:
             raise ValueError(f"target_cache must have batch_size 1 and max_len >= {need}, got "
                              f"{target_cache.batch_size} and {target_cache.max_len}")
-    return [_one(target, drafter, index, prompt, params, k, tokenizer, vocab, device, target_cache)
-            for index, prompt in enumerate(ids_list)]
+    run = _SpecRun(target, drafter, k, req.vocab, device, accept)
+    return [run.generate(seq, target_cache) for seq in req.sequences]
 
 
-def _one(target, drafter: Drafter, index: int, prompt: list[int], params: SamplingParams, k: int,
-         tokenizer, vocab: int, device: torch.device,
-         cache: StaticKVCache | None) -> SpecCompletion:
-    cfg = target.config
-    V = cfg.vocab_size
-    result = SpecCompletion(index=index, prompt_token_ids=prompt)
-    stats = SpecStats(k=k, drafter=drafter.name)
-    result.stats = stats
-    stopper = TextStopper(tokenizer, params.stop) if tokenizer is not None else None
-    texts: list[str] = []
-    eos = None if params.ignore_eos else _eos_id(cfg, tokenizer)
-    gen = None
-    if not params.greedy and params.seed is not None:
-        gen = torch.Generator(device=device).manual_seed(params.seed)
-    max_len = len(prompt) + params.max_new_tokens
-    ctx = _Ctx(params, vocab, V, device, gen, max_len, k)
-    seen = None
-    if params.repetition_penalty != 1.0:
-        seen = torch.zeros(1, V, dtype=torch.bool, device=device)
-        seen[0, torch.tensor(prompt, device=device)] = True
-    # The target's greedy path may skip logits processing when it cannot change the argmax.
-    plain_argmax = (params.greedy and not params.logit_bias and params.repetition_penalty == 1.0
-                    and params.top_k == 0 and params.top_p == 1.0)
-    ids_buf = torch.empty(1, k + 1, dtype=torch.long, device=device)
-    res_buf = torch.empty(k + 2, dtype=torch.long, device=device)
-    rows = torch.arange(k + 1, device=device)
+class _SpecRun:
+    """Speculative decoding of one sequence at a time: the buffers and rules shared by a call."""
 
-    def emit(token: int, now: float) -> bool:
-        """Record a token; True when the row is finished."""
-        last_step = len(result.token_ids) + 1 == params.max_new_tokens
-        event = _advance_row(result, stopper, token, now, eos, last_step)
-        if stopper is not None:
-            texts.append(event.text)
-        return event.finish_reason is not None
+    def __init__(self, target: torch.nn.Module, drafter: Drafter, k: int, vocab: int,
+                 device: torch.device, accept: AcceptRule) -> None:
+        self.target, self.drafter, self.k = target, drafter, k
+        self.vocab, self.device, self.accept = vocab, device, accept
+        self.V = target.config.vocab_size
+        self.ids_buf = torch.empty(1, k + 1, dtype=torch.long, device=device)
+        self.res_buf = torch.empty(k + 2, dtype=torch.long, device=device)
+        self.rows = torch.arange(k + 1, device=device)
 
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        if cache is None:
-            cache = StaticKVCache.for_model(target, 1, max_len, device=device)
-        cache.reset()
-        logits = prefill(target, torch.tensor([prompt], device=device), cache)
-        if vocab < V:
-            logits[:, vocab:] = float("-inf")
-        pending = int(sample(logits, params, seen, None if gen is None else [gen])[0])
-        stats.target_passes += 1
-        t1 = time.perf_counter()
-        stats.target_time_s += t1 - t0
-        drafter.begin(prompt, ctx)
-        stats.draft_time_s += time.perf_counter() - t1
-        seq = list(prompt)
-        done = emit(pending, time.perf_counter() - t0)
-        while not done:
-            seq.append(pending)
-            if seen is not None:
-                seen[0, pending] = True
-            remaining = params.max_new_tokens - len(result.token_ids)
-            k_eff = min(k, remaining - 1)  # a round yields at most k_eff + 1 tokens
-            td = time.perf_counter()
-            drafts, q = drafter.propose(seq, k_eff, seen)
-            n = drafts.shape[0]
-            tt = time.perf_counter()
-            stats.draft_time_s += tt - td
-
-            # One target pass over [pending, d1..dn]: logits for positions after each.
-            ids_buf[0, 0] = pending
-            ids_buf[0, 1:n + 1] = drafts
-            logits = target(ids_buf[:, :n + 1], cache=cache)[0]  # (n+1, V)
-            if vocab < V:
-                logits[:, vocab:] = float("-inf")
-            seen_rows = None
-            if seen is not None:  # at position i the drafts before it count as seen
-                seen_rows = seen.expand(n + 1, V).clone()
-                if n:
-                    onehot = torch.zeros(n + 1, V, dtype=torch.long, device=device)
-                    onehot[rows[1:n + 1], drafts] = 1
-                    seen_rows |= onehot.cumsum(0) > 0
-            if params.greedy:
-                proc = logits if plain_argmax else process_logits(logits, params, seen_rows)
-                choice = proc.argmax(dim=-1)  # (n+1,)
-                a = (choice[:n] == drafts).long().cumprod(0).sum()
-                nxt = choice.index_select(0, a.view(1))[0]
-            else:
-                p = process_logits(logits, params, seen_rows).softmax(dim=-1)  # (n+1, V)
-                if q is None:  # deterministic proposal: q is one-hot on each draft token
-                    q = torch.zeros(n, V, device=device)
-                    q[rows[:n], drafts] = 1.0
-                p_d, q_d = p[rows[:n], drafts], q[rows[:n], drafts]
-                u = torch.rand(n, device=device, generator=gen)
-                a = _accept(p_d, q_d, u).long().cumprod(0).sum()
-                resid = torch.empty_like(p)
-                resid[:n] = (p[:n] - q).clamp_(min=0)  # where to go after a rejection at i
-                resid[n] = p[n]  # all accepted: the bonus token comes from p
-                row = resid.index_select(0, a.view(1))[0]
-                row = torch.where(row.sum() > 0, row, p.index_select(0, a.view(1))[0])  # p == q: residual empty, use p
-                nxt = torch.multinomial(row, 1, generator=gen)[0]
-            res_buf[:n] = drafts
-            res_buf[n] = a
-            res_buf[n + 1] = nxt
-            host = res_buf[:n + 2].tolist()  # the round's one device → host transfer
-            accepted, pending = host[n], host[n + 1]
-            cache.rollback(n - accepted)  # keep pending + d1..d_accepted
-            stats.rounds += 1
+    def generate(self, seq: Sequence, cache: StaticKVCache | None) -> SpecCompletion:
+        """Prefill, then rounds of draft → verify → accept until the sequence finishes."""
+        params, device = seq.params, self.device
+        stats = SpecStats(k=self.k, drafter=self.drafter.name)
+        gen = None
+        if not params.greedy and params.seed is not None:
+            gen = torch.Generator(device=device).manual_seed(params.seed)
+        self.gen = gen
+        self.seen = None
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(1, self.V, dtype=torch.bool, device=device)
+            self.seen[0, torch.tensor(seq.prompt_ids, device=device)] = True
+        ctx = DraftContext(params, self.vocab, self.V, device, gen, seq.max_len, self.k)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            if cache is None:
+                cache = StaticKVCache.for_model(self.target, 1, seq.max_len, device=device)
+            cache.reset()
+            logits = prefill(self.target, torch.tensor([seq.prompt_ids], device=device), cache)
+            mask_padded_vocab(logits, self.vocab)
+            pending = int(sample(logits, params, self.seen, None if gen is None else [gen])[0])
             stats.target_passes += 1
-            stats.proposed += n
-            stats.accepted += accepted
-            stats.rejections += accepted < n
-            stats.accept_hist[accepted] += 1
-            td = time.perf_counter()
-            stats.target_time_s += td - tt
-            drafter.commit(accepted, n)
-            stats.draft_time_s += time.perf_counter() - td
+            t1 = time.perf_counter()
+            stats.target_time_s += t1 - t0
+            self.drafter.begin(seq.prompt_ids, ctx)
+            stats.draft_time_s += time.perf_counter() - t1
+            tokens = list(seq.prompt_ids)  # the sequence so far, as the drafter sees it
+            done = seq.append(pending, time.perf_counter() - t0).finish_reason is not None
+            while not done:
+                self._extend(tokens, [pending])
+                accepted, drafted, pending = self._round(seq, tokens, cache, stats)
+                now = time.perf_counter() - t0
+                for tok in drafted[:accepted]:
+                    done = seq.append(tok, now).finish_reason is not None
+                    if done:
+                        break
+                    self._extend(tokens, [tok])
+                if not done:
+                    done = seq.append(pending, now).finish_reason is not None
+            sync(device)
+            stats.wall_time_s = time.perf_counter() - t0
+        stats.tokens = len(seq.output_ids)
+        stats.draft_passes = self.drafter.passes
+        return SpecCompletion(**vars(seq.result), stats=stats)
 
-            now = time.perf_counter() - t0
-            for tok in host[:accepted]:
-                done = emit(tok, now)
-                if done:
-                    break
-                seq.append(tok)
-                if seen is not None:
-                    seen[0, tok] = True
-            if not done:
-                done = emit(pending, now)
-        sync(device)
-        stats.wall_time_s = time.perf_counter() - t0
-    stats.tokens = len(result.token_ids)
-    stats.draft_passes = drafter.passes
-    if stopper is not None:
-        result.text = "".join(texts)
-    return result
+    def _extend(self, tokens: list[int], new: list[int]) -> None:
+        """Append tokens to the sequence and mark them seen (repetition penalty)."""
+        tokens.extend(new)
+        if self.seen is not None:
+            self.seen[0, new] = True
+
+    def _round(self, seq: Sequence, tokens: list[int], cache: StaticKVCache,
+               stats: SpecStats) -> tuple[int, list[int], int]:
+        """One round: draft up to k tokens, verify them in one target pass, roll back the rest.
+
+        Returns (accepted drafts, the drafts, the target's own next token).
+        """
+        params = seq.params
+        remaining = params.max_new_tokens - len(seq.output_ids)
+        k_eff = min(self.k, remaining - 1)  # a round yields at most k_eff + 1 tokens
+        td = time.perf_counter()
+        drafts, q = self.drafter.propose(tokens, k_eff, self.seen)
+        n = drafts.shape[0]
+        tt = time.perf_counter()
+        stats.draft_time_s += tt - td
+
+        # One target pass over [pending, d1..dn]: logits for the position after each.
+        self.ids_buf[0, 0] = tokens[-1]
+        self.ids_buf[0, 1:n + 1] = drafts
+        logits = self.target(self.ids_buf[:, :n + 1], cache=cache)[0]  # (n+1, V)
+        mask_padded_vocab(logits, self.vocab)
+        seen_rows = self._seen_per_position(drafts)
+        if params.greedy:
+            a, nxt = self._verify_greedy(logits, drafts, params, seen_rows)
+        else:
+            a, nxt = self._verify_sampled(logits, drafts, q, params, seen_rows)
+        self.res_buf[:n] = drafts
+        self.res_buf[n] = a
+        self.res_buf[n + 1] = nxt
+        host = self.res_buf[:n + 2].tolist()  # the round's one device → host transfer
+        accepted, pending = host[n], host[n + 1]
+        cache.rollback(n - accepted)  # keep pending + d1..d_accepted
+        stats.rounds += 1
+        stats.target_passes += 1
+        stats.proposed += n
+        stats.accepted += accepted
+        stats.rejections += accepted < n
+        stats.accept_hist[accepted] += 1
+        td = time.perf_counter()
+        stats.target_time_s += td - tt
+        self.drafter.commit(accepted, n)
+        stats.draft_time_s += time.perf_counter() - td
+        return accepted, host[:n], pending
+
+    def _seen_per_position(self, drafts: torch.Tensor) -> torch.Tensor | None:
+        """The seen-token mask at each verified position: the drafts before it count as seen."""
+        if self.seen is None:
+            return None
+        n = drafts.shape[0]
+        seen_rows = self.seen.expand(n + 1, self.V).clone()
+        if n:
+            onehot = torch.zeros(n + 1, self.V, dtype=torch.long, device=self.device)
+            onehot[self.rows[1:n + 1], drafts] = 1
+            seen_rows |= onehot.cumsum(0) > 0
+        return seen_rows
+
+    @staticmethod
+    def _verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams,
+                       seen_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the drafts that equal the target's argmax; the next token is the target's own
+        choice at the first mismatch (or after the last draft). Returns (accepted, next) on the
+        device."""
+        n = drafts.shape[0]
+        proc = logits if params.plain_argmax else process_logits(logits, params, seen_rows)
+        choice = proc.argmax(dim=-1)  # (n+1,)
+        a = (choice[:n] == drafts).long().cumprod(0).sum()
+        return a, choice.index_select(0, a.view(1))[0]
+
+    def _verify_sampled(self, logits: torch.Tensor, drafts: torch.Tensor,
+                        q: torch.Tensor | None, params: SamplingParams,
+                        seen_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accept each draft by `self.accept` until the first rejection; draw the next token from
+        the residual normalise(max(0, p − q)) there, or from p after a full acceptance."""
+        n, rows = drafts.shape[0], self.rows
+        p = process_logits(logits, params, seen_rows).softmax(dim=-1)  # (n+1, V)
+        if q is None:  # deterministic proposal: q is one-hot on each draft token
+            q = torch.zeros(n, self.V, device=self.device)
+            q[rows[:n], drafts] = 1.0
+        p_d, q_d = p[rows[:n], drafts], q[rows[:n], drafts]
+        u = torch.rand(n, device=self.device, generator=self.gen)
+        a = self.accept(p_d, q_d, u).long().cumprod(0).sum()
+        resid = torch.empty_like(p)
+        resid[:n] = (p[:n] - q).clamp_(min=0)  # where to go after a rejection at i
+        resid[n] = p[n]  # all accepted: the bonus token comes from p
+        row = resid.index_select(0, a.view(1))[0]
+        row = torch.where(row.sum() > 0, row, p.index_select(0, a.view(1))[0])  # p == q: use p
+        return a, torch.multinomial(row, 1, generator=self.gen)[0]

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from minifer import bench
+from minifer.bench import probes
+from minifer.bench.__main__ import main as bench_main
 
 
 def test_time_fn_runs_warmup_plus_repeats_and_reports_the_median():
@@ -55,76 +59,74 @@ def test_sync_is_a_noop_on_cpu():
 
 
 def test_bandwidth_probe_returns_a_positive_finite_rate():
-    bw = bench.measure_bandwidth("cpu", nbytes=1 << 16, warmup=0, repeats=2)
+    bw = probes.measure_bandwidth("cpu", nbytes=1 << 16, warmup=0, repeats=2)
     assert math.isfinite(bw) and bw > 0
     with pytest.raises(ValueError, match="nbytes"):
-        bench.measure_bandwidth("cpu", nbytes=0)
+        probes.measure_bandwidth("cpu", nbytes=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, "bfloat16"])
 def test_matmul_probe_returns_a_positive_finite_rate(dtype):
-    flops = bench.measure_matmul_flops("cpu", n=32, dtype=dtype, warmup=1, repeats=2)
+    flops = probes.measure_matmul_flops("cpu", n=32, dtype=dtype, warmup=1, repeats=2)
     assert math.isfinite(flops) and flops > 0
 
 
 def test_matmul_probe_rejects_bad_arguments():
     with pytest.raises(ValueError, match="dtype"):
-        bench.measure_matmul_flops("cpu", n=8, dtype="float99")
+        probes.measure_matmul_flops("cpu", n=8, dtype="float99")
     with pytest.raises(ValueError, match="n must"):
-        bench.measure_matmul_flops("cpu", n=0)
+        probes.measure_matmul_flops("cpu", n=0)
 
 
 def test_cli_probe_prints_both_numbers(capsys):
-    rc = bench.main(["probe", "--size-mib", "1", "--n", "32", "--repeats", "1"])
+    rc = bench_main(["probe", "--size-mib", "1", "--n", "32", "--repeats", "1"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "GB/s" in out and "GFLOP/s" in out
 
 
 def test_cli_without_a_command_prints_help(capsys):
-    assert bench.main([]) == 2
+    assert bench_main([]) == 2
     assert "probe" in capsys.readouterr().out
 
 
-def test_commands_can_be_registered(capsys, monkeypatch):
-    monkeypatch.setattr(bench, "COMMANDS", dict(bench.COMMANDS))
-    seen = {}
+def test_command_table_names_importable_modules():
+    from minifer.bench.__main__ import COMMANDS
 
-    def add(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--k", type=int, default=1)
-
-    def run(args: argparse.Namespace) -> int:
-        seen["k"] = args.k
-        return 3
-
-    bench.register_command("demo", "a demo command", add, run)
-    assert bench.main(["demo", "--k", "5"]) == 3
-    assert seen == {"k": 5}
+    for name, (module, help_text) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        assert callable(mod.add_arguments) and callable(mod.run_command), name
+        assert help_text
 
 
-def test_hardware_measure_uses_the_probes(monkeypatch):
-    from minifer.roofline import Hardware
+def test_python_dash_m_runs_the_table(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "minifer.bench", "probe", "--size-mib", "1",
+                          "--n", "16", "--repeats", "1"], capture_output=True, text=True,
+                         check=True)
+    assert "GB/s" in out.stdout and not out.stderr
 
-    monkeypatch.setattr(bench, "measure_bandwidth", lambda device="cpu": 10e9)
-    monkeypatch.setattr(bench, "measure_matmul_flops", lambda device="cpu", dtype=None: 100e9)
-    hw = Hardware.measure("cpu")
+
+def test_measure_hardware_uses_the_probes(monkeypatch):
+    monkeypatch.setattr(probes, "measure_bandwidth", lambda device="cpu": 10e9)
+    monkeypatch.setattr(probes, "measure_matmul_flops", lambda device="cpu", dtype=None: 100e9)
+    hw = probes.measure_hardware("cpu")
     assert hw.bandwidth == 10e9 and hw.peak_flops("fp32") == 100e9
     assert hw.memory_bytes > 0
     with pytest.raises(ValueError, match="precisions"):
-        Hardware.measure("cpu", precisions=("int4",))
+        probes.measure_hardware("cpu", precisions=("int4",))
 
 
-def test_this_machine_preset_is_measured_once(monkeypatch):
+def test_this_machine_is_measured_once(monkeypatch):
     from minifer import roofline
 
     calls = []
-    monkeypatch.setattr(bench, "measure_bandwidth", lambda device="cpu": calls.append(1) or 5e9)
-    monkeypatch.setattr(bench, "measure_matmul_flops", lambda device="cpu", dtype=None: 50e9)
-    roofline._measured_this_machine.cache_clear()
+    monkeypatch.setattr(probes, "measure_bandwidth", lambda device="cpu": calls.append(1) or 5e9)
+    monkeypatch.setattr(probes, "measure_matmul_flops", lambda device="cpu", dtype=None: 50e9)
+    probes.this_machine.cache_clear()
     try:
-        hw = roofline.Hardware.preset("this-machine")
-        assert roofline.Hardware.preset("this-machine") is hw and calls == [1]
+        hw = probes.this_machine()
+        assert probes.this_machine() is hw and calls == [1]
         assert hw.name == "this-machine" and roofline.ridge_point(hw, "fp32") == 10
-        assert roofline.decode_step("reference", "this-machine", precision="fp32").bound == "memory"
+        assert roofline.decode_time("reference", hw, precision="fp32").bound == "memory"
     finally:
-        roofline._measured_this_machine.cache_clear()
+        probes.this_machine.cache_clear()

@@ -389,11 +389,18 @@ def test_bad_prompts_raise_clear_errors(tiny, tok, prompts, use_tok, match):
 
 def test_prompt_plus_max_new_tokens_beyond_the_context(tiny, tok):
     ctx = tiny.config.context_length
-    generate(tiny, [[1] * (ctx - 4)], SamplingParams(max_new_tokens=4))  # exactly fits
+    # The last new token is never fed back: prompt + max_new_tokens - 1 positions must fit.
+    generate(tiny, [[1] * (ctx - 4)], SamplingParams(max_new_tokens=5))  # exactly fits
+    for use_cache in (True, False):
+        [full] = generate(tiny, [[1] * ctx], SamplingParams(max_new_tokens=1, temperature=0,
+                                                          ignore_eos=True), use_cache=use_cache)
+        assert full.completion_tokens == 1 and full.finish_reason == "length"
     with pytest.raises(ValueError, match="context window"):
-        generate(tiny, [[1] * (ctx - 4)], SamplingParams(max_new_tokens=5))
+        generate(tiny, [[1] * (ctx - 4)], SamplingParams(max_new_tokens=6))
+    with pytest.raises(ValueError, match="context window"):
+        generate(tiny, [[1] * ctx], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="prompt 1 .*context window"):
-        generate(tiny, ["a", "b" * ctx], SamplingParams(max_new_tokens=1), tok)
+        generate(tiny, ["a", "b" * (ctx + 1)], SamplingParams(max_new_tokens=1), tok)
     with pytest.raises(ValueError, match="max_new_tokens=200"):
         generate(tiny, [[1]], SamplingParams(max_new_tokens=200))
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import minifer as mf
-from minifer import bench, bench_decode
+from minifer.bench import decode as bench_decode
+from minifer.bench.__main__ import COMMANDS
+from minifer.bench.__main__ import main as bench_main
 from minifer.lessons import prefill_decode as PD
 
 
@@ -85,11 +87,11 @@ def test_run_and_report_on_tiny():
 
 
 def test_cli_decode_is_registered_and_runs(capsys):
-    rc = bench.main(["decode", "--preset", "tiny", "--prefill-tokens", "16", "--context", "4",
+    rc = bench_main(["decode", "--preset", "tiny", "--prefill-tokens", "16", "--context", "4",
                      "--batches", "1", "2", "--new-tokens", "3", "--prompt-tokens", "4",
                      "--repeats", "1"])
     out = capsys.readouterr().out
-    assert rc == 0 and "decode" in bench.COMMANDS
+    assert rc == 0 and "decode" in COMMANDS
     assert "tiny model" in out and "tokens/s" in out and "ms/step" in out and "no cache" in out
 
 

@@ -146,7 +146,7 @@ def test_measured_rows_against_the_machine_roofline():
     rows = roofline.measured_rows(CPU, "reference", [1, 64], [0.02, 0.05], context=64)
     one, big = rows
     assert (one["batch"], one["measured ms"], one["tok/s total"]) == (1, 20.0, 50)
-    step = rl.decode_step("reference", CPU, batch=1, context=64, precision="fp32",
+    step = rl.decode_time("reference", CPU, batch=1, context=64, precision="fp32",
                           include_kv=True, include_attention=True)
     assert one["roofline ms"] == round(step.tpot_ms, 2) and one["bound"] == "memory"
     assert one["MBU"] == round((step.weight_bytes + step.kv_bytes) / 0.02 / 10e9, 3)

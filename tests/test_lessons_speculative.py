@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import lively_model
 
 from minifer import SamplingParams
-from minifer.bench_spec import SpecPoint, interleaved_medians, measure
+from minifer.bench.spec import SpecPoint, measure
+from minifer.bench.timing import round_robin
 from minifer.lessons import speculative as L
 from minifer.speculative import PromptLookupDrafter, SpecStats, speculative_generate
 
@@ -63,19 +63,22 @@ def test_distribution_check_separates_right_from_wrong_rule():
     assert abs(sum(exact) - 1) < 1e-4
     target_only = L.target_counts(t, [0, 1], 3, 300)
     right = L.spec_counts(t, d, [0, 1], 3, 150, k=2)
-    with L.always_accept():
-        wrong = L.spec_counts(t, d, [0, 1], 3, 150, k=2)
-    assert L.spec._accept(torch.zeros(1), torch.ones(1), torch.ones(1)).tolist() == [False]  # restored
+    wrong = L.spec_counts(t, d, [0, 1], 3, 150, k=2, accept=L.always_accept)
     assert L.tv_distance(exact, target_only) < 0.1 and L.tv_distance(exact, right) < 0.15
     assert L.tv_distance(exact, wrong) > 0.3
     fig = L.distribution_figure(exact, {"target only": target_only, "speculative": right})
     assert len(fig.data) == 3 and list(fig.data[0].y) == exact
 
 
-def test_interleaved_medians():
+def test_round_robin():
     calls = []
-    med = interleaved_medians([lambda: calls.append("a"), lambda: calls.append("b")], warmup=1, repeats=2)
+    med = round_robin([lambda: calls.append("a"), lambda: calls.append("b")], warmup=1, repeats=2)
     assert calls == ["a", "b"] * 3 and len(med) == 2
+    calls.clear()
+    round_robin([lambda: calls.append("a"), lambda: calls.append("b")], warmup=0, repeats=2, calls=3)
+    assert calls == ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
     with pytest.raises(ValueError):
-        interleaved_medians([lambda: None], repeats=0)
+        round_robin([lambda: None], repeats=0)
+    with pytest.raises(ValueError, match="calls"):
+        round_robin([lambda: None], calls=0)
     assert SpecStats(k=1).merge(SpecStats(k=1)).prompts == 2

@@ -9,7 +9,7 @@ from conftest import lively_model
 
 import minifer as mf
 from minifer.quality import greedy_agreement, max_logit_diff
-from minifer.quantize import (
+from minifer.quantization import (
     QuantizedLinear,
     fused_available,
     model_bytes,
@@ -208,8 +208,8 @@ def test_errors(tiny):
 
 
 def test_fused_request_without_kernel_is_a_clear_error(tiny, monkeypatch):
-    import sys  # `minifer.quantize` the attribute is the function; the module is in sys.modules
-    qm = sys.modules["minifer.quantize"]
+    from minifer import quantization as qm
+
     monkeypatch.setattr(qm, "fused_available", lambda *a, **k: False)
     with pytest.raises(RuntimeError, match="impl='reference'"):
         quantize(tiny, "int4", group_size=32, impl="fused")

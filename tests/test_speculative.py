@@ -108,7 +108,7 @@ def test_several_prompts_run_one_by_one(tiny, draft, tok):
 
 
 @pytest.mark.skipif(not model_files("shakespeare")[0].is_file(),
-                    reason="shipped target checkpoint not written yet (python -m minifer.train)")
+                    reason="shipped target checkpoint not written yet (python -m minifer.training)")
 def test_shipped_pair_greedy_identical():
     target, tokenizer = mf.load_pretrained("shakespeare")
     draft_model, draft_tok = mf.load_pretrained("shakespeare-draft")
@@ -163,10 +163,10 @@ def _tv_bound(exact: dict, n: int, q: float = 0.999, reps: int = 4000) -> float:
     return float(tv.quantile(q))
 
 
-def _spec_counts(target, drafter, params_for, n, k=2) -> Counter:
+def _spec_counts(target, drafter, params_for, n, k=2, accept=spec.accept_with_ratio) -> Counter:
     counts = Counter()
     for i in range(n):
-        c = speculative_generate(target, drafter, PROMPT3, params_for(i), k=k)[0]
+        c = speculative_generate(target, drafter, PROMPT3, params_for(i), k=k, accept=accept)[0]
         counts[tuple(c.token_ids)] += 1
     return counts
 
@@ -208,12 +208,12 @@ def test_sampling_with_processing_and_prompt_lookup_matches_target():
         assert _tv(exact, counts, 300) <= bound, drafter.name
 
 
-def test_wrong_acceptance_rule_fails_the_check(monkeypatch):
+def test_wrong_acceptance_rule_fails_the_check():
     """Always accepting the draft gives the draft's distribution, which the same check rejects."""
     target, draft_model = _peaky(0), _peaky(5)
     exact = _exact_joint(target, PROMPT3, N_NEW, _params(0))
-    monkeypatch.setattr(spec, "_accept", lambda p_d, q_d, u: torch.ones_like(p_d, dtype=torch.bool))
-    counts = _spec_counts(target, ModelDrafter(draft_model), _params, 150)
+    counts = _spec_counts(target, ModelDrafter(draft_model), _params, 150,
+                          accept=lambda p_d, q_d, u: torch.ones_like(p_d, dtype=torch.bool))
     assert _tv(exact, counts, 150) > _tv_bound(exact, 150)
 
 
@@ -229,7 +229,7 @@ def test_acceptance_rule_guards():
     p = torch.tensor([0.0, 0.3, 0.6, 0.1])
     q = torch.tensor([0.0, 0.0, 0.3, 0.2])
     # q = 0 and p = 0: reject; q = 0, p > 0: accept; p ≥ q: accept; p/q = 0.5 with u = 0.99: reject
-    assert spec._accept(p, q, u).tolist() == [False, True, True, False]
+    assert spec.accept_with_ratio(p, q, u).tolist() == [False, True, True, False]
 
 
 # ---- caches and stats --------------------------------------------------------------------------

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from minifer import corpus
 from minifer.config import GPTConfig
 from minifer.pretrained import data_dir
-from minifer.train import (
+from minifer.training import corpus
+from minifer.training.train import (
     TrainSpec,
     get_batch,
     lr_at,
@@ -159,3 +159,26 @@ def test_corpus_split_is_by_play_and_matches_the_shipped_fingerprint():
 def test_build_corpus_rejects_unknown_held_out_play():
     with pytest.raises(ValueError, match="held_out"):
         corpus.build_corpus(held_out=("hamlet", "the-lost-play"))
+
+
+def test_model_card_renders_from_its_template(tmp_path):
+    """The card is a template filled from the shipped files' metadata: every field is filled
+    and the shipped card is what it renders (no hand edits drift from the code)."""
+    import shutil
+
+    from minifer.pretrained import data_dir
+    from minifer.training.train import write_model_card
+
+    shipped = data_dir() / "shakespeare"
+    out = tmp_path / "shakespeare"
+    shutil.copytree(shipped, out)
+    text = write_model_card(out).read_text(encoding="utf-8")
+    assert "$" not in text and "minifer/training/corpus.py" in text
+    want = (shipped / "MODEL_CARD.md").read_text(encoding="utf-8")
+
+    def stable(card: str) -> list[str]:  # the samples and this machine's CPU differ by machine
+        head, _, rest = card.partition("## Samples")
+        tail = rest.partition("## How to reproduce")[2]
+        return [ln for ln in (head + tail).splitlines() if not ln.startswith("Machine:")]
+
+    assert stable(text) == stable(want)

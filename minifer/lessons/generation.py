@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 import torch
 
 from ..cache import StaticKVCache
-from ..generate import Completion, decode_step, generate, prefill
+from ..generation import Completion, decode_step, generate, prefill
 from ..sampling import SamplingParams
 from .common import style
 

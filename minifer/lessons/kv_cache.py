@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import torch
 
 from ..cache import StaticKVCache
-from ..generate import decode_step, generate, prefill
+from ..generation import decode_step, generate, prefill
 from ..sampling import SamplingParams
 from .common import style
 

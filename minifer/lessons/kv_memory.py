@@ -18,9 +18,9 @@ import torch
 from plotly.subplots import make_subplots
 
 from .. import roofline as rl
-from ..bench_decode import random_ids
+from ..bench.decode import random_ids
 from ..cache import StaticKVCache
-from ..generate import prefill
+from ..generation import prefill
 from .common import TEMPLATE, table
 
 MODEL_CHOICES = ["llama-3-8b", "llama-7b", "llama-2-70b", "llama-2-70b-mha", "80L-8kv",

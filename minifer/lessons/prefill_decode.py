@@ -17,7 +17,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from .. import roofline as rl
-from ..bench_decode import REFERENCE, time_decode_step, time_prefill
+from ..bench.decode import REFERENCE, time_decode_step, time_prefill
 from .common import TEMPLATE
 
 LENGTHS = (16, 64, 128, 256, 512, 1000)  # prompt tokens = cached tokens for decode (≤ 1023)
@@ -118,8 +118,8 @@ def phase_rows(model: str | rl.ModelSpec = "reference", prompt_tokens: int = 512
     Both read every weight once; prefill does ``prompt_tokens`` tokens' worth of arithmetic
     with them, decode one token's. Hardware does not enter these three numbers.
     """
-    p = rl.prefill(model, "illustrative", prompt_tokens, precision=precision)
-    d = rl.decode_step(model, "illustrative", batch=1, precision=precision)
+    p = rl.prefill_time(model, "illustrative", prompt_tokens, precision=precision)
+    d = rl.decode_time(model, "illustrative", batch=1, precision=precision)
     return [{"pass": f"prefill ({prompt_tokens} tokens)", "tokens": prompt_tokens,
              "GFLOP": round(p.flops / 1e9, 2), "MB read": round(p.bytes_read / 1e6, 1),
              "FLOP/byte": round(p.arithmetic_intensity, 2)},

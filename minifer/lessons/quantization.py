@@ -15,9 +15,9 @@ import plotly.graph_objects as go
 import torch
 
 from .. import roofline as rl
-from ..bench_quant import time_variants
+from ..bench.quant import time_variants
 from ..quality import greedy_agreement, max_logit_diff, top1_agreement, validation_perplexity
-from ..quantize import PRECISIONS, model_bytes, quantize, quantize_int8
+from ..quantization import PRECISIONS, model_bytes, quantize, quantize_int8
 from .common import style, table
 
 __all__ = ["PrecisionRow", "quantized_models", "precision_rows", "rows_table", "quality_figure",
@@ -136,8 +136,8 @@ def roofline_rows(model: str = "llama-7b", hardware: str = "a100-80gb", prompt_t
     precision. Weight-only quantization keeps bf16 matmuls, so only the bytes change."""
     out = []
     for p in precisions:
-        d = rl.decode_step(model, hardware, batch=batch, precision=p)
-        f = rl.prefill(model, hardware, prompt_tokens, batch=batch, precision=p)
+        d = rl.decode_time(model, hardware, batch=batch, precision=p)
+        f = rl.prefill_time(model, hardware, prompt_tokens, batch=batch, precision=p)
         out.append({"weights": p, "weight GB": round(d.weight_bytes / 1e9, 2),
                     "TPOT ms": round(d.tpot_ms, 2), "decode bound": d.bound,
                     "TTFT ms": round(f.ttft_ms, 1), "prefill bound": f.bound})

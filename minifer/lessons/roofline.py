@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .. import roofline as rl
+from ..bench.probes import this_machine
 from .common import TEMPLATE, table
 
 MODEL_CHOICES = ["llama-3-8b", "llama-7b", "6.74b", "llama-2-70b", "reference"]
@@ -28,14 +29,20 @@ def _r(x: float) -> float:
     return float(f"{x:.6g}")
 
 
-def _step(model: str, hardware: str, precision: str, batch: int, context: int) -> rl.DecodeStep:
+def _hardware(name: str) -> rl.Hardware:
+    """A preset accelerator, or "this-machine": this CPU, measured once (about a second)."""
+    return this_machine() if name == "this-machine" else rl.Hardware.preset(name)
+
+
+def _step(model: str, hardware: rl.Hardware, precision: str, batch: int,
+          context: int) -> rl.DecodeEstimate:
     # KV reads and attention FLOPs are on: at context 0 they are zero, so the simple model's
     # numbers (PD-8) come out exactly; slide the context up to see what it leaves out (PD-11).
-    return rl.decode_step(model, hardware, batch=batch, context=context, precision=precision,
+    return rl.decode_time(model, hardware, batch=batch, context=context, precision=precision,
                           include_kv=True, include_attention=True)
 
 
-def _title(s: rl.DecodeStep) -> str:
+def _title(s: rl.DecodeEstimate) -> str:
     return (f"{s.model}, {s.precision}, batch {s.batch:,}, context {s.context:,}: "
             f"TPOT {s.tpot_s * 1e3:.2f} ms, {s.bound}-bound, "
             f"{s.tokens_per_s_total:,.0f} tok/s total ({s.tokens_per_s_per_user:,.0f} per user)")
@@ -50,11 +57,11 @@ def decode_figure(model: str = "llama-3-8b", precision: str = "bf16", batch: int
     Right: tokens/s for the whole server and per user (BATCH-2): the total climbs while the
     step stays memory-bound, then flattens; each user's speed is flat, then falls.
     """
-    hw = rl.Hardware.preset(hardware)
-    this = _step(model, hardware, precision, batch, context)
+    hw = _hardware(hardware)
+    this = _step(model, hw, precision, batch, context)
     peak, bw = hw.peak_flops(this.compute_precision), hw.bandwidth
     ridge = peak / bw
-    steps = [_step(model, hardware, precision, b, context) for b in BATCHES]
+    steps = [_step(model, hw, precision, b, context) for b in BATCHES]
 
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08, subplot_titles=(
         f"roofline (ridge {ridge:,.0f} FLOP/byte)", "time per decode step", "throughput"))
@@ -108,8 +115,8 @@ def prefill_figure(model: str = "llama-3-8b", precision: str = "bf16",
                    prompt_tokens: int = 2000, hardware: str = "illustrative") -> go.Figure:
     """Prefill time against prompt length (PD-1, PD-7): reading the weights costs the same for
     any prompt, the arithmetic grows with it, so long prompts are compute-bound and TTFT grows."""
-    p = rl.prefill(model, hardware, prompt_tokens, precision=precision)
-    runs = [rl.prefill(model, hardware, t, precision=precision) for t in PROMPTS]
+    p = rl.prefill_time(model, hardware, prompt_tokens, precision=precision)
+    runs = [rl.prefill_time(model, hardware, t, precision=precision) for t in PROMPTS]
     fig = go.Figure()
     for name, ys, dash in (("read weights", [s.read_s for s in runs], "dot"),
                            ("compute", [s.compute_s for s in runs], "dash"),
@@ -219,9 +226,9 @@ MEASURED_BATCHES = [2**i for i in range(9)]  # 1 ... 256: the roofline curves of
 
 
 def _machine_step(spec: rl.ModelSpec | str, hw: rl.Hardware, batch: int, context: int,
-                  precision: str) -> rl.DecodeStep:
+                  precision: str) -> rl.DecodeEstimate:
     # KV reads and attention FLOPs on: that is what the measured step really does.
-    return rl.decode_step(spec, hw, batch=batch, context=context, precision=precision,
+    return rl.decode_time(spec, hw, batch=batch, context=context, precision=precision,
                           include_kv=True, include_attention=True)
 
 

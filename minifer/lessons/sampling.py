@@ -9,7 +9,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import torch
 
-from ..generate import generate
+from ..generation import generate
 from ..sampling import SamplingParams, process_logits
 from .common import style
 from .generation import show_token

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
@@ -15,10 +14,11 @@ import torch
 from plotly.subplots import make_subplots
 
 from .. import speculative as spec
-from ..bench_spec import REFERENCE, SpecPoint, interleaved_medians, measure
+from ..bench.spec import REFERENCE, SpecPoint, measure
+from ..bench.timing import round_robin
 from ..cache import StaticKVCache
 from ..config import GPTConfig
-from ..generate import generate
+from ..generation import generate
 from ..model import GPT
 from ..sampling import SamplingParams
 from ..speculative import ModelDrafter, SpecStats, expected_speedup, speculative_generate
@@ -83,7 +83,7 @@ def verify_cost(target, prompt_ids: list[int], ks: Sequence[int], repeats: int =
                 target(x, cache=cache)
             cache.rollback(t)
         fns.append(f)
-    med = interleaved_medians(fns, warmup=2, repeats=repeats)
+    med = round_robin(fns, warmup=2, repeats=repeats, device=dev)
     return {k: m / med[0] for k, m in zip(ks, med[1:])}
 
 
@@ -208,30 +208,26 @@ def target_counts(model, prompt: list[int], n: int, samples: int, seed: int = 0,
 
 
 def spec_counts(target, draft, prompt: list[int], n: int, samples: int, k: int = 2,
-                temperature: float = 1.0) -> list[int]:
+                temperature: float = 1.0,
+                accept: spec.AcceptRule = spec.accept_with_ratio) -> list[int]:
     """Counts of the n-th token over `samples` seeded speculative generations.
 
     Each run generates n + 1 tokens, so with n = k + 1 the n-th token is the round's last draft
     (kept or replaced by the rule), not the bonus token drawn from the target itself.
+    `accept`: the acceptance rule (pass `always_accept` to see a wrong one).
     """
     drafter = ModelDrafter(draft)
     c: Counter = Counter()
     for i in range(samples):
         params = SamplingParams(temperature=temperature, max_new_tokens=n + 1, ignore_eos=True,
                                 seed=i)
-        c[speculative_generate(target, drafter, prompt, params, k=k)[0].token_ids[n - 1]] += 1
+        c[speculative_generate(target, drafter, prompt, params, k=k, accept=accept)[0].token_ids[n - 1]] += 1
     return [c[v] for v in range(target.config.vocab_size)]
 
 
-@contextmanager
-def always_accept() -> Iterator[None]:
-    """Swap in a deliberately wrong acceptance rule (keep every draft) — for the demonstration."""
-    saved = spec._accept
-    spec._accept = lambda p_d, q_d, u: torch.ones_like(p_d, dtype=torch.bool)
-    try:
-        yield
-    finally:
-        spec._accept = saved
+def always_accept(p_d: torch.Tensor, q_d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A deliberately wrong acceptance rule (keep every draft), for the demonstration."""
+    return torch.ones_like(p_d, dtype=torch.bool)
 
 
 def tv_distance(p: Sequence[float], counts: Sequence[int]) -> float:

@@ -153,7 +153,7 @@ def build_corpus(held_out: tuple[str, ...] = HELD_OUT_PLAYS) -> Corpus:
     return Corpus(Split("train", train), Split("validation", val))
 
 
-if __name__ == "__main__":  # python -m minifer.corpus: print the split statistics
+if __name__ == "__main__":  # python -m minifer.training.corpus: print the split statistics
     import json
 
     print(json.dumps(build_corpus().stats(), indent=2))

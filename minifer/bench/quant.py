@@ -10,18 +10,17 @@ dequantize-then-matmul path (which rebuilds a float weight at every call — hon
 from __future__ import annotations
 
 import argparse
-import statistics
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from . import bench
-from .bench_decode import random_ids
-from .cache import StaticKVCache
-from .generate import decode_step, prefill
-from .model import GPT
-from .quantize import model_bytes, quantize
+from ..cache import StaticKVCache
+from ..generation import decode_step, prefill
+from ..model import GPT
+from ..quantization import model_bytes, quantize
+from .decode import random_ids
+from .timing import round_robin
 
 __all__ = ["VARIANTS", "QuantRow", "variant_model", "time_variants", "run", "format_report"]
 
@@ -76,14 +75,10 @@ def time_variants(models: dict[str, torch.nn.Module], batch: int, context: int =
     """Median seconds per decode step of each model, timed round-robin: every round times
     ``steps`` steps of each model in turn, so a slow spell of the machine hits all of them."""
     steppers = {k: _stepper(m, batch, context) for k, m in models.items()}
-    for step in steppers.values():  # warm-up
-        step()
-        step()
-    times: dict[str, list[float]] = {k: [] for k in models}
-    for _ in range(rounds):
-        for k, step in steppers.items():
-            times[k].append(bench.time_fn(step, warmup=0, repeats=steps).median_s)
-    return {k: statistics.median(v) for k, v in times.items()}
+    device = next(next(iter(models.values())).parameters()).device
+    medians = round_robin(list(steppers.values()), warmup=2, repeats=rounds, calls=steps,
+                          device=device)
+    return dict(zip(steppers, medians))
 
 
 def run(preset: str = "reference", batches: tuple[int, ...] = (1, 32), context: int = 64,
@@ -118,7 +113,7 @@ def format_report(rows: list[QuantRow]) -> str:
     return "\n".join(lines)
 
 
-def _arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="reference", help="model preset (default: reference)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32],
                         help="decode batch sizes (default: 1 32)")
@@ -130,7 +125,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
-def _run(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"reference decode per precision, {torch.get_num_threads()} threads, "
@@ -140,6 +135,3 @@ def _run(args: argparse.Namespace) -> int:
     print(format_report(rows))
     return 0
 
-
-bench.register_command("quant", "bytes and decode tokens/s per precision (fp32 ... int4)",
-                       _arguments, _run)

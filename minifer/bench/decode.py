@@ -10,7 +10,7 @@ their reference figures:
 * whole generations with and without the KV cache at 32 and 128 new tokens: ms per new token
   (KV-3: without the cache every step recomputes the whole sequence).
 
-Every figure is the median of several runs after warm-up (:func:`minifer.bench.time_fn`).
+Every figure is the median of several runs after warm-up (:func:`minifer.bench.timing.time_fn`).
 The functions are plain and importable, so the lessons time things exactly as the command does.
 """
 
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import bench
-from .cache import StaticKVCache
-from .config import GPTConfig
-from .generate import decode_step, generate, prefill
-from .model import GPT
-from .sampling import SamplingParams
+from ..cache import StaticKVCache
+from ..config import GPTConfig
+from ..generation import decode_step, generate, prefill
+from ..model import GPT
+from ..sampling import SamplingParams
+from .timing import Timing, time_fn
 
 __all__ = ["random_ids", "time_prefill", "time_decode_step", "time_generation", "BatchStep",
            "CacheComparison", "DecodeBench", "run", "format_report", "busy_warning", "REFERENCE"]
@@ -62,7 +62,7 @@ def _check_fits(model: torch.nn.Module, tokens: int, what: str) -> None:
 
 
 def time_prefill(model: torch.nn.Module, prompt_tokens: int, batch: int = 1, *,
-                 warmup: int = 1, repeats: int = 3, seed: int = 0) -> bench.Timing:
+                 warmup: int = 1, repeats: int = 3, seed: int = 0) -> Timing:
     """Time one prefill of ``batch`` prompts of ``prompt_tokens`` tokens (cache reset each run).
 
     ``prompt_tokens / median_s`` is the prefill throughput; the time is the TTFT minus sampling.
@@ -77,11 +77,11 @@ def time_prefill(model: torch.nn.Module, prompt_tokens: int, batch: int = 1, *,
         prefill(model, ids, cache)
 
     with torch.inference_mode():
-        return bench.time_fn(run, warmup=warmup, repeats=repeats, device=dev)
+        return time_fn(run, warmup=warmup, repeats=repeats, device=dev)
 
 
 def time_decode_step(model: torch.nn.Module, batch: int = 1, context: int = 64, *,
-                     warmup: int = 2, repeats: int = 10, seed: int = 0) -> bench.Timing:
+                     warmup: int = 2, repeats: int = 10, seed: int = 0) -> Timing:
     """Time one decode step of ``batch`` sequences that each have ``context`` cached tokens.
 
     The cache is filled once by a prefill; every timed step appends one token per sequence and
@@ -99,12 +99,12 @@ def time_decode_step(model: torch.nn.Module, batch: int = 1, context: int = 64, 
             decode_step(model, tokens, cache)
             cache.rollback(1)
 
-        return bench.time_fn(run, warmup=warmup, repeats=repeats, device=dev)
+        return time_fn(run, warmup=warmup, repeats=repeats, device=dev)
 
 
 def time_generation(model: torch.nn.Module, prompt_tokens: int, new_tokens: int, *,
                     use_cache: bool = True, warmup: int = 1, repeats: int = 3,
-                    seed: int = 0) -> bench.Timing:
+                    seed: int = 0) -> Timing:
     """Time a whole greedy generation (prefill + ``new_tokens`` tokens, EOS ignored).
 
     ``use_cache=False`` takes :func:`minifer.generate`'s reference path, which recomputes the
@@ -117,7 +117,7 @@ def time_generation(model: torch.nn.Module, prompt_tokens: int, new_tokens: int,
     short = SamplingParams(temperature=0, max_new_tokens=min(new_tokens, 4), ignore_eos=True)
     for _ in range(warmup):  # a short generation warms the same code path at a fraction of the cost
         generate(model, [ids], short, use_cache=use_cache)
-    return bench.time_fn(lambda: generate(model, [ids], params, use_cache=use_cache),
+    return time_fn(lambda: generate(model, [ids], params, use_cache=use_cache),
                          warmup=0, repeats=repeats, device=_model_device(model))
 
 
@@ -246,7 +246,7 @@ def format_report(r: DecodeBench, reference: bool | None = None) -> str:
     return "\n".join(lines)
 
 
-def _arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="reference",
                         help="model preset, random weights (default: reference, 26.8M)")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -280,7 +280,7 @@ def busy_warning(threads: int) -> str | None:
             f"--threads {max(1, cpus - round(load))}")
 
 
-def _run(args: argparse.Namespace) -> int:
+def run_command(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.device == "cpu" and (warning := busy_warning(torch.get_num_threads())):
@@ -291,6 +291,3 @@ def _run(args: argparse.Namespace) -> int:
     print(format_report(result))
     return 0
 
-
-bench.register_command("decode", "prefill vs decode, batch sizes, KV cache vs none (reference "
-                       "model, fp32)", _arguments, _run)

@@ -1,0 +1,12 @@
+"""Measuring, honestly: timing (warm-up, device sync, medians, round-robin), probes of this
+machine, and the benchmarks behind ``python -m minifer.bench probe|decode|quant|spec``.
+
+`timing` and `probes` are imported here; the benchmark modules (`decode`, `quant`, `spec`) are
+imported where they are used.
+"""
+
+from .probes import measure_bandwidth, measure_hardware, measure_matmul_flops, this_machine
+from .timing import Timing, round_robin, sync, time_fn
+
+__all__ = ["Timing", "measure_bandwidth", "measure_hardware", "measure_matmul_flops",
+           "round_robin", "sync", "this_machine", "time_fn"]

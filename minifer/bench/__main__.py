@@ -1,0 +1,45 @@
+"""``python -m minifer.bench COMMAND``: every benchmark behind one entry point.
+
+The table below is the whole list of subcommands: each names the module whose
+``add_arguments(parser)`` declares its options and whose ``run_command(args)`` runs it.
+Modules are imported only for the command that runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "probe": ("minifer.bench.probes", "measure memory bandwidth and matmul FLOP/s of this machine"),
+    "decode": ("minifer.bench.decode",
+               "prefill vs decode, batch sizes, KV cache vs none (reference model, fp32)"),
+    "quant": ("minifer.bench.quant", "bytes and decode tokens/s per precision (fp32 ... int4)"),
+    "spec": ("minifer.bench.spec", "plain vs speculative decoding (draft model, prompt lookup) on "
+             "the shipped Shakespeare pair, greedy, batch 1"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line and run one benchmark; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m minifer.bench",
+                                     description="minifer's benchmarks: warm-up, device sync, "
+                                     "medians, ratios measured in the same run.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:  # only the chosen command's module is imported
+            importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return importlib.import_module(COMMANDS[args.command][0]).run_command(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

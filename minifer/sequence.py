@@ -1,0 +1,343 @@
+"""One request's state, and the one place where a request's input is checked.
+
+A `Sequence` holds what a generation loop or a scheduler needs to know about one request: its
+prompt ids, the tokens generated so far, the text released so far (detokenized incrementally,
+with stop strings held back), why it finished, and when each token came. Every loop —
+`generation.stream`, speculative decoding, the serving engine — advances a request the same way:
+``event = seq.append(token, now)``.
+
+`prepare` turns user input (text or ids, `SamplingParams`, a tokenizer) into Sequences and raises a
+clear `ValueError`/`TypeError` naming the parameter for anything the model cannot take, so nothing
+fails later deep inside torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import abc
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+from .tokenizer import TokenizerLike
+
+
+# ---- results -------------------------------------------------------------------------------
+@dataclass
+class TokenEvent:
+    """One streamed token of prompt `index`: its id, the new text it releases, when it came."""
+
+    index: int
+    token_id: int
+    text: str  # may be "" while the bytes or a possible stop string are held back
+    time: float  # seconds since the request started
+    finish_reason: str | None = None  # set on the row's last event: "eos", "stop" or "length"
+
+
+@dataclass
+class Completion:
+    """The result for one prompt: tokens, text, why it stopped, usage and timings."""
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None  # None without a tokenizer
+    finish_reason: str | None = None  # "eos" | "stop" | "length"
+    token_times: list[float] = field(default_factory=list)  # seconds since start, per token
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token (s): prefill plus the first sampling step."""
+        return self.token_times[0] if self.token_times else float("nan")
+
+    @property
+    def itl(self) -> list[float]:
+        """Inter-token latencies (s): the gaps between consecutive tokens."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first (s)."""
+        gaps = self.itl
+        return sum(gaps) / len(gaps) if gaps else float("nan")
+
+    @property
+    def e2e(self) -> float:
+        """End-to-end latency (s) until the last token."""
+        return self.token_times[-1] if self.token_times else float("nan")
+
+
+# ---- stop strings on text ------------------------------------------------------------------
+class TextStopper:
+    """Detokenizes one row incrementally and matches stop strings on the text.
+
+    Stop strings are matched on text, not token ids, because a stop string can be split across
+    tokens in many ways. Text that could still turn out to be the start of a stop string is held
+    back, so a reader never sees part of a stop string that is later cut away.
+    """
+
+    def __init__(self, tokenizer: TokenizerLike, stop: abc.Sequence[str]) -> None:
+        self.detok = tokenizer.detokenizer()
+        self.stop = tuple(stop)
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, token_id: int) -> str:
+        """Text released by this token ("" while held back). Sets `stopped` on a stop string."""
+        return self._release(self.pending + self.detok.feed(token_id), final=False)
+
+    def flush(self) -> str:
+        """End of generation: release everything still held (REQ-3)."""
+        return self._release(self.pending + self.detok.flush(), final=True)
+
+    def _release(self, buf: str, final: bool) -> str:
+        hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped, self.pending = True, ""
+            return buf[: min(hits)]
+        hold = 0 if final else self._held_suffix(buf)
+        self.pending = buf[len(buf) - hold:] if hold else ""
+        return buf[: len(buf) - hold]
+
+    def _held_suffix(self, buf: str) -> int:
+        """Length of the longest end of `buf` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(buf)), best, -1):
+                if s.startswith(buf[-k:]):
+                    best = k
+                    break
+        return best
+
+
+# ---- one request ---------------------------------------------------------------------------
+class Sequence:
+    """One request: its prompt, the tokens and text generated so far, and when it finished.
+
+    `append` records a sampled token and decides whether the request is finished: on the
+    end-of-sequence token, a stop string (matched on the detokenized text) or the
+    `max_new_tokens` limit. The `Completion` it fills (`result`) is what users get back.
+    """
+
+    def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams,
+                 tokenizer: TokenizerLike | None = None, eos_id: int | None = None) -> None:
+        self.index = index
+        self.params = params
+        self.eos_id = None if params.ignore_eos else eos_id
+        self.result = Completion(index=index, prompt_token_ids=prompt_ids)
+        self.stopper = TextStopper(tokenizer, params.stop) if tokenizer is not None else None
+        self._texts: list[str] = []
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.result.prompt_token_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.result.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.result.prompt_token_ids) + len(self.result.token_ids)
+
+    @property
+    def max_len(self) -> int:
+        """Most tokens the model ever sees for this request: the last sampled token is never
+        fed back, so the KV cache needs ``prompt + max_new_tokens - 1`` slots."""
+        return len(self.result.prompt_token_ids) + self.params.max_new_tokens - 1
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.result.finish_reason
+
+    @property
+    def finished(self) -> bool:
+        return self.result.finish_reason is not None
+
+    def append(self, token: int, now: float) -> TokenEvent:
+        """Record one sampled token (`now`: seconds since the request started)."""
+        if self.finished:
+            raise RuntimeError(f"sequence {self.index} is already finished ({self.finish_reason})")
+        c = self.result
+        c.token_ids.append(token)
+        c.token_times.append(now)
+        text = self.stopper.feed(token) if self.stopper is not None else ""
+        reason = None
+        if self.stopper is not None and self.stopper.stopped:
+            reason = "stop"
+        elif self.eos_id is not None and token == self.eos_id:
+            reason = "eos"
+        elif len(c.token_ids) >= self.params.max_new_tokens:
+            reason = "length"
+        if reason is not None and reason != "stop" and self.stopper is not None:
+            text += self.stopper.flush()
+            if self.stopper.stopped:  # the held-back text completed a stop string only at the end
+                reason = "stop"
+        if self.stopper is not None:
+            self._texts.append(text)
+            if reason is not None:
+                c.text = "".join(self._texts)
+        c.finish_reason = reason
+        return TokenEvent(self.index, token, text, now, reason)
+
+
+# ---- input checks --------------------------------------------------------------------------
+@dataclass
+class Prepared:
+    """Checked request input: one `Sequence` per prompt, and what sampling needs to know."""
+
+    sequences: list[Sequence]
+    vocab: int  # leading vocabulary entries that may be sampled (the rest is padding)
+    device: torch.device
+
+
+def prepare(model: torch.nn.Module, prompts, params: SamplingParams | None,
+            tokenizer: TokenizerLike | None = None, *, device=None,
+            context_lengths: abc.Mapping[str, int] | None = None) -> Prepared:
+    """Check everything about a request before any tensor is touched; build its Sequences.
+
+    `context_lengths` names every context window the request must fit (default: the model's);
+    speculative decoding passes the target's and the draft's.
+    """
+    from .device import as_device
+
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams (e.g. SamplingParams(temperature=0)), "
+                        f"got {type(params).__name__} {params!r}")
+    if tokenizer is not None and not all(hasattr(tokenizer, a) for a in ("encode", "detokenizer")):
+        raise TypeError(f"tokenizer must be a minifer tokenizer (ByteTokenizer, Tokenizer), "
+                        f"got {type(tokenizer).__name__} {tokenizer!r}")
+    cfg = model.config
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings are matched on text: pass tokenizer= to use stop")
+    ids_list = encode_prompts(prompts, tokenizer, cfg.vocab_size)
+    vocab = usable_vocab(cfg, tokenizer, params)
+    windows = context_lengths or {"model": cfg.context_length}
+    for i, ids in enumerate(ids_list):
+        need = len(ids) + params.max_new_tokens - 1  # the last new token is never fed back
+        for name, context in windows.items():
+            if need > context:
+                where = "" if len(windows) == 1 else f" (the {name}'s context)"
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens; with max_new_tokens={params.max_new_tokens} "
+                    f"the model must see {need} > the context window of {context} tokens{where}; "
+                    f"allowed: prompt tokens + max_new_tokens - 1 <= {context}")
+    dev = as_device(device) if device is not None else next(model.parameters()).device
+    eos = eos_id(cfg, tokenizer)
+    seqs = [Sequence(i, ids, params, tokenizer, eos) for i, ids in enumerate(ids_list)]
+    return Prepared(seqs, vocab, dev)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() == 1:
+            prompts = prompts.unsqueeze(0)
+        if prompts.dim() != 2:
+            raise ValueError(f"a prompt tensor must be 1-D or 2-D, got shape {tuple(prompts.shape)}")
+        if prompts.is_floating_point() or prompts.dtype == torch.bool:
+            raise ValueError(f"prompt token ids must be integers, got dtype {prompts.dtype}")
+        return prompts.tolist()
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, abc.Sequence) or len(prompts) == 0:
+        raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of "
+                         f"those, got {type(prompts).__name__} {prompts!r:.80}")
+    if all(_is_scalar(p) for p in prompts):
+        return [list(prompts)]  # one prompt given as a flat list of ids
+    if any(_is_scalar(p) for p in prompts):
+        raise ValueError("prompts mixes token ids and nested prompts: give one flat list of ids, "
+                         "or a list of prompts (each a string or a list of ids)")
+    return list(prompts)
+
+
+def _is_scalar(x) -> bool:
+    """Not a prompt of its own: neither text, nor a list, nor a tensor with a dimension."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0
+    return not isinstance(x, (str, abc.Sequence))
+
+
+def _is_token_id(x) -> bool:
+    """An integer-like scalar (int, numpy integer, 0-d integer tensor), not a bool."""
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not x.is_floating_point() and x.dtype != torch.bool
+    return hasattr(x, "__index__")
+
+
+def encode_prompts(prompts, tokenizer: TokenizerLike | None, vocab_size: int) -> list[list[int]]:
+    """Token ids for each prompt, with clear errors for anything the model cannot take."""
+    out = []
+    for i, p in enumerate(_as_prompt_list(prompts)):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError(f"prompt {i} is text but no tokenizer was given; pass tokenizer=")
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"prompt {i} is not valid Unicode text (a lone surrogate at "
+                                 f"character {err.start}); pass well-formed text") from None
+            ids = tokenizer.encode(p)
+        else:
+            if isinstance(p, torch.Tensor):
+                if p.is_floating_point():
+                    raise ValueError(f"prompt {i}: token ids must be integers, got dtype {p.dtype}")
+                p = p.tolist()
+            if not isinstance(p, abc.Sequence):
+                raise ValueError(f"prompt {i} must be a string or a list of token ids, "
+                                 f"got {type(p).__name__} {p!r:.80}")
+            ids = list(p)
+            for t in ids:
+                if not _is_token_id(t):
+                    raise ValueError(f"prompt {i}: token ids must be integers, got "
+                                     f"{type(t).__name__} {t!r:.80}")
+            ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+        out.append(ids)
+    return out
+
+
+def usable_vocab(cfg, tokenizer: TokenizerLike | None, params: SamplingParams) -> int:
+    """How many leading vocabulary entries may be sampled.
+
+    Models often pad their vocabulary (to a multiple of 64, or here the reference model's 1,024
+    entries with a 257-token byte tokenizer); tokens past the tokenizer's vocabulary mean nothing,
+    so they are never sampled.
+    """
+    vocab = cfg.vocab_size
+    if tokenizer is not None:
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size}"
+            )
+        vocab = tokenizer.vocab_size
+    bad = [t for t in params.logit_bias if t >= cfg.vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
+    if params.logit_bias and all(params.logit_bias.get(t, 0.0) == -math.inf for t in range(vocab)):
+        raise ValueError("logit_bias bans every token of the vocabulary (-inf on all of them): "
+                         "leave at least one token that can be sampled")
+    return vocab
+
+
+def eos_id(cfg, tokenizer: TokenizerLike | None) -> int | None:
+    """The end-of-sequence id: the tokenizer's if it has one, else the model config's."""
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    return cfg.eos_token_id
