@@ -316,7 +316,7 @@ print("OK")
 
 
 def test_int8_fused_only_on_layers_the_kernel_takes():
-    from minifer.quantize import fused_problem
+    from minifer.quantization import fused_problem
     model = mf.GPT.from_config(ODD, seed=0)
     assert "16" in fused_problem(8, 216, 72)  # in_features 72: not a multiple of 16
     with pytest.warns(RuntimeWarning, match=r"c_attn \(216, 72\).*multiple of 16"):
@@ -334,7 +334,7 @@ def test_fused_probe_tests_the_shape_it_is_used_on(monkeypatch):
     """A kernel that is right on the probe's usual shape but wrong on one layer's shape must not
     be used on that layer."""
     import sys
-    qm = sys.modules["minifer.quantize"]
+    qm = sys.modules["minifer.quantization"]
     real = qm._int8_mm
 
     def wrong_for_n_96(x, q, scale):
@@ -383,7 +383,7 @@ def test_int4_odd_group_sizes_still_rejected_clearly(tiny):
 @pytest.mark.filterwarnings("ignore:the fused int4 kernel rejects")
 @pytest.mark.parametrize("preset", ["shakespeare", "shakespeare-draft", "reference", "tiny"])
 def test_int4_default_group_size_quantizes_the_course_models(preset):
-    from minifer.quantize import default_group_size
+    from minifer.quantization import default_group_size
     model = mf.GPT.from_config(preset, seed=0)
     q = quantize(model, "int4")  # shakespeare: n_embd 320, which 128 does not divide
     groups = {m.group_size for m in q.modules() if isinstance(m, QuantizedLinear)}
