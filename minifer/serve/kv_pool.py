@@ -1,0 +1,131 @@
+"""The paged KV cache's storage, and attention over it through the unchanged `GPT.forward`.
+
+`PagedKVPool` holds, per layer, one K and one V tensor of shape
+``(num_blocks, block_size, kv_heads, head_dim)``; a token's slot is chosen by the
+`BlockManager`. Attention needs each sequence's keys as one contiguous run, so for every forward
+call a `PagedBatch` *gathers* each row's cached K/V from its blocks into exactly the layout
+`StaticKVCache` uses — rows right-aligned (left padded), every row writing its new tokens at the
+same slot ``pos``, ``start[b]`` padding slots in front of row ``b`` — hands that to the model
+as its cache, and *scatters* the new tokens' K/V back into their blocks.
+
+Gathering copies the cached K/V once per layer per call, about as many bytes as attention then
+reads: a fused paged-attention kernel (vLLM's) reads the blocks in place instead. The copy keeps
+the model code unchanged and the result identical to the static cache (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["PagedKVPool", "PagedBatch"]
+
+
+class PagedKVPool:
+    """K/V tensors ``(num_blocks, block_size, kv_heads, head_dim)`` for every layer."""
+
+    def __init__(self, n_layer: int, num_blocks: int, block_size: int, n_kv_head: int,
+                 head_dim: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        for name, value in (("n_layer", n_layer), ("num_blocks", num_blocks),
+                            ("block_size", block_size), ("n_kv_head", n_kv_head),
+                            ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedKVPool {name} must be a positive integer, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"PagedKVPool dtype must be a float torch dtype, got {dtype!r}")
+        shape = (num_blocks, block_size, n_kv_head, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.n_layer, self.num_blocks, self.block_size = n_layer, num_blocks, block_size
+        self.n_kv_head, self.head_dim = n_kv_head, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int, *,
+                  device: torch.device | str | None = None) -> PagedKVPool:
+        """A pool shaped for `model` (layers, KV heads, head dim; its float dtype and device)."""
+        cfg = model.config
+        p = next(t for t in model.parameters() if t.is_floating_point())
+        return cls(cfg.n_layer, num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
+                   dtype=p.dtype, device=device or p.device)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token in all layers: 2 × layers × kv_heads × head_dim × element size."""
+        return 2 * self.n_layer * self.n_kv_head * self.head_dim * self.k[0].element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_size * self.bytes_per_token
+
+    def slots(self, table: Sequence[int], start: int, stop: int) -> list[int]:
+        """Flat slot indices (block id × block_size + offset) of tokens ``start..stop-1``."""
+        bs = self.block_size
+        return [table[i // bs] * bs + i % bs for i in range(start, stop)]
+
+    def batch(self, tables: Sequence[Sequence[int]], context: Sequence[int],
+              num_new: int) -> PagedBatch:
+        """A cache view for one forward call: row b has `context[b]` cached tokens in the
+        blocks `tables[b]` and feeds `num_new` new ones (the same count for every row)."""
+        return PagedBatch(self, tables, context, num_new)
+
+    def __repr__(self) -> str:
+        return (f"PagedKVPool(layers={self.n_layer}, blocks={self.num_blocks}, "
+                f"block_size={self.block_size}, kv_heads={self.n_kv_head}, "
+                f"head_dim={self.head_dim}, dtype={self.dtype}, nbytes={self.nbytes:,})")
+
+
+class PagedBatch:
+    """The cache interface `GPT.forward` expects (`StaticKVCache`'s), backed by a paged pool.
+
+    Row ``b`` holds ``context[b]`` cached tokens; with ``S = max(context)`` they are placed at
+    slots ``S - context[b] .. S - 1`` (``start[b] = S - context[b]``, the padding), and the new
+    tokens at slots ``S .. S + T - 1`` for every row, so positions and masks come out exactly as
+    for a left-padded `StaticKVCache` batch.
+    """
+
+    def __init__(self, pool: PagedKVPool, tables: Sequence[Sequence[int]],
+                 context: Sequence[int], num_new: int) -> None:
+        if len(tables) != len(context) or not tables:
+            raise ValueError("tables and context must be non-empty and of equal length")
+        if num_new < 1:
+            raise ValueError(f"num_new must be >= 1, got {num_new}")
+        self.pool = pool
+        B, S, T = len(tables), max(context), num_new
+        for b, (table, c) in enumerate(zip(tables, context)):
+            if len(table) * pool.block_size < c + T:
+                raise ValueError(f"row {b}: {len(table)} blocks cannot hold {c + T} tokens")
+        dev = pool.device
+        self.batch_size, self.pos, self.max_len = B, S, S + T
+        self.start = torch.tensor([S - c for c in context], dtype=torch.long, device=dev)
+        self.padded = any(c != S for c in context)
+        # where each row's cached tokens come from (padding slots read slot 0: masked anyway)
+        gather = [[0] * (S - c) + pool.slots(t, 0, c) for t, c in zip(tables, context)]
+        self._gather = torch.tensor(gather, dtype=torch.long, device=dev) if S else None
+        new = [pool.slots(t, c, c + T) for t, c in zip(tables, context)]
+        self._scatter = torch.tensor(new, dtype=torch.long, device=dev).view(-1)  # (B*T,)
+
+    def check_room(self, n: int) -> None:
+        if self.pos + n > self.max_len:
+            raise ValueError(f"paged batch holds {self.max_len - self.pos} new tokens per row, "
+                             f"got {n}")
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new ``k, v`` ``(B, kv_heads, T, head_dim)`` in their blocks; return every row's
+        cached plus new K/V ``(B, kv_heads, S + T, head_dim)``, right-aligned."""
+        B, nkv, T, hd = k.shape
+        out = []
+        for store, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
+            flat = store.view(-1, nkv, hd)  # (num_blocks * block_size, nkv, hd)
+            flat[self._scatter] = new.transpose(1, 2).reshape(B * T, nkv, hd).to(flat.dtype)
+            if self._gather is None:
+                out.append(new)
+                continue
+            cached = flat[self._gather].permute(0, 2, 1, 3)  # (B, nkv, S, hd)
+            out.append(torch.cat([cached.to(new.dtype), new], dim=2))
+        return out[0], out[1]
+
+    def advance(self, n: int) -> None:
+        self.pos += n
