@@ -162,3 +162,14 @@ def test_duplicate_content_computed_twice_keeps_one_name():
 def test_bad_arguments(kwargs, word):
     with pytest.raises(ValueError, match=word):
         BlockManager(**kwargs)
+
+
+def test_a_block_is_found_only_behind_the_same_prefix():
+    """Equal tokens behind different prefixes are different blocks (their K/V differ)."""
+    bm = BlockManager(10, 2, enable_prefix_caching=True)
+    for name, toks in (("a", [1, 1, 2, 2, 0]), ("b", [3, 3, 2, 2, 0])):
+        bm.allocate(name, toks)
+        bm.commit(name, toks, 5)
+    assert bm.allocate("c", [3, 3, 2, 2, 9]) == 4
+    assert bm.tables["c"][:2] == bm.tables["b"][:2]
+    assert bm.cached_prefix_tokens([5, 5, 2, 2, 0]) == 0

@@ -101,11 +101,13 @@ class PagedBatch:
         self.batch_size, self.pos, self.max_len = B, S, S + T
         self.start = torch.tensor([S - c for c in context], dtype=torch.long, device=dev)
         self.padded = any(c != S for c in context)
-        # where each row's cached tokens come from (padding slots read slot 0: masked anyway)
-        gather = [[0] * (S - c) + pool.slots(t, 0, c) for t, c in zip(tables, context)]
-        self._gather = torch.tensor(gather, dtype=torch.long, device=dev) if S else None
-        new = [pool.slots(t, c, c + T) for t, c in zip(tables, context)]
-        self._scatter = torch.tensor(new, dtype=torch.long, device=dev).view(-1)  # (B*T,)
+        # Where row b's slots S+T come from: padding (reads slot 0, masked anyway), its cached
+        # tokens, then its new ones (written to the pool first, so one gather fetches all).
+        rows = [[0] * (S - c) + pool.slots(t, 0, c + T) for t, c in zip(tables, context)]
+        self._gather = torch.tensor(rows, dtype=torch.long, device=dev).view(-1)  # (B*(S+T),)
+        self._scatter = torch.tensor([r[S:] for r in rows], dtype=torch.long,
+                                     device=dev).view(-1)  # (B*T,): the new tokens' slots
+        self._buffers: list[torch.Tensor] | None = None  # reused by every layer
 
     def check_room(self, n: int) -> None:
         if self.pos + n > self.max_len:
@@ -116,15 +118,16 @@ class PagedBatch:
         """Store new ``k, v`` ``(B, kv_heads, T, head_dim)`` in their blocks; return every row's
         cached plus new K/V ``(B, kv_heads, S + T, head_dim)``, right-aligned."""
         B, nkv, T, hd = k.shape
+        S = self.pos
+        if self._buffers is None:
+            self._buffers = [torch.empty(B * (S + T), nkv, hd, dtype=k.dtype, device=k.device)
+                             for _ in range(2)]
         out = []
-        for store, new in ((self.pool.k[layer], k), (self.pool.v[layer], v)):
+        for store, new, buf in zip((self.pool.k[layer], self.pool.v[layer]), (k, v), self._buffers):
             flat = store.view(-1, nkv, hd)  # (num_blocks * block_size, nkv, hd)
-            flat[self._scatter] = new.transpose(1, 2).reshape(B * T, nkv, hd).to(flat.dtype)
-            if self._gather is None:
-                out.append(new)
-                continue
-            cached = flat[self._gather].permute(0, 2, 1, 3)  # (B, nkv, S, hd)
-            out.append(torch.cat([cached.to(new.dtype), new], dim=2))
+            flat.index_copy_(0, self._scatter, new.transpose(1, 2).reshape(B * T, nkv, hd))
+            torch.index_select(flat, 0, self._gather, out=buf)
+            out.append(buf.view(B, S + T, nkv, hd).transpose(1, 2))  # (B, nkv, S + T, hd)
         return out[0], out[1]
 
     def advance(self, n: int) -> None:
