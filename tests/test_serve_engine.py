@@ -257,8 +257,46 @@ def test_errors(tiny, tok):
     for kwargs, word in (({"policy": "fifo"}, "policy"), ({"block_size": 0}, "block_size"),
                          ({"num_blocks": 0}, "num_blocks"), ({"max_num_seqs": 0}, "max_num_seqs"),
                          ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-                         ({"aging": -1}, "aging")):
+                         ({"aging": -1}, "aging"), ({"device": "meta"}, "device")):
         with pytest.raises(ValueError, match=word):
             LLMEngine(tiny, **kwargs)
     with pytest.raises(ValueError, match="SamplingParams for"):
         LLMEngine(tiny).generate([[1], [2]], [GREEDY])
+
+
+def test_top_level_names_load_lazily():
+    import subprocess
+    import sys
+
+    code = ("import sys, minifer; assert 'minifer.serve.engine' not in sys.modules; "
+            "from minifer import LLMEngine, RequestOutput; "
+            "assert LLMEngine.__module__ == 'minifer.serve.engine'; "
+            "assert 'LLMEngine' in minifer.__all__ and 'RequestOutput' in minifer.__all__")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    with pytest.raises(AttributeError, match="no attribute"):
+        mf.NoSuchThing  # noqa: B018
+
+
+@pytest.mark.parametrize("policy", ["static", "continuous"])
+def test_static_groups_run_to_completion_and_continuous_refills(tiny, policy):
+    """Two seats, a short and a long request first: with static batching the third request
+    waits for the long one (BATCH-4); with continuous batching it takes the short one's seat at
+    the next step (BATCH-5)."""
+    engine = LLMEngine(tiny, policy=policy, max_num_seqs=2)
+    short = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    engine.add_request([1, 2], short, request_id="short")
+    engine.add_request([3, 4], long, request_id="long")
+    engine.add_request([5, 6], short, request_id="third")
+    first_step, finished_step, step = {}, {}, 0
+    while engine.has_unfinished():
+        step += 1
+        outs = engine.step()
+        for rid in [r for r, _ in engine.last_step.prefill] + engine.last_step.decode:
+            first_step.setdefault(rid, step)
+        finished_step.update({o.request_id: step for o in outs if o.finished})
+    assert finished_step["short"] == 2 and finished_step["long"] == 12
+    if policy == "static":
+        assert first_step["third"] == 13
+    else:
+        assert first_step["third"] == 3

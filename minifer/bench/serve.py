@@ -204,7 +204,7 @@ def run(models: Sequence[str] = ("reference", "shakespeare"), *, requests: int =
                   context=cfg.context_length, seed=seed, corpus=corpus)
         prompt_hi = max(2, min(192, cfg.context_length // 4))
         work = mixed_workload(requests, rate, prompt_len=(min(16, prompt_hi), prompt_hi),
-                              output_max=cfg.context_length // 2, **kw)
+                              output_max=min(256, cfg.context_length // 2), **kw)
         engine_kw = dict(max_num_seqs=max_num_seqs, block_size=block_size,
                          enable_chunked_prefill=True, max_num_batched_tokens=256)
         policies = compare_policies(model, work, **engine_kw)

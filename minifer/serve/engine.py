@@ -102,13 +102,16 @@ class LLMEngine:
             num_blocks = max_num_seqs * -(-ctx // block_size)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = min(256, ctx) if enable_chunked_prefill else ctx
-        self.model, self.tokenizer = model, tokenizer
-        self.device = as_device(device) if device is not None else next(model.parameters()).device
-        self.pool = PagedKVPool.for_model(model, num_blocks, block_size, device=self.device) \
-            if isinstance(num_blocks, int) and not isinstance(num_blocks, bool) and num_blocks > 0 \
-            else None
-        if self.pool is None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.model, self.tokenizer = model, tokenizer
+        model_device = next(model.parameters()).device
+        self.device = as_device(device) if device is not None else model_device
+        if self.device != model_device and not (self.device.type == model_device.type
+                                               and self.device.index is None):
+            raise ValueError(f"device={device!r} but the model is on {model_device}; move the "
+                             f"model first (model.to(device)) or leave device=None")
+        self.pool = PagedKVPool.for_model(model, num_blocks, block_size, device=self.device)
         self.block_manager = BlockManager(num_blocks, block_size,
                                           enable_prefix_caching=enable_prefix_caching,
                                           bytes_per_token=self.pool.bytes_per_token)
@@ -172,7 +175,10 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; False if it is unknown or already finished."""
+        """Stop a request now and free its blocks; False if it is unknown or already finished.
+
+        No `RequestOutput` is produced for it; its metrics record the finish reason "abort".
+        """
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
@@ -228,7 +234,8 @@ class LLMEngine:
                 logits[i] = out[0]
         for c in chunks:
             c.request.num_computed = c.start + c.num_new
-            bm.commit(c.request.request_id, c.request.tokens, c.request.num_computed)
+            if bm.enable_prefix_caching:
+                bm.commit(c.request.request_id, c.request.tokens, c.request.num_computed)
         return logits
 
     def _sample(self, chunks: list[Chunk], logits: dict[int, torch.Tensor]) -> list[RequestOutput]:
@@ -288,7 +295,14 @@ class LLMEngine:
             params = [params] * len(prompts)  # one object: its rows are sampled together
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.add_request(p, sp))
+        except (ValueError, TypeError):
+            for rid in ids:  # leave the engine as it was
+                self.abort(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
