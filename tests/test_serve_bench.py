@@ -17,7 +17,7 @@ def test_serve_command_runs_on_a_tiny_preset(capsys):
                        "--system-prompt", "40", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     for label in ("static", "continuous", "prefix cache off", "prefix cache on"):
-        assert f"tiny         {label}" in out
+        assert f"tiny         {label} " in out
     assert "continuous / static =" in out and "prefix caching computes" in out
 
 

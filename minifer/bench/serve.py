@@ -92,6 +92,7 @@ class RunSummary:
     prefill_tokens: int  # prompt tokens the model computed (cache hits and reuse excluded)
     steps: int
     preemptions: int
+    decode_batch: float  # mean rows per decode call: how full the batch was kept
 
     @property
     def tokens_per_s(self) -> float:
@@ -118,7 +119,8 @@ def summarize_run(label: str, metrics: list[RequestMetrics], duration_s: float,
                       _percentile(ttft, 50), _percentile(ttft, 99),
                       statistics.median(tpot) if tpot else float("nan"),
                       engine.num_prefill_tokens, engine.scheduler.num_steps,
-                      engine.scheduler.num_preemptions)
+                      engine.scheduler.num_preemptions,
+                      engine.num_decode_tokens / max(1, engine.num_decode_calls))
 
 
 def serve_workload(engine: LLMEngine, requests: Sequence[BenchRequest],
@@ -208,7 +210,7 @@ def run(models: Sequence[str] = ("reference", "shakespeare"), *, requests: int =
         engine_kw = dict(max_num_seqs=max_num_seqs, block_size=block_size,
                          enable_chunked_prefill=True, max_num_batched_tokens=256)
         policies = compare_policies(model, work, **engine_kw)
-        sys_len = min(system_prompt, cfg.context_length // 2)
+        sys_len = min(system_prompt, cfg.context_length - 64)
         shared = mixed_workload(prefix_requests, rate, prompt_len=(8, 32), output_median=16,
                                 output_max=32, system_prompt=sys_len, **kw)
         prefix = compare_prefix_caching(model, shared, policy="continuous", **engine_kw)
@@ -218,21 +220,23 @@ def run(models: Sequence[str] = ("reference", "shakespeare"), *, requests: int =
 
 def format_report(reports: Sequence[ModelReport], header: str = "") -> str:
     lines = [header] if header else []
-    row = "{:<12} {:<20} {:>8} {:>10} {:>9} {:>9} {:>9} {:>8} {:>7}"
+    row = "{:<12} {:<17} {:>8} {:>10} {:>9} {:>9} {:>9} {:>6} {:>8} {:>7}"
     lines.append(row.format("model", "run", "requests", "out tok/s", "TTFT p50", "TTFT p99",
-                            "TPOT p50", "prefill", "preempt"))
+                            "TPOT p50", "batch", "prefill", "preempt"))
     for r in reports:
         for s in (*r.policies, *r.prefix):
             lines.append(row.format(r.model, s.label, s.requests, f"{s.tokens_per_s:.1f}",
                                     f"{s.ttft_p50_s:.3f}s", f"{s.ttft_p99_s:.3f}s",
-                                    f"{s.tpot_median_s * 1e3:.1f}ms", s.prefill_tokens,
+                                    f"{s.tpot_median_s * 1e3:.1f}ms", f"{s.decode_batch:.1f}",
+                                    s.prefill_tokens,
                                     s.preemptions))
     lines.append("")
     for r in reports:
         st, co = r.policies
         off, on = r.prefix
         lines.append(f"{r.model}: continuous / static = {co.tokens_per_s / st.tokens_per_s:.2f}x "
-                     f"output tokens/s, p99 TTFT {co.ttft_p99_s / st.ttft_p99_s:.2f}x; "
+                     f"output tokens/s, p99 TTFT {co.ttft_p99_s / st.ttft_p99_s:.2f}x, decode "
+                     f"batch {co.decode_batch:.1f} vs {st.decode_batch:.1f}; "
                      f"prefix caching computes {on.prefill_tokens}/{off.prefill_tokens} prompt "
                      f"tokens, p50 TTFT {on.ttft_p50_s * 1e3:.0f} vs {off.ttft_p50_s * 1e3:.0f} ms")
     return "\n".join(lines)

@@ -123,6 +123,7 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.num_prefill_tokens = 0  # prompt (and recomputed) tokens fed to the model
         self.num_decode_tokens = 0
+        self.num_decode_calls = 0  # batched decode forward calls (decode tokens / calls = batch)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None,
@@ -221,6 +222,7 @@ class LLMEngine:
                                    [c.start for c in rows], 1)
                 out = self.model(ids, cache=cache)[:, -1]
                 self.num_decode_tokens += len(rows)
+                self.num_decode_calls += 1
                 for j, i in enumerate(decode):
                     logits[i] = out[j]
             for i, c in enumerate(chunks):
