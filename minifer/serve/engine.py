@@ -122,7 +122,7 @@ class LLMEngine:
         self._order = itertools.count()
         self.last_step: StepStats | None = None
         self.num_prefill_tokens = 0  # prompt (and recomputed) tokens fed to the model
-        self.num_decode_tokens = 0
+        self.num_decode_tokens = 0  # sampled tokens fed back, one per request per decode step
         self.num_decode_calls = 0  # batched decode forward calls (decode tokens / calls = batch)
 
     # ---- requests ----------------------------------------------------------------------
@@ -221,7 +221,6 @@ class LLMEngine:
                 cache = pool.batch([bm.tables[c.request.request_id] for c in rows],
                                    [c.start for c in rows], 1)
                 out = self.model(ids, cache=cache)[:, -1]
-                self.num_decode_tokens += len(rows)
                 self.num_decode_calls += 1
                 for j, i in enumerate(decode):
                     logits[i] = out[j]
@@ -232,9 +231,12 @@ class LLMEngine:
                 ids = torch.tensor([toks], dtype=torch.long, device=self.device)
                 cache = pool.batch([bm.tables[c.request.request_id]], [c.start], c.num_new)
                 out = self.model(ids, cache=cache, last_only=True)[:, -1]
-                self.num_prefill_tokens += c.num_new
                 logits[i] = out[0]
         for c in chunks:
+            if c.num_new == 1 and c.completes and c.request.seq.output_ids:
+                self.num_decode_tokens += 1  # the last sampled token, fed back
+            else:
+                self.num_prefill_tokens += c.num_new  # prompt (or recomputed) tokens
             c.request.num_computed = c.start + c.num_new
             if bm.enable_prefix_caching:
                 bm.commit(c.request.request_id, c.request.tokens, c.request.num_computed)
