@@ -173,3 +173,44 @@ def test_a_block_is_found_only_behind_the_same_prefix():
     assert bm.allocate("c", [3, 3, 2, 2, 9]) == 4
     assert bm.tables["c"][:2] == bm.tables["b"][:2]
     assert bm.cached_prefix_tokens([5, 5, 2, 2, 0]) == 0
+
+
+def test_random_operations_keep_the_books_straight():
+    """Random allocate / grow / commit / free with prefix caching: reference counts, the free
+    list and the hash map stay consistent, every hit holds exactly the tokens asked for, and
+    everything is free at the end."""
+    import random
+
+    rng = random.Random(0)
+    bm = BlockManager(24, 3, enable_prefix_caching=True)
+    content: dict[int, tuple[int, ...]] = {}  # what each named block really holds
+    live: dict[int, list[int]] = {}
+    for step in range(3000):
+        if live and (rng.random() < 0.4 or bm.num_free_blocks < 3):
+            seq = rng.choice(sorted(live))
+            if rng.random() < 0.5:
+                bm.free(seq)
+                del live[seq]
+            else:  # grow by a few tokens (from a tiny alphabet, so prefixes repeat), commit all
+                toks = live[seq] + [rng.randrange(2) for _ in range(rng.randint(1, 4))]
+                if bm.can_append(seq, len(toks)):
+                    bm.append_slots(seq, len(toks))
+                    live[seq] = toks
+                    bm.commit(seq, toks, len(toks))
+        else:
+            toks = [rng.randrange(2) for _ in range(rng.randint(1, 10))]
+            if bm.can_allocate(toks):
+                cached = bm.allocate(step, toks)
+                assert cached % 3 == 0 and cached < len(toks)
+                for i, bid in enumerate(bm.tables[step][:cached // 3]):
+                    assert content[bid] == tuple(toks[3 * i:3 * i + 3])
+                live[step] = toks
+                bm.commit(step, toks, len(toks))
+        for block in bm.blocks:
+            if block.hash is not None:
+                content[block.block_id] = block.tokens
+        bm.check()
+    for seq in list(live):
+        bm.free(seq)
+    bm.check()
+    assert bm.num_free_blocks == 24 and bm.hit_blocks > 100 and bm.evictions > 100
