@@ -93,3 +93,38 @@ def test_pool_shapes_bytes_and_errors(tiny_gqa):
         PagedKVPool(1, 0, 4, 1, 8)
     with pytest.raises(ValueError, match="dtype"):
         PagedKVPool(1, 2, 4, 1, 8, dtype=torch.int8)
+
+
+@torch.inference_mode()
+def test_decode_workspace_equals_gathering_every_step(model):
+    """Steps through the contiguous decode workspace give the logits of a fresh gather each
+    step (bit for bit), and leave the same K/V in the pool."""
+    from minifer.serve.kv_pool import DecodeWorkspace
+
+    prompts = _prompts([5, 17, 9], seed=2)
+    feed = [3, 7, 11, 250, 1, 2]
+    results = []
+    for use_workspace in (False, True):
+        bm, pool = BlockManager(40, 4), PagedKVPool.for_model(model, 40, 4)
+        for i, p in enumerate(prompts):
+            bm.allocate(i, p)
+            model(torch.tensor([p]), cache=pool.batch([bm.tables[i]], [0], len(p)))
+        context, logits = [len(p) for p in prompts], []
+        ws = None
+        for t in feed:
+            for i in range(len(prompts)):
+                bm.append_slots(i, context[i] + 1)
+            tables = [bm.tables[i] for i in range(len(prompts))]
+            if use_workspace:
+                if ws is None or not ws.matches([0, 1, 2], context):
+                    ws = DecodeWorkspace(pool, [0, 1, 2], tables, context, room=4)
+                cache = ws.prepare(tables)
+            else:
+                cache = pool.batch(tables, context, 1)
+            logits.append(model(torch.full((3, 1), t), cache=cache)[:, -1])
+            context = [c + 1 for c in context]
+        results.append((torch.stack(logits), [k.clone() for k in pool.k + pool.v]))
+    (a, pool_a), (b, pool_b) = results
+    assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(pool_a, pool_b))
+    assert not ws.matches([0, 1], context[:2]) and not ws.matches([0, 1, 2], [1, 2, 3])

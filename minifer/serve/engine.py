@@ -27,7 +27,7 @@ from ..sampling import SamplingParams, mask_padded_vocab, sample
 from ..sequence import prepare
 from ..tokenizer import TokenizerLike
 from .block_manager import BlockManager
-from .kv_pool import PagedKVPool
+from .kv_pool import DecodeWorkspace, PagedKVPool
 from .request import Request, RequestOutput, Status
 from .scheduler import POLICIES, Chunk, Scheduler, SchedulerOutput
 
@@ -124,6 +124,8 @@ class LLMEngine:
         self.num_prefill_tokens = 0  # prompt (and recomputed) tokens fed to the model
         self.num_decode_tokens = 0  # sampled tokens fed back, one per request per decode step
         self.num_decode_calls = 0  # batched decode forward calls (decode tokens / calls = batch)
+        self._workspace: DecodeWorkspace | None = None  # the decode batch's K/V, contiguous
+        self.num_workspace_builds = 0
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None,
@@ -184,6 +186,7 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.finish(req)
+        self._workspace = None
         now = time.perf_counter()
         req.metrics.finished_time, req.metrics.finish_reason = now, "abort"
         return True
@@ -200,6 +203,8 @@ class LLMEngine:
         """Run one scheduler iteration; return the outputs of requests that produced a token."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
+        if plan.preempted:
+            self._workspace = None  # belt and braces: preempted rows will be recomputed
         for c in plan.chunks:
             if c.request.metrics.first_scheduled_time is None:
                 c.request.metrics.first_scheduled_time = t0
@@ -218,9 +223,15 @@ class LLMEngine:
                 rows = [chunks[i] for i in decode]
                 ids = torch.tensor([[_token_at(c.request, c.start)] for c in rows],
                                    dtype=torch.long, device=self.device)
-                cache = pool.batch([bm.tables[c.request.request_id] for c in rows],
-                                   [c.start for c in rows], 1)
-                out = self.model(ids, cache=cache)[:, -1]
+                keys = [c.request.request_id for c in rows]
+                tables = [bm.tables[k] for k in keys]
+                context = [c.start for c in rows]
+                ws = self._workspace
+                if ws is None or not ws.matches(keys, context):
+                    ws = self._workspace = None  # free the old one before building the next
+                    ws = self._workspace = DecodeWorkspace(pool, keys, tables, context)
+                    self.num_workspace_builds += 1
+                out = self.model(ids, cache=ws.prepare(tables))[:, -1]
                 self.num_decode_calls += 1
                 for j, i in enumerate(decode):
                     logits[i] = out[j]

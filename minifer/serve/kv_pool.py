@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["PagedKVPool", "PagedBatch"]
+__all__ = ["PagedKVPool", "PagedBatch", "DecodeWorkspace"]
 
 
 class PagedKVPool:
@@ -132,3 +132,68 @@ class PagedBatch:
 
     def advance(self, n: int) -> None:
         self.pos += n
+
+
+class DecodeWorkspace:
+    """The decode batch's K/V kept contiguous between steps, so they are gathered only when
+    the batch changes.
+
+    While the same requests decode step after step, each step adds one token per row: the
+    workspace appends it in place (and writes it to the pool too, which stays the one source
+    of truth), exactly like `StaticKVCache`. A request joining, leaving or being preempted
+    changes the batch, and the workspace is rebuilt from the pool with one gather. The price is
+    a second, dense copy of the running requests' K/V (``room`` slots of headroom per row): a
+    fused paged-attention kernel would need neither the copy nor the gather.
+    """
+
+    def __init__(self, pool: PagedKVPool, keys: Sequence, tables: Sequence[Sequence[int]],
+                 context: Sequence[int], room: int = 64) -> None:
+        B, S = len(tables), max(context)
+        nkv, hd, dev = pool.n_kv_head, pool.head_dim, pool.device
+        self.pool, self.keys = pool, tuple(keys)
+        self.batch_size, self.pos, self.max_len = B, S, S + room
+        self.lengths = list(context)
+        self.start = torch.tensor([S - c for c in context], dtype=torch.long, device=dev)
+        self.padded = any(c != S for c in context)
+        shape = (B, nkv, self.max_len, hd)
+        self.k = [torch.zeros(shape, dtype=pool.dtype, device=dev) for _ in range(pool.n_layer)]
+        self.v = [torch.zeros(shape, dtype=pool.dtype, device=dev) for _ in range(pool.n_layer)]
+        rows = [[0] * (S - c) + pool.slots(t, 0, c) for t, c in zip(tables, context)]
+        if S:
+            idx = torch.tensor(rows, dtype=torch.long, device=dev).view(-1)
+            for store, buf in ((pool.k, self.k), (pool.v, self.v)):
+                for layer in range(pool.n_layer):
+                    got = store[layer].view(-1, nkv, hd).index_select(0, idx)
+                    buf[layer][:, :, :S] = got.view(B, S, nkv, hd).transpose(1, 2)
+        self._scatter: torch.Tensor | None = None
+
+    def matches(self, keys: Sequence, context: Sequence[int]) -> bool:
+        """Whether this workspace holds exactly these rows at these lengths, with room for one
+        more token each."""
+        return (tuple(keys) == self.keys and list(context) == self.lengths
+                and self.pos < self.max_len)
+
+    def prepare(self, tables: Sequence[Sequence[int]]) -> DecodeWorkspace:
+        """Set the pool slots where this step's new tokens go; returns self (the cache)."""
+        bs = self.pool.block_size
+        slots = [t[c // bs] * bs + c % bs for t, c in zip(tables, self.lengths)]
+        self._scatter = torch.tensor(slots, dtype=torch.long, device=self.pool.device)
+        return self
+
+    def check_room(self, n: int) -> None:
+        if n != 1 or self.pos + n > self.max_len:
+            raise ValueError(f"the decode workspace takes one token per row per step with "
+                             f"{self.max_len - self.pos} slots left, got {n}")
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, nkv, T, hd = k.shape
+        end = self.pos + T
+        for store, buf, new in ((self.pool.k, self.k, k), (self.pool.v, self.v, v)):
+            buf[layer][:, :, self.pos:end] = new
+            store[layer].view(-1, nkv, hd).index_copy_(0, self._scatter, new[:, :, 0])
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.pos += n
+        self.lengths = [c + n for c in self.lengths]
+        self._scatter = None
