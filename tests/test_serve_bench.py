@@ -14,7 +14,7 @@ from minifer.bench.serve import mixed_workload
 def test_serve_command_runs_on_a_tiny_preset(capsys):
     assert bench_main(["serve", "--models", "tiny", "--requests", "6", "--prefix-requests", "4",
                        "--rate", "inf", "--max-num-seqs", "3", "--block-size", "4",
-                       "--system-prompt", "40", "--threads", "1"]) == 0
+                       "--system-prompt", "40", "--threads", "1", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     for label in ("static", "continuous", "prefix cache off", "prefix cache on"):
         assert f"tiny         {label} " in out

@@ -155,9 +155,10 @@ class DecodeWorkspace:
         self.lengths = list(context)
         self.start = torch.tensor([S - c for c in context], dtype=torch.long, device=dev)
         self.padded = any(c != S for c in context)
-        shape = (B, nkv, self.max_len, hd)
-        self.k = [torch.zeros(shape, dtype=pool.dtype, device=dev) for _ in range(pool.n_layer)]
-        self.v = [torch.zeros(shape, dtype=pool.dtype, device=dev) for _ in range(pool.n_layer)]
+        shape = (B, nkv, self.max_len, hd)  # slots past pos are written before being read
+        self.k = [torch.empty(shape, dtype=pool.dtype, device=dev) for _ in range(pool.n_layer)]
+        self.v = [torch.empty(shape, dtype=pool.dtype, device=dev) for _ in range(pool.n_layer)]
+        # padding slots copy slot 0 of the pool: finite values, masked out by attention
         rows = [[0] * (S - c) + pool.slots(t, 0, c) for t, c in zip(tables, context)]
         if S:
             idx = torch.tensor(rows, dtype=torch.long, device=dev).view(-1)
