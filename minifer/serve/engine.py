@@ -125,6 +125,7 @@ class LLMEngine:
         self.num_decode_tokens = 0  # sampled tokens fed back, one per request per decode step
         self.num_decode_calls = 0  # batched decode forward calls (decode tokens / calls = batch)
         self._workspace: DecodeWorkspace | None = None  # the decode batch's K/V, contiguous
+        self._ws_storage: list[torch.Tensor] | None = None  # its memory, reused by rebuilds
         self.num_workspace_builds = 0
 
     # ---- requests ----------------------------------------------------------------------
@@ -228,8 +229,9 @@ class LLMEngine:
                 context = [c.start for c in rows]
                 ws = self._workspace
                 if ws is None or not ws.matches(keys, context):
-                    ws = self._workspace = None  # free the old one before building the next
-                    ws = self._workspace = DecodeWorkspace(pool, keys, tables, context)
+                    ws = self._workspace = DecodeWorkspace(pool, keys, tables, context,
+                                                           storage=self._ws_storage)
+                    self._ws_storage = ws.storage
                     self.num_workspace_builds += 1
                 out = self.model(ids, cache=ws.prepare(tables))[:, -1]
                 self.num_decode_calls += 1

@@ -143,11 +143,13 @@ class DecodeWorkspace:
     of truth), exactly like `StaticKVCache`. A request joining, leaving or being preempted
     changes the batch, and the workspace is rebuilt from the pool with one gather. The price is
     a second, dense copy of the running requests' K/V (``room`` slots of headroom per row): a
-    fused paged-attention kernel would need neither the copy nor the gather.
+    fused paged-attention kernel would need neither the copy nor the gather. A rebuild may
+    reuse the previous workspace's `storage` (its contents are gathered afresh from the pool).
     """
 
     def __init__(self, pool: PagedKVPool, keys: Sequence, tables: Sequence[Sequence[int]],
-                 context: Sequence[int], room: int = 64) -> None:
+                 context: Sequence[int], room: int = 64,
+                 storage: list[torch.Tensor] | None = None) -> None:
         B, S = len(tables), max(context)
         nkv, hd, dev = pool.n_kv_head, pool.head_dim, pool.device
         self.pool, self.keys = pool, tuple(keys)
@@ -156,8 +158,13 @@ class DecodeWorkspace:
         self.start = torch.tensor([S - c for c in context], dtype=torch.long, device=dev)
         self.padded = any(c != S for c in context)
         shape = (B, nkv, self.max_len, hd)  # slots past pos are written before being read
-        self.k = [torch.empty(shape, dtype=pool.dtype, device=dev) for _ in range(pool.n_layer)]
-        self.v = [torch.empty(shape, dtype=pool.dtype, device=dev) for _ in range(pool.n_layer)]
+        need = B * nkv * self.max_len * hd
+        if storage is None or storage[0].numel() < need:  # else reuse: no fresh pages to fault in
+            storage = [torch.empty(need + need // 4, dtype=pool.dtype, device=dev)
+                       for _ in range(2 * pool.n_layer)]
+        self.storage = storage  # flat buffers; pass them to the next workspace
+        views = [t[:need].view(shape) for t in storage]
+        self.k, self.v = views[:pool.n_layer], views[pool.n_layer:]
         # padding slots copy slot 0 of the pool: finite values, masked out by attention
         rows = [[0] * (S - c) + pool.slots(t, 0, c) for t, c in zip(tables, context)]
         if S:
