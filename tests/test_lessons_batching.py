@@ -123,12 +123,12 @@ def test_simulate_continuous_by_hand():
 def test_simulate_static_by_hand():
     reqs = [_req("a", 4, 3), _req("b", 4, 1), _req("c", 4, 2)]
     tr = B.simulate(reqs, COSTS, "static", max_num_seqs=2)
-    # group {a, b} runs until a is done; b's slot is held (its row still computed); then c alone
+    # group {a, b} runs until a is done; b's slot is held (nobody may join); then c alone
     assert tr.steps == [{"a": "prefill", "b": "prefill"}, {"a": "decode", "b": "held"},
                         {"a": "decode", "b": "held"}, {"c": "prefill"}, {"c": "decode"}]
-    assert tr.step_s == [2.0, 1.5, 1.5, 1.0, 1.0]
+    assert tr.step_s == [2.0, 1.0, 1.0, 1.0, 1.0]
     m = {x.request_id: x for x in tr.metrics}
-    assert m["c"].queue_time == 5.0 and m["c"].ttft == 6.0  # waited for the whole group
+    assert m["c"].queue_time == 4.0 and m["c"].ttft == 5.0  # waited for the whole group
     cont = B.simulate(reqs, COSTS, "continuous", max_num_seqs=2)
     assert cont.duration_s < tr.duration_s and len(cont.steps) < len(tr.steps)
 
@@ -181,3 +181,29 @@ def test_load_panel():
     assert "at most 16 sequences per step, 8 requests/s" in ui.result.layout.title.text
     controls(ui)["max seqs"].value = 64
     assert "at most 64 sequences" in ui.result.layout.title.text
+
+
+# ------------------------------------------------------------------ the real engine
+
+def test_run_engine_records_the_schedule():
+    import minifer as mf
+
+    if not hasattr(mf, "LLMEngine"):
+        pytest.skip("minifer.LLMEngine is not in this tree yet")
+    model = mf.GPT.from_config(mf.GPTConfig(vocab_size=64, context_length=64, n_layer=1,
+                                            n_head=2, n_embd=16), seed=0)
+    reqs = [Request(prompt=[1, 2, 3 + i], max_new_tokens=n, arrival_s=0.0, request_id=f"r{i}")
+            for i, n in enumerate((3, 1, 2))]
+    runs = {p: B.run_engine(mf.LLMEngine(model, policy=p, max_num_seqs=2), reqs, [0, 0, 1])
+            for p in ("static", "continuous")}
+    for tr in runs.values():
+        assert tr.tokens() == 6 and tr.arrival_step == {"r0": 0, "r1": 0, "r2": 1}
+        assert {r: len(t) for r, t in tr.outputs.items()} == {"r0": 3, "r1": 1, "r2": 2}
+        assert tr.steps[0] == {"r0": "prefill", "r1": "prefill"}
+        assert tr.prompt_tokens_computed == 9 and tr.summary()["completed"] == 3
+    # same greedy answers whatever the schedule
+    assert runs["static"].outputs == runs["continuous"].outputs
+    # continuous: r2 takes r1's free slot at once; static: it waits for r0 too (r1's slot held)
+    assert runs["continuous"].steps[1] == {"r0": "decode", "r2": "prefill"}
+    assert runs["static"].steps[1] == {"r0": "decode", "r1": "held"}
+    assert runs["static"].first_step("r2") == 3 and len(runs["continuous"].steps) == 3

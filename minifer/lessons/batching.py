@@ -319,7 +319,8 @@ class Trace:
     whose slot a static batch still holds. ``step_s[k]`` is the step's duration;
     ``arrival_step`` the step before which each request arrived; ``metrics`` the requests'
     :class:`RequestMetrics` (seconds); ``duration_s`` the run's span, first arrival to last
-    finish, idle time included (the denominator of throughputs).
+    finish, idle time included (the denominator of throughputs); ``outputs`` (engine runs)
+    each request's generated token ids.
     """
 
     policy: str
@@ -329,6 +330,7 @@ class Trace:
     metrics: list[RequestMetrics] = field(default_factory=list)
     prompt_tokens_computed: int = 0
     duration_s: float = 0.0
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # engine runs: tokens made
 
     @property
     def request_ids(self) -> list[str]:
@@ -434,8 +436,10 @@ def simulate(requests: Sequence[Request], costs: StepCosts, policy: str = "conti
       while fewer than ``max_num_seqs`` run; their prompt is prefilled in that step, which also
       makes their first token. Finished requests leave at once.
     * ``"static"``: when nothing runs, up to ``max_num_seqs`` arrived requests form a group
-      that runs until *all* of them finish; finished members keep their slot (their rows are
-      still computed, as in a padded batch) and newcomers wait for the next group.
+      that runs until *all* of them finish; a finished member's slot stays empty (nobody may
+      join) and newcomers wait for the next group. (As in minifer's engine, finished rows are
+      not computed; a padded batch, as in a plain batched ``generate``, would also pay for
+      them.)
 
     A step costs :meth:`StepCosts.step` of (sequences decoding, prompt tokens prefilled). When
     nothing runs and nothing waits, the clock jumps to the next arrival.
@@ -454,7 +458,6 @@ def simulate(requests: Sequence[Request], costs: StepCosts, policy: str = "conti
     pending = list(zip(ids, reqs))  # not arrived yet, in arrival order
     waiting: list[tuple[str, Request]] = []
     running: list[str] = []  # still making tokens
-    group: list[str] = []  # static: the group holding the slots
     now, k = 0.0, 0
     while pending or waiting or running:
         while pending and pending[0][1].arrival_s <= now:
@@ -469,14 +472,11 @@ def simulate(requests: Sequence[Request], costs: StepCosts, policy: str = "conti
             while waiting and len(running) + len(joining) < max_num_seqs:
                 joining.append(waiting.pop(0))
         elif not running:
-            group = []
             while waiting and len(joining) < max_num_seqs:
                 joining.append(waiting.pop(0))
-            group = [rid for rid, _ in joining]
         decoding = list(running)
-        rows = len(group) if policy == "static" else len(decoding)
         prefill_tokens = sum(r.prompt_len for _, r in joining)
-        dt = costs.step(rows if decoding else 0, prefill_tokens)
+        dt = costs.step(len(decoding), prefill_tokens)
         step = {rid: DECODE for rid in decoding}
         for rid, _ in joining:
             step[rid] = PREFILL
@@ -693,27 +693,31 @@ def run_engine(engine: Any, requests: Sequence[Request], arrival_steps: Sequence
                params: Any = None) -> Trace:
     """Drive ``engine`` (a :class:`minifer.LLMEngine`) through ``requests`` one step at a time:
     request ``i`` is added just before step ``arrival_steps[i]`` (default: all before step 0).
-    Records which request produced a token in each step, the steps' wall-clock durations and
-    the requests' metrics. ``params``: one `SamplingParams` for all (default: each request's
-    :meth:`Request.params`: greedy, exactly ``max_new_tokens`` tokens)."""
+
+    Records which request produced a token in each step (``"prefill"`` for its first token,
+    ``"decode"`` after), the steps' wall-clock durations, the prompt tokens the engine computed
+    (``engine.num_prefill_tokens``: fewer with prefix caching) and the requests' metrics.
+    ``params``: one `SamplingParams` for all (default: each request's :meth:`Request.params`:
+    greedy, exactly ``max_new_tokens`` tokens).
+    """
     arrival_steps = list(arrival_steps) if arrival_steps is not None else [0] * len(requests)
     if len(arrival_steps) != len(requests):
         raise ValueError("arrival_steps must give one step per request")
     order = sorted(range(len(requests)), key=lambda i: arrival_steps[i])
-    policy = getattr(engine, "policy", None) or getattr(
-        getattr(engine, "scheduler", None), "policy", "engine")
+    scheduler = getattr(engine, "scheduler", None)
+    policy = getattr(scheduler, "policy", None) or getattr(engine, "policy", "engine")
     trace = Trace(str(policy))
     pending = [(arrival_steps[i], requests[i]) for i in order]
     seen: set[str] = set()
     latest: dict[str, Any] = {}
+    prefilled0 = getattr(engine, "num_prefill_tokens", 0)
     k = 0
     start = time.perf_counter()
     while pending or engine.has_unfinished():
         while pending and pending[0][0] <= k:
             _, r = pending.pop(0)
-            rid = r.request_id
-            engine.add_request(r.prompt, params if params is not None else r.params(),
-                               request_id=rid)
+            rid = engine.add_request(r.prompt, params if params is not None else r.params(),
+                                     request_id=r.request_id or None)
             trace.arrival_step[rid] = k
         if not engine.has_unfinished():  # idle until the next arrival
             k = pending[0][0]
@@ -722,17 +726,17 @@ def run_engine(engine: Any, requests: Sequence[Request], arrival_steps: Sequence
         outs = engine.step()
         trace.step_s.append(time.perf_counter() - t0)
         step: dict[str, str] = {}
-        for o in outs:
-            if not o.token_ids and not o.finished:
-                continue  # scheduled but no token yet (a chunk of a long prompt)
+        for o in outs:  # the requests that produced a token in this step
             step[o.request_id] = DECODE if o.request_id in seen else PREFILL
             seen.add(o.request_id)
             latest[o.request_id] = o
         trace.steps.append(step)
         k += 1
     trace.duration_s = time.perf_counter() - start
+    trace.prompt_tokens_computed = getattr(engine, "num_prefill_tokens", 0) - prefilled0
     if str(policy) == "static":
         _mark_held(trace)
-    trace.metrics = [latest[rid].metrics for rid in trace.request_ids
-                     if getattr(latest.get(rid), "metrics", None) is not None]
+    trace.metrics = [latest[rid].metrics for rid in trace.request_ids if rid in latest]
+    trace.outputs = {rid: list(latest[rid].token_ids) for rid in trace.request_ids
+                     if rid in latest}
     return trace
