@@ -6,7 +6,7 @@ import math
 import pytest
 
 from minifer.lessons import batching as B
-from minifer.serve.workload import Request, poisson_workload
+from minifer.serve.workload import LogNormal, Request, poisson_workload
 
 
 def controls(ui) -> dict:
@@ -140,10 +140,11 @@ def test_simulate_idles_until_arrival():
 
 
 def test_continuous_beats_static_on_a_workload():
-    reqs = poisson_workload(40, math.inf, prompt_len=(8, 32), output_len=(2, 40), seed=0,
-                            source="random", vocab_size=10)
-    s = B.simulate(reqs, B.REFERENCE_COSTS, "static", 8)
-    c = B.simulate(reqs, B.REFERENCE_COSTS, "continuous", 8)
+    reqs = poisson_workload(16, math.inf, prompt_len=(8, 32), seed=0, source="random",
+                            output_len=LogNormal(8, 1.2, 2, 64), vocab_size=2)
+    s = B.simulate(reqs, B.REFERENCE_COSTS, "static", 4)
+    c = B.simulate(reqs, B.REFERENCE_COSTS, "continuous", 4)
+    assert len(c.steps) < 0.7 * len(s.steps)
     assert s.tokens() == c.tokens() == sum(r.max_new_tokens for r in reqs)
     assert c.summary()["output_throughput"] > 1.2 * s.summary()["output_throughput"]
     assert c.summary()["ttft"]["mean"] < s.summary()["ttft"]["mean"]
