@@ -208,3 +208,18 @@ def test_run_engine_records_the_schedule():
     assert runs["continuous"].steps[1] == {"r0": "decode", "r2": "prefill"}
     assert runs["static"].steps[1] == {"r0": "decode", "r1": "held"}
     assert runs["static"].first_step("r2") == 3 and len(runs["continuous"].steps) == 3
+
+
+def test_sequential_ttft():
+    import minifer as mf
+
+    if not hasattr(mf, "LLMEngine"):
+        pytest.skip("minifer.LLMEngine is not in this tree yet")
+    model = mf.GPT.from_config(mf.GPTConfig(vocab_size=64, context_length=64, n_layer=1,
+                                            n_head=2, n_embd=16), seed=0)
+    reqs = poisson_workload(4, math.inf, prompt_len=4, output_len=2, seed=0, source="random",
+                            vocab_size=64, system_prompt_len=32)
+    eng = mf.LLMEngine(model, enable_prefix_caching=True, max_num_seqs=1)
+    ttft = B.sequential_ttft(eng, reqs)
+    assert len(ttft) == 3 and all(t > 0 for t in ttft)
+    assert eng.block_manager.hit_blocks == 3 * 2  # each later request reuses the 2 prefix blocks

@@ -740,3 +740,20 @@ def run_engine(engine: Any, requests: Sequence[Request], arrival_steps: Sequence
     trace.outputs = {rid: list(latest[rid].token_ids) for rid in trace.request_ids
                      if rid in latest}
     return trace
+
+
+def sequential_ttft(engine: Any, requests: Sequence[Request], warmup: int = 1) -> list[float]:
+    """Serve ``requests`` through ``engine`` one at a time, nothing else queued, and return each
+    one's TTFT in seconds (the first ``warmup`` requests run but are not counted). Without
+    queueing, TTFT is the prefill: what prefix caching shortens."""
+    ttfts = []
+    for i, r in enumerate(requests):
+        rid = engine.add_request(r.prompt, r.params(), request_id=r.request_id or None)
+        final = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == rid and o.finished:
+                    final = o
+        if i >= warmup:
+            ttfts.append(final.metrics.ttft)
+    return ttfts
