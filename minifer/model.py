@@ -34,7 +34,15 @@ class CausalSelfAttention(nn.Module):
         self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
         cache: StaticKVCache | None,
     ) -> torch.Tensor:
-        B, T, C = x.shape
+        return self.c_proj(self.attend(x, mask, is_causal, cache))
+
+    def attend(
+        self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+        cache: StaticKVCache | None,
+    ) -> torch.Tensor:
+        """Every head's attention output, concatenated ``(B, T, n_head * head_dim)``: all of
+        attention but the output projection (tensor parallelism projects a slice of heads)."""
+        B, T, _ = x.shape
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.c_attn(x).split([nh * hd, nkv * hd, nkv * hd], dim=2)
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
@@ -49,8 +57,7 @@ class CausalSelfAttention(nn.Module):
             y = _attention_math(q, k, v, mask, is_causal)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-        return self.c_proj(y)
+        return y.transpose(1, 2).reshape(B, T, nh * hd)  # (B, T, nh * hd)
 
 
 def _attention_math(q, k, v, mask, is_causal):
