@@ -177,6 +177,18 @@ def test_load_sweep_shapes():
     assert pick["best"]["max_num_seqs"] == 16 and pick["best"]["tpot_p50"] <= 0.050
 
 
+def test_rates_follow_the_machine():
+    assert B.rates_for(B.REFERENCE_COSTS) == B.RATES
+    twice = B.StepCosts(B.REFERENCE_COSTS.batches, tuple(t / 2 for t in B.REFERENCE_COSTS.step_s),
+                        B.REFERENCE_COSTS.prefill_s_per_token / 2)
+    assert B.rates_for(twice) == tuple(2 * r for r in B.RATES)
+    ui = B.load_panel(twice)
+    assert "at most 16 sequences per step, 16 requests/s" in ui.result.layout.title.text
+    # the same load relative to capacity: the same queueing, half the time
+    assert B.load_point(twice, 40, 16)["ttft_p50"] == pytest.approx(
+        B.load_point(B.REFERENCE_COSTS, 20, 16)["ttft_p50"] / 2, rel=1e-9)
+
+
 def test_load_panel():
     ui = B.load_panel(B.REFERENCE_COSTS)
     assert "at most 16 sequences per step, 8 requests/s" in ui.result.layout.title.text

@@ -563,16 +563,25 @@ def load_rows(costs: StepCosts, max_num_seqs: int = 16, rates: Sequence[float] =
     return rows
 
 
+def rates_for(costs: StepCosts) -> tuple[float, ...]:
+    """:data:`RATES` scaled by how much faster than the reference CPU ``costs`` step (at 16
+    sequences), rounded to 3 digits: the same range of load, from idle to overloaded, on a
+    faster or slower machine."""
+    scale = REFERENCE_COSTS.step(16, 0) / costs.step(16, 0)
+    return tuple(_r(r * scale, 3) for r in RATES)
+
+
 def load_figure(costs: StepCosts, max_num_seqs: int = 16, rate: float = 8.0,
-                limits: Sequence[int] = (4, 16, 64)) -> go.Figure:
+                limits: Sequence[int] = (4, 16, 64),
+                rates: Sequence[float] = RATES) -> go.Figure:
     """As the offered load (requests/s) rises: left, the server's output tokens/s; middle, TTFT
     (median and p99) with the part spent queueing; right, TPOT. One line per batch limit in
-    ``limits`` plus ``max_num_seqs`` (bold); ``rate`` marked."""
+    ``limits`` plus ``max_num_seqs`` (bold), at each of ``rates``; ``rate`` marked."""
     limits = sorted(set(limits) | {max_num_seqs})
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08, subplot_titles=(
         "server output tokens/s", "TTFT (dotted: queue time), median", "TPOT, median"))
     for m in limits:
-        pts = [load_point(costs, r, m) for r in RATES]
+        pts = [load_point(costs, r, m) for r in rates]
         width = 4 if m == max_num_seqs else 1.5
         name = f"max {m} seqs"
         fig.add_trace(go.Scatter(x=list(RATES), y=[_r(p["output_throughput"], 4) for p in pts],
@@ -604,26 +613,31 @@ def load_figure(costs: StepCosts, max_num_seqs: int = 16, rate: float = 8.0,
     return _layout(fig, title, width=1050, height=420)
 
 
-def show_load(costs: StepCosts, max_num_seqs: int = 16, rate: float = 8.0) -> go.Figure:
+def show_load(costs: StepCosts, max_num_seqs: int = 16, rate: float = 8.0,
+              rates: Sequence[float] = RATES) -> go.Figure:
     """Slider callback: build :func:`load_figure`, show it, return it."""
-    fig = load_figure(costs, max_num_seqs, rate)
+    fig = load_figure(costs, max_num_seqs, rate, rates=rates)
     fig.show()
     return fig
 
 
-def load_panel(costs: StepCosts, max_num_seqs: int = 16, rate: float = 8.0
-               ) -> widgets.interactive:
-    """Sliders over the load simulation: the batch limit and the offered load."""
+def load_panel(costs: StepCosts, max_num_seqs: int = 16, rate: float | None = None,
+               rates: Sequence[float] | None = None) -> widgets.interactive:
+    """Sliders over the load simulation: the batch limit and the offered load (``rates``:
+    default :func:`rates_for` ``costs``; ``rate``: default the 7th of them, 8/s on the
+    reference CPU)."""
+    rates = tuple(rates) if rates is not None else rates_for(costs)
+    rate = rates[6] if rate is None else rate
 
     def callback(max_num_seqs: int = max_num_seqs, rate: float = rate) -> go.Figure:
-        return show_load(costs, max_num_seqs, rate)
+        return show_load(costs, max_num_seqs, rate, rates)
 
     return widgets.interactive(
         callback,
         max_num_seqs=widgets.SelectionSlider(options=list(SEQ_LIMITS), value=max_num_seqs,
                                              description="max seqs", continuous_update=False,
                                              style={"description_width": "initial"}),
-        rate=widgets.SelectionSlider(options=list(RATES), value=rate, description="req/s",
+        rate=widgets.SelectionSlider(options=list(rates), value=rate, description="req/s",
                                      continuous_update=False))
 
 
