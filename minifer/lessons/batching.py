@@ -1,5 +1,5 @@
-"""Lesson 07, batching and serving: many users share one model (claims BATCH-1 … BATCH-7, MET-4,
-KV-12).
+"""Lesson 07, batching and serving: many users share one model (claims BATCH-1, BATCH-2,
+BATCH-4 … BATCH-7, MET-4, KV-12; prefix caching).
 
 Four parts, each a set of plain functions that return tables or plotly figures (slider
 callbacks included, so tests can call them):
@@ -221,7 +221,7 @@ def paging_rows(context: int = 2048, block_size: int = 16, model: str = "llama-3
 
     Also: how many such sequences fit in the device memory left after the weights.
     """
-    if context not in CONTEXTS and (not isinstance(context, int) or context < 1):
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"context must be a positive integer, got {context!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
