@@ -235,3 +235,12 @@ def test_sequential_ttft():
     ttft = B.sequential_ttft(eng, reqs)
     assert len(ttft) == 3 and all(t > 0 for t in ttft)
     assert eng.block_manager.hit_blocks == 3 * 2  # each later request reuses the 2 prefix blocks
+
+
+def test_fastest_steps():
+    a = B.Trace("x", steps=[{"r": "prefill"}, {"r": "decode"}], step_s=[1.0, 5.0])
+    b = B.Trace("x", steps=[{"r": "prefill"}, {"r": "decode"}], step_s=[3.0, 2.0])
+    assert B.fastest_steps_s(a, b) == 3.0 and B.fastest_steps_s(a) == 6.0
+    c = B.Trace("x", steps=[{"r": "prefill"}], step_s=[0.5])
+    with pytest.raises(ValueError, match="different schedules"):
+        B.fastest_steps_s(a, c)

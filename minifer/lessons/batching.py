@@ -756,6 +756,18 @@ def run_engine(engine: Any, requests: Sequence[Request], arrival_steps: Sequence
     return trace
 
 
+def fastest_steps_s(*traces: Trace) -> float:
+    """Total time of a schedule run several times: the sum over steps of each step's fastest
+    run. The runs must have made the same schedule (the engine's is deterministic), so step
+    ``k`` did the same work in each; a busy moment of the machine slows one run's step, not
+    all of them."""
+    if not traces:
+        raise ValueError("fastest_steps_s needs at least one trace")
+    if any(t.steps != traces[0].steps for t in traces):
+        raise ValueError("the traces made different schedules; their steps cannot be compared")
+    return sum(min(ts) for ts in zip(*(t.step_s for t in traces)))
+
+
 def sequential_ttft(engine: Any, requests: Sequence[Request], warmup: int = 1) -> list[float]:
     """Serve ``requests`` through ``engine`` one at a time, nothing else queued, and return each
     one's TTFT in seconds (the first ``warmup`` requests run but are not counted). Without
