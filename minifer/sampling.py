@@ -82,11 +82,10 @@ class SamplingParams:
     def plain_argmax(self) -> bool:
         """Greedy with nothing that can move the argmax: the raw logits' argmax is the token.
 
-        Top-k keeps the largest logit (and every tie with it); a logit bias, a repetition penalty
-        or top-p (which may cut between tied top tokens) can change it.
+        Top-k and top-p keep the largest logit and every tie with it, so they never move the
+        argmax; a logit bias or a repetition penalty can.
         """
-        return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
-                and self.top_p == 1.0)
+        return self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
 
 
 def _is_number(value) -> bool:

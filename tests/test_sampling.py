@@ -156,7 +156,10 @@ def test_repetition_penalty_never_raises_a_seen_logit(values, penalty, data):
                                             max_size=len(values)))])
     out = apply_repetition_penalty(logits, seen, penalty)
     assert (out[seen] <= logits[seen]).all()
-    assert (out[seen & (logits != 0)] < logits[seen & (logits != 0)]).all()
+    # Strictly lower wherever float32 can represent the change (a subnormal x/penalty may
+    # round back to x).
+    moved = seen & (logits.abs() >= torch.finfo(torch.float32).tiny)
+    assert (out[moved] < logits[moved]).all()
     assert torch.equal(out[~seen], logits[~seen])
 
 
