@@ -114,8 +114,10 @@ class _EngineGauges:
 
     GAUGES = {
         "running": ("minifer_num_requests_running", "Requests holding KV blocks and being run"),
-        "waiting": ("minifer_num_requests_waiting", "Requests waiting for their first step "
-                    "(or preempted)"),
+        "waiting": ("minifer_num_requests_waiting", "Requests in the engine's waiting queue "
+                    "(not started, or preempted)"),
+        "unstarted": ("minifer_num_requests_unstarted", "Requests accepted that have no token "
+                      "yet (what --max-waiting bounds)"),
         "blocks_used": ("minifer_kv_blocks_used", "KV-cache blocks in use"),
         "blocks_total": ("minifer_kv_blocks_total", "KV-cache blocks in the pool"),
         "kv_usage": ("minifer_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
@@ -134,7 +136,7 @@ class _EngineGauges:
         from prometheus_client.core import GaugeMetricFamily
 
         stats = dict(self.async_engine.stats)
-        stats["waiting"] = self.async_engine.num_waiting
+        stats["unstarted"] = self.async_engine.num_waiting
         for key, (name, doc) in self.GAUGES.items():
             if key in stats:
                 yield GaugeMetricFamily(name, doc, value=float(stats[key]))
@@ -230,7 +232,11 @@ def create_app(engine: Any, *, model_name: str = "minifer", max_model_len: int |
         req = parse_completion_request(body, model_name=model_name, limits=limits,
                                        tokenizer=tokenizer, vocab_size=vocab_size)
         deadline = time.monotonic() + limits.request_timeout_s
-        handle = await aengine.add(req.prompt_ids, req.params, req.priority)
+        try:
+            handle = await asyncio.wait_for(aengine.add(req.prompt_ids, req.params,
+                                                        req.priority), limits.request_timeout_s)
+        except asyncio.TimeoutError:  # the engine did not even take it in time
+            raise _timeout_error(limits.request_timeout_s) from None
         if req.stream:
             return StreamingResponse(_sse(req, handle, aengine, metrics, deadline, limits),
                                      media_type="text/event-stream",

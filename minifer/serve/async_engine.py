@@ -104,6 +104,7 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
         self._handles: dict[str, tuple[asyncio.AbstractEventLoop, RequestHandle]] = {}
+        self._unstarted: set[str] = set()  # accepted, no token yet (guarded by _cv)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._counter = 0
@@ -133,10 +134,10 @@ class AsyncEngine:
     # ---- called from the event loop --------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running: still in the inbox, or in the engine's waiting queue."""
+        """Requests accepted by the server that have not produced a token yet (queued in the
+        inbox, waiting in the engine, or in their prefill): what admission control bounds."""
         with self._cv:
-            pending = sum(1 for cmd in self._inbox if cmd[0] == "add")
-        return pending + int(self.stats.get("waiting", 0))
+            return len(self._unstarted)
 
     async def add(self, prompt, params, priority: int = 0) -> RequestHandle:
         """Queue a request; its handle once the engine accepted it.
@@ -147,17 +148,18 @@ class AsyncEngine:
         if not self.alive or self._stopping:
             raise APIError(503, "the engine is not running", type="server_error",
                            code="engine_stopped")
-        waiting = self.num_waiting
-        if waiting >= self.max_waiting:
-            raise APIError(429, f"server over capacity: {waiting} requests are already waiting "
-                           f"(max_waiting={self.max_waiting}); retry later",
-                           type="rate_limit_error", code="queue_full")
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         with self._cv:
+            waiting = len(self._unstarted)
+            if waiting >= self.max_waiting:
+                raise APIError(429, f"server over capacity: {waiting} requests are already "
+                               f"waiting for their first token (max_waiting={self.max_waiting});"
+                               " retry later", type="rate_limit_error", code="queue_full")
             self._counter += 1
             rid = f"srv-{self._counter}"
             handle = RequestHandle(rid)
+            self._unstarted.add(rid)
             self._inbox.append(("add", rid, prompt, params, priority, loop, handle, accepted))
             self._cv.notify()
         try:
@@ -170,6 +172,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request (client gone, timeout); its blocks are freed at the next iteration."""
         with self._cv:
+            self._unstarted.discard(request_id)
             self._inbox.append(("abort", request_id))
             self._cv.notify()
 
@@ -203,6 +206,8 @@ class AsyncEngine:
         try:
             self.engine.add_request(prompt, params, request_id=rid, priority=priority)
         except (ValueError, TypeError) as err:
+            with self._cv:
+                self._unstarted.discard(rid)
             loop.call_soon_threadsafe(_settle, accepted, APIError(
                 400, str(err), param="prompt", code="request_rejected"))
             return
@@ -230,6 +235,8 @@ class AsyncEngine:
             self.on_step()
 
     def _deliver(self, rid: str, item) -> None:
+        with self._cv:
+            self._unstarted.discard(rid)
         entry = self._handles.get(rid)
         if entry is None:
             return  # aborted by its handler meanwhile
