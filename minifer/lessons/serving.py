@@ -160,15 +160,22 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
     res = sweep.at(rate)
     done = [m for m in res.metrics if m.completed]
     fig = make_subplots(rows=1, cols=3, column_widths=[0.25, 0.25, 0.5], subplot_titles=(
-        "TTFT per request (ms)", "TPOT per request (ms)", "against the arrival rate"),
+        "TTFT and E2EL (ms)", "TPOT and ITL (ms)", "against the arrival rate"),
         specs=[[{}, {}, {"secondary_y": True}]])
-    for col, key in ((1, "ttft"), (2, "tpot")):
-        vals = [_r(getattr(m, key) * 1e3) for m in done]
-        fig.add_trace(go.Box(y=vals, name=key.upper(), boxpoints="all", jitter=0.4,
-                             showlegend=False, marker=dict(size=4)), 1, col)
-        if key in sweep.slo:
-            fig.add_hline(y=sweep.slo[key] * 1e3, line_dash="dash", line_color="red",
-                          annotation_text=f"SLO {sweep.slo[key] * 1e3:g} ms", row=1, col=col)
+    series = {"ttft": [m.ttft for m in done], "e2el": [m.e2el for m in done],
+              "tpot": [m.tpot for m in done], "itl": [g for m in done for g in m.itl]}
+    for col, keys in ((1, ("ttft", "e2el")), (2, ("tpot", "itl"))):
+        for key in keys:
+            vals = [_r(v * 1e3) for v in series[key]]
+            fig.add_trace(go.Box(y=vals, name=key.upper(), showlegend=False,
+                                 boxpoints="all" if key != "itl" else "outliers", jitter=0.4,
+                                 marker=dict(size=3)), 1, col)
+        slo_key = keys[0]
+        if slo_key in sweep.slo:
+            fig.add_hline(y=sweep.slo[slo_key] * 1e3, line_dash="dash", line_color="red",
+                          annotation_text=f"{slo_key.upper()} SLO {sweep.slo[slo_key] * 1e3:g} ms",
+                          row=1, col=col)
+        fig.update_yaxes(type="log", row=1, col=col)
     rows = sweep.rows()
     x = [r["rate req/s"] for r in rows]
     fig.add_trace(go.Scatter(x=x, y=[_r(r["out tok/s"]) for r in rows], name="output tok/s "
@@ -306,7 +313,10 @@ def interference(model, tokenizer, *, chunked: bool, n_short: int = 3, short_tok
                     "model": MODEL_NAME, "prompt": list(r.prompt), "max_tokens": short_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True}, log, i))
                     for i, r in enumerate(reqs[:n_short])]
+                give_up = time.perf_counter() + 60
                 while sum(1 for tag, _ in log if tag == 0) < long_after:
+                    if time.perf_counter() > give_up or all(t.done() for t in shorts):
+                        raise RuntimeError("the short requests did not start streaming")
                     await asyncio.sleep(0.001)
                 sent = time.perf_counter()
                 await _stream(http, {"model": MODEL_NAME, "prompt": long_ids, "max_tokens": 2,
