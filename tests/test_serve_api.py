@@ -328,7 +328,7 @@ def test_many_concurrent_streams_with_aborts(kind, tiny_model):
     rng = random.Random(0)
     words = SCRIPT.split() + ["thee", "thou", "art", "ROMEO:", "JULIET:", "\n"]
     jobs = []
-    for i in range(40):
+    for _ in range(40):
         prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
         jobs.append((prompt, rng.randint(1, 40), rng.random() < 0.25))
     kw = {"max_num_seqs": 8}
