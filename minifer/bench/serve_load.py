@@ -197,7 +197,7 @@ def run_load(url: str, requests: Sequence[tuple[Any, int, float]], **kwargs) -> 
 def format_report(result: LoadResult, rate: float | None = None) -> str:
     """A table like vLLM's serving benchmark prints."""
     s = result.summary
-    lines = ["============ Serving Benchmark Result ============"]
+    lines = [f"{' Serving Benchmark Result ':=^50}"]
 
     def row(name: str, value) -> None:
         lines.append(f"{name:<40}{value:>10}")
@@ -213,14 +213,15 @@ def format_report(result: LoadResult, rate: float | None = None) -> str:
     row("Output token throughput (tok/s):", f"{s['output_throughput']:.1f}")
     row("Total token throughput (tok/s):", f"{s['total_token_throughput']:.1f}")
     if "goodput" in s:
-        slo = ", ".join(f"{k} ≤ {v * 1e3:g} ms" for k, v in s["slo"].items())
-        row(f"Goodput (req/s) [{slo}]:", f"{s['goodput']:.2f}")
-    for key, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token "
-                       "(excl. 1st token)"), ("itl", "Inter-token Latency"),
-                       ("e2el", "End-to-end Latency")):
-        lines.append(f"{'-' * 14}{title}{'-' * max(1, 34 - len(title))}")
+        row("SLO:", ", ".join(f"{k} ≤ {v * 1e3:g} ms" for k, v in s["slo"].items()))
+        row("Goodput (req/s):", f"{s['goodput']:.2f}")
+    for key, title in (("ttft", "Time to First Token"),
+                       ("tpot", "Time per Output Token (excl. 1st)"),
+                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append(f"{title:-^50}")
         for stat in ("mean", "median", "p99"):
-            row(f"{stat.capitalize()} {key.upper()} (ms):", f"{s[key][stat] * 1e3:.2f}")
+            label = "P99" if stat == "p99" else stat.capitalize()
+            row(f"{label} {key.upper()} (ms):", f"{s[key][stat] * 1e3:.2f}")
     lines.append("=" * 50)
     for err in result.errors[:5]:
         lines.append(f"error: {err}")
