@@ -187,6 +187,7 @@ BAD = [
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": [""]}, "stop"),
     ({"seed": 1.5}, "seed"),
+    ({"seed": 2**70}, "seed"),  # more than a random generator takes
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ({"n": 2}, "n"),
@@ -210,11 +211,13 @@ def test_bad_requests_get_400_naming_the_parameter(served, change, param):
 
 def test_malformed_json_and_the_server_keeps_serving(served):
     url, engine, model, tok = served
-    for raw in (b"{not json", b"\xff\xfe", b"[1, 2]", b""):
+    for raw in (b"{not json", b"\xff\xfe", b"[1, 2]", b"", b"[" * 100_000 + b"]" * 100_000):
         r = httpx.post(f"{url}/v1/completions", content=raw,
                        headers={"Content-Type": "application/json"})
         assert r.status_code == 400, raw
         assert r.json()["error"]["type"] == "invalid_request_error"
+    huge = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x" * 2_000_000})
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "body_too_large"
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client(url).completions.create(model="tiny", prompt="Hi", max_tokens=-5)
     r = client(url).completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0)

@@ -48,6 +48,7 @@ from .protocol import (
 
 __all__ = ["create_app", "running_server", "ServerMetrics", "DEFAULT_HOST"]
 
+MAX_BODY_BYTES = 1 << 20  # a request body larger than 1 MiB is refused (413)
 DEFAULT_HOST = "127.0.0.1"  # loopback only: exposing a server to a network is a deliberate choice
 
 # histogram buckets (seconds), spaced like vLLM's
@@ -223,10 +224,15 @@ def create_app(engine: Any, *, model_name: str = "minifer", max_model_len: int |
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        raw = await request.body()
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES:,} bytes",
+                               code="body_too_large")
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
             raise APIError(400, f"the request body is not valid JSON: {err}",
                            code="invalid_json") from None
         req = parse_completion_request(body, model_name=model_name, limits=limits,

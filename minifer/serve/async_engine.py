@@ -205,11 +205,16 @@ class AsyncEngine:
         _, rid, prompt, params, priority, loop, handle, accepted = cmd
         try:
             self.engine.add_request(prompt, params, request_id=rid, priority=priority)
-        except (ValueError, TypeError) as err:
+        except Exception as err:  # ValueError/TypeError: the engine says it can never run
             with self._cv:
                 self._unstarted.discard(rid)
+            rejected = isinstance(err, (ValueError, TypeError))
+            if not rejected:
+                log.error("add_request failed\n%s", traceback.format_exc())
             loop.call_soon_threadsafe(_settle, accepted, APIError(
-                400, str(err), param="prompt", code="request_rejected"))
+                400, str(err), param="prompt", code="request_rejected") if rejected else
+                APIError(500, f"the engine failed to add the request: {type(err).__name__}: "
+                         f"{err}", type="server_error", code="engine_error"))
             return
         self._handles[rid] = (loop, handle)
         loop.call_soon_threadsafe(_settle, accepted, None)
@@ -229,10 +234,10 @@ class AsyncEngine:
         self.num_steps += 1
         for out in outputs:
             if out.finished and self.on_finish is not None:
-                self.on_finish(out)
+                _quietly(self.on_finish, out)
             self._deliver(out.request_id, out)
         if self.on_step is not None:
-            self.on_step()
+            _quietly(self.on_step)
 
     def _deliver(self, rid: str, item) -> None:
         with self._cv:
@@ -247,6 +252,14 @@ class AsyncEngine:
             loop.call_soon_threadsafe(handle.queue.put_nowait, item)
         except RuntimeError:  # its event loop is closed: nobody is listening any more
             self._handles.pop(rid, None)
+
+
+def _quietly(fn: Callable, *args) -> None:
+    """Run a metrics callback; a bug there is logged, never allowed to stop the engine loop."""
+    try:
+        fn(*args)
+    except Exception:
+        log.error("callback %r failed\n%s", fn, traceback.format_exc())
 
 
 def _settle(fut: asyncio.Future, err: BaseException | None) -> None:

@@ -192,8 +192,8 @@ def parse_completion_request(body: Any, *, model_name: str, limits: Limits, toke
     if stop and tokenizer is None:
         raise _bad("stop", "stop strings are matched on text, and this server has no tokenizer")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise _bad("seed", f"must be an integer or null, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not -2**63 <= seed < 2**64):
+        raise _bad("seed", f"must be an integer in [-2**63, 2**64) or null, got {seed!r:.40}")
     priority = body.get("priority", 0)
     priority = 0 if priority is None else priority
     if not _is_int(priority):
