@@ -31,14 +31,16 @@ def fake_result(ttft: float, gap: float, n: int = 4) -> LoadResult:
 
 
 def test_rate_figure_and_slider_follow_the_sweep():
-    sweep = S.Sweep([1, 10], [fake_result(0.1, 0.02), fake_result(0.9, 0.08)])
+    sweep = S.Sweep([1, 10], [fake_result(0.1, 0.02), fake_result(0.9, 0.08)], capacity=5.0,
+                    loads=[0.2, 2])
     rows = sweep.rows()
     assert [r["goodput req/s"] for r in rows] == [pytest.approx(4 / 5), 0.0]
     assert rows[1]["TTFT p50 ms"] == pytest.approx(900)
     fig = S.latency_figure(sweep, 10)
-    assert "10 requests/s: 4 done, 0 within the chat SLO" in fig.layout.title.text
+    assert "10 requests/s (2× capacity): 4 done, 0 within the chat SLO" in fig.layout.title.text
     ui = S.rate_panel(sweep, rate=1)
-    assert "1 requests/s: 4 done, 4 within" in ui.result.layout.title.text
+    assert ui.children[0].label == "0.2× capacity"
+    assert "1 requests/s (0.2× capacity): 4 done, 4 within" in ui.result.layout.title.text
     ui.children[0].value = 10
     assert "10 requests/s" in ui.result.layout.title.text
 

@@ -105,20 +105,32 @@ def metric_lines(url: str, names: Sequence[str]) -> dict[str, float]:
 # ---- load at several arrival rates (MET-1, MET-3, PD-11) -----------------------------------
 @dataclass
 class Sweep:
-    """One load test per arrival rate on the same workload shape (measured once; sliders read it)."""
+    """One load test per arrival rate on the same workload shape (measured once; sliders read it).
+
+    `capacity`: requests/s the server managed with every request arriving at once; `loads`: each
+    rate as a multiple of it (when the rates were chosen that way).
+    """
 
     rates: list[float]
     results: list[LoadResult]
     slo: dict[str, float] = field(default_factory=lambda: dict(CHAT_SLO))
+    capacity: float | None = None
+    loads: list[float] | None = None
 
     def at(self, rate: float) -> LoadResult:
         return self.results[self.rates.index(rate)]
 
+    def label(self, rate: float) -> str:
+        if self.loads is None:
+            return f"{rate:.3g} req/s"
+        return f"{self.loads[self.rates.index(rate)]:g}× capacity"
+
     def rows(self) -> list[dict]:
         rows = []
-        for rate, res in zip(self.rates, self.results):
+        for i, (rate, res) in enumerate(zip(self.rates, self.results)):
             s = res.summary
-            rows.append({"rate req/s": rate, "done": s["completed"],
+            rows.append({**({"load": self.loads[i]} if self.loads else {}),
+                         "rate req/s": rate, "done": s["completed"],
                          "req/s": s["request_throughput"], "out tok/s": s["output_throughput"],
                          "TTFT p50 ms": s["ttft"]["median"] * 1e3,
                          "TTFT p99 ms": s["ttft"]["p99"] * 1e3,
@@ -142,16 +154,23 @@ def warm_up(url: str) -> None:
     complete(url, "ROMEO:", max_tokens=4, temperature=0)
 
 
-def rate_sweep(model, tokenizer, rates: Sequence[float], *, n: int = 12, seed: int = 0,
+def rate_sweep(model, tokenizer, loads: Sequence[float] = (0.5, 1, 2, 4, 8), *,
+               rates: Sequence[float] | None = None, n: int = 12, seed: int = 0,
                slo: dict[str, float] | None = None, **engine_options) -> Sweep:
-    """The same workload at each arrival rate, against one server (runs one after another)."""
+    """The same `n` requests at several arrival rates, against one server, one rate after the
+    other. By default the rates are `loads` × this server's **capacity** on this machine (the
+    request throughput when all `n` arrive at once, measured first), so "2×" overloads any
+    machine, fast or slow, by the same factor. Pass `rates` (requests/s) to choose them."""
     slo = dict(CHAT_SLO) if slo is None else slo
-    results = []
     with running_server(model, tokenizer, model_name=MODEL_NAME, **engine_options) as url:
         warm_up(url)
-        for rate in rates:
-            results.append(run_load(url, workload(n, rate, seed=seed), slo=slo))
-    return Sweep(list(rates), results, slo)
+        capacity = None
+        if rates is None:
+            capacity = run_load(url, workload(n, math.inf, seed=seed)).summary[
+                "request_throughput"]
+            rates = [float(f"{f * capacity:.3g}") for f in loads]
+        results = [run_load(url, workload(n, rate, seed=seed), slo=slo) for rate in rates]
+    return Sweep(list(rates), results, slo, capacity, list(loads) if capacity else None)
 
 
 def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
@@ -194,7 +213,7 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
                       margin=dict(l=50, r=20, t=80, b=50),
                       legend=dict(orientation="h", yanchor="bottom", y=-0.35, x=0.5),
                       title=dict(font=dict(size=13), text=(
-                          f"{rate:g} requests/s: {s['completed']} done, {good} within the chat "
+                          f"{rate:g} requests/s ({sweep.label(rate)}): {s['completed']} done, {good} within the chat "
                           f"SLO (goodput {s.get('goodput', 0):.2f} req/s of "
                           f"{s['request_throughput']:.2f}); {rows[i]['out tok/s']:.0f} output "
                           f"tok/s")))
@@ -216,7 +235,8 @@ def rate_panel(sweep: Sweep, rate: float | None = None) -> widgets.interactive:
         return show_rate(sweep, rate)
 
     return widgets.interactive(callback, rate=widgets.SelectionSlider(
-        options=list(sweep.rates), value=rate, description="req/s", continuous_update=False))
+        options=[(sweep.label(r), r) for r in sweep.rates], value=rate, description="load",
+        continuous_update=False))
 
 
 # ---- limits (MET-5) ------------------------------------------------------------------------
