@@ -23,7 +23,6 @@ from plotly.subplots import make_subplots
 
 from ..bench.serve_load import LoadResult, run_load
 from ..serve.api import running_server
-from ..serve.workload import poisson_workload
 from .common import TEMPLATE
 
 CHAT_SLO = {"ttft": 0.5, "tpot": 0.05}  # claim MET-3: TTFT < 500 ms, TPOT < 50 ms
@@ -33,6 +32,13 @@ MODEL_NAME = "shakespeare"
 def _r(x: float, digits: int = 4) -> float | None:
     """Rounded for stable figure JSON; nan → None (a gap)."""
     return None if x is None or math.isnan(x) else float(f"{x:.{digits}g}")
+
+
+def poisson_workload(*args, **kwargs):
+    """`minifer.serve.workload.poisson_workload` (imported when first used)."""
+    from ..serve.workload import poisson_workload as make
+
+    return make(*args, **kwargs)
 
 
 def _run(coro):
