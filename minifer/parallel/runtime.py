@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..cache import StaticKVCache
-from ..device import sync
+from ..device import as_device, sync
 from ..sampling import SamplingParams, make_generators, mask_padded_vocab, sample
 from ..sequence import Sequence
 from .layers import ShardPlan, shard_gpt, shard_plan, weight_bytes
@@ -223,7 +223,7 @@ def init_group(backend: str | None = None, device: torch.device | str | None = N
     if device is None:
         device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
                   if torch.cuda.is_available() else torch.device("cpu"))
-    device = torch.device(device)
+    device = as_device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
