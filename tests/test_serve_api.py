@@ -168,6 +168,25 @@ def test_models_health_and_metrics(served):
         assert "minifer_prefix_cache_hit_rate" in text
 
 
+@pytest.mark.skipif(LLMEngine is None, reason="no LLMEngine")
+def test_metrics_read_the_engines_queues_and_prefix_cache(tiny_model):
+    tok = mf.ByteTokenizer()
+    engine = LLMEngine(tiny_model, tok, max_num_seqs=4, block_size=8, enable_prefix_caching=True)
+    prompt = "To be, or not to be, that is the question: whether 'tis nobler"  # 8 full blocks
+    with running_server(engine=engine, model_name="tiny") as url:
+        for _ in range(2):  # the second finds the first's full prompt blocks in the cache
+            client(url).completions.create(model="tiny", prompt=prompt, max_tokens=2,
+                                           temperature=0)
+        lines = dict(line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics").text.splitlines()
+                     if line and not line.startswith("#"))
+    assert float(lines["minifer_prefix_cache_hit_rate"]) == pytest.approx(
+        engine.block_manager.hit_rate) and engine.block_manager.hit_rate > 0.4
+    assert float(lines["minifer_kv_blocks_total"]) == engine.block_manager.num_blocks
+    assert float(lines["minifer_kv_blocks_used"]) == 0  # finished: blocks free (some cached)
+    assert float(lines["minifer_num_requests_running"]) == 0
+    assert float(lines["minifer_time_to_first_token_seconds_count"]) == 2
+
+
 # ---- bad input -----------------------------------------------------------------------------
 BAD = [
     ({"max_tokens": -1}, "max_tokens"),
