@@ -79,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(engine, model_name=args.served_model_name or args.model,
                      max_model_len=args.max_model_len, max_tokens=args.max_tokens,
                      request_timeout_s=args.request_timeout, max_waiting=args.max_waiting)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"minifer: warning: --host {args.host} makes the server reachable from other "
+              "machines, and it has no authentication", file=sys.stderr)
     print(f"minifer: serving {args.model!r} ({engine!r}) on http://{args.host}:{args.port}",
           file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
