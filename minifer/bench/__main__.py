@@ -21,6 +21,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "the shipped Shakespeare pair, greedy, batch 1"),
     "serve": ("minifer.bench.serve", "static vs continuous batching on a Poisson workload, and "
               "prefix caching on a shared system prompt (LLMEngine)"),
+    "serve-load": ("minifer.bench.serve_load",
+                   "load-test an OpenAI-compatible completions server: Poisson arrivals, "
+                   "streaming; TTFT/TPOT/ITL/E2EL, throughput, goodput"),
 }
 
 

@@ -1,0 +1,271 @@
+"""`AsyncEngine`: one thread owns the engine; asyncio handlers talk to it through queues.
+
+An `LLMEngine` is not thread-safe and its `step()` blocks for a whole forward pass, so a server
+must not call it from its event loop. Instead one background thread runs the engine loop:
+
+    while running:
+        take the new requests and aborts that handlers left in the inbox, apply them;
+        if any request is unfinished: outputs = engine.step(); hand each to its request's queue;
+        else: sleep until a handler brings work.
+
+Each HTTP handler gets a `RequestHandle` whose asyncio queue receives that request's
+`RequestOutput`s (one per generated token) from the engine thread
+(``loop.call_soon_threadsafe``). All requests in flight share every step: this is where
+continuous batching meets many concurrent clients.
+
+Admission control (claim MET-5): at most `max_waiting` requests may wait for their first step;
+past that, `add` refuses with 429 at once instead of letting the queue (and everyone's TTFT)
+grow without bound. An engine error in `step()` fails the requests in flight with a 500 and
+aborts them; the thread keeps serving the next ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .protocol import APIError
+
+__all__ = ["AsyncEngine", "RequestHandle", "engine_stats", "engine_max_model_len"]
+
+log = logging.getLogger("minifer.serve")
+
+
+def engine_stats(engine: Any) -> dict[str, float]:
+    """What the engine's scheduler and block manager say now (whatever of it they expose)."""
+    stats: dict[str, float] = {}
+    sch = getattr(engine, "scheduler", None)
+    if sch is not None:
+        stats["running"] = len(getattr(sch, "running", ()))
+        stats["waiting"] = len(getattr(sch, "waiting", ()))
+        stats["preemptions"] = getattr(sch, "num_preemptions", 0)
+    bm = getattr(engine, "block_manager", None)
+    if bm is not None:
+        stats["blocks_total"] = bm.num_blocks
+        stats["blocks_used"] = bm.num_used_blocks
+        stats["kv_usage"] = bm.num_used_blocks / bm.num_blocks
+        hit = getattr(bm, "hit_rate", math.nan)
+        stats["prefix_cache_hit_rate"] = 0.0 if hit is None or math.isnan(hit) else hit
+    return stats
+
+
+def engine_max_model_len(engine: Any) -> int:
+    """The most tokens (prompt + max_tokens - 1) one request can ever have on this engine: the
+    model's context window, the whole KV pool, and — without chunked prefill — one step's token
+    budget (a preempted request recomputes all its tokens in one step)."""
+    limit = engine.model.config.context_length
+    bm, sch = getattr(engine, "block_manager", None), getattr(engine, "scheduler", None)
+    if bm is not None:
+        limit = min(limit, bm.num_blocks * bm.block_size)
+    if sch is not None and not getattr(sch, "chunked", True):
+        limit = min(limit, sch.max_num_batched_tokens)
+    return limit
+
+
+@dataclass
+class RequestHandle:
+    """One request in flight: its id and the queue its outputs arrive on."""
+
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    async def next(self, timeout: float | None = None):
+        """The next `RequestOutput` (raises `APIError` if the engine failed, TimeoutError)."""
+        item = await asyncio.wait_for(self.queue.get(), timeout)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+class AsyncEngine:
+    """Runs `engine.step()` in one background thread whenever there is work (see module doc).
+
+    `on_finish(output)` is called in the engine thread for every request's last output,
+    `on_step()` after every step (metrics).
+    """
+
+    def __init__(self, engine: Any, *, max_waiting: int = 64,
+                 on_finish: Callable[[Any], None] | None = None,
+                 on_step: Callable[[], None] | None = None) -> None:
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+            raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
+        self.engine, self.max_waiting = engine, max_waiting
+        self.on_finish, self.on_step = on_finish, on_step
+        self._cv = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._handles: dict[str, tuple[asyncio.AbstractEventLoop, RequestHandle]] = {}
+        self._unstarted: set[str] = set()  # accepted, no token yet (guarded by _cv)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._counter = 0
+        self.stats: dict[str, float] = engine_stats(engine)
+        self.num_steps = 0
+        self.num_step_errors = 0
+
+    # ---- life ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._thread = threading.Thread(target=self._run, name="minifer-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop (requests still in flight are aborted) and wait for the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- called from the event loop --------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted by the server that have not produced a token yet (queued in the
+        inbox, waiting in the engine, or in their prefill): what admission control bounds."""
+        with self._cv:
+            return len(self._unstarted)
+
+    async def add(self, prompt, params, priority: int = 0) -> RequestHandle:
+        """Queue a request; its handle once the engine accepted it.
+
+        Raises `APIError` 429 when `max_waiting` requests already wait, 400 when the engine
+        rejects the request (it could never run), 503 when the engine loop is not running.
+        """
+        if not self.alive or self._stopping:
+            raise APIError(503, "the engine is not running", type="server_error",
+                           code="engine_stopped")
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+        with self._cv:
+            waiting = len(self._unstarted)
+            if waiting >= self.max_waiting:
+                raise APIError(429, f"server over capacity: {waiting} requests are already "
+                               f"waiting for their first token (max_waiting={self.max_waiting});"
+                               " retry later", type="rate_limit_error", code="queue_full")
+            self._counter += 1
+            rid = f"srv-{self._counter}"
+            handle = RequestHandle(rid)
+            self._unstarted.add(rid)
+            self._inbox.append(("add", rid, prompt, params, priority, loop, handle, accepted))
+            self._cv.notify()
+        try:
+            await accepted  # raises the engine's rejection as an APIError
+        except asyncio.CancelledError:  # the client left before the engine took the request
+            self.abort(rid)
+            raise
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (client gone, timeout); its blocks are freed at the next iteration."""
+        with self._cv:
+            self._unstarted.discard(request_id)
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not self._inbox and not self._stopping and not engine.has_unfinished():
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+            for cmd in inbox:
+                self._apply(cmd)
+            if engine.has_unfinished():
+                self._step()
+            self.stats = engine_stats(engine)
+        for rid in list(self._handles):  # shutting down: free everything still in flight
+            engine.abort(rid)
+            self._deliver(rid, APIError(503, "the server is shutting down", type="server_error"))
+        self.stats = engine_stats(engine)
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "abort":
+            rid = cmd[1]
+            if self._handles.pop(rid, None) is not None:
+                self.engine.abort(rid)
+            return
+        _, rid, prompt, params, priority, loop, handle, accepted = cmd
+        try:
+            self.engine.add_request(prompt, params, request_id=rid, priority=priority)
+        except Exception as err:  # ValueError/TypeError: the engine says it can never run
+            with self._cv:
+                self._unstarted.discard(rid)
+            rejected = isinstance(err, (ValueError, TypeError))
+            if not rejected:
+                log.error("add_request failed\n%s", traceback.format_exc())
+            loop.call_soon_threadsafe(_settle, accepted, APIError(
+                400, str(err), param="prompt", code="request_rejected") if rejected else
+                APIError(500, f"the engine failed to add the request: {type(err).__name__}: "
+                         f"{err}", type="server_error", code="engine_error"))
+            return
+        self._handles[rid] = (loop, handle)
+        loop.call_soon_threadsafe(_settle, accepted, None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # never let one bad step take the server down
+            self.num_step_errors += 1
+            log.error("engine step failed; aborting the requests in flight\n%s",
+                      traceback.format_exc())
+            for rid in list(self._handles):
+                self.engine.abort(rid)
+                self._deliver(rid, APIError(500, f"the engine failed: {type(err).__name__}: "
+                                            f"{err}", type="server_error", code="engine_error"))
+            return
+        self.num_steps += 1
+        for out in outputs:
+            if out.finished and self.on_finish is not None:
+                _quietly(self.on_finish, out)
+            self._deliver(out.request_id, out)
+        if self.on_step is not None:
+            _quietly(self.on_step)
+
+    def _deliver(self, rid: str, item) -> None:
+        with self._cv:
+            self._unstarted.discard(rid)
+        entry = self._handles.get(rid)
+        if entry is None:
+            return  # aborted by its handler meanwhile
+        if isinstance(item, BaseException) or item.finished:
+            del self._handles[rid]
+        loop, handle = entry
+        try:
+            loop.call_soon_threadsafe(handle.queue.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is listening any more
+            self._handles.pop(rid, None)
+
+
+def _quietly(fn: Callable, *args) -> None:
+    """Run a metrics callback; a bug there is logged, never allowed to stop the engine loop."""
+    try:
+        fn(*args)
+    except Exception:
+        log.error("callback %r failed\n%s", fn, traceback.format_exc())
+
+
+def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)

@@ -1,0 +1,89 @@
+"""Lesson 10's helpers: figures and the rate slider on hand-made numbers, the request helpers
+and the experiments on real servers (127.0.0.1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import lively_model
+
+import minifer as mf
+
+pytest.importorskip("minifer.serve.workload")
+pytest.importorskip("minifer.serve.engine")
+metrics = pytest.importorskip("minifer.serve.metrics")
+RequestMetrics, summarize = metrics.RequestMetrics, metrics.summarize
+from minifer.bench.serve_load import LoadResult  # noqa: E402
+from minifer.lessons import serving as S  # noqa: E402
+from minifer.serve.api import running_server  # noqa: E402
+
+
+def fake_result(ttft: float, gap: float, n: int = 4) -> LoadResult:
+    ms = []
+    for i in range(n):
+        m = RequestMetrics(f"r{i}", prompt_tokens=8, arrival_time=float(i))
+        for k in range(5):
+            m.on_token(i + ttft + k * gap)
+        m.on_finish(i + ttft + 4 * gap, "length")
+        ms.append(m)
+    return LoadResult(ms, n + 1.0, summarize(ms, n + 1.0, S.CHAT_SLO))
+
+
+def test_rate_figure_and_slider_follow_the_sweep():
+    sweep = S.Sweep([1, 10], [fake_result(0.1, 0.02), fake_result(0.9, 0.08)], capacity=5.0,
+                    loads=[0.2, 2])
+    rows = sweep.rows()
+    assert [r["goodput req/s"] for r in rows] == [pytest.approx(4 / 5), 0.0]
+    assert rows[1]["TTFT p50 ms"] == pytest.approx(900)
+    fig = S.latency_figure(sweep, 10)
+    assert "10 requests/s (2× capacity): 4 done, 0 within the chat SLO" in fig.layout.title.text
+    ui = S.rate_panel(sweep, rate=1)
+    assert [label for label, _ in ui.children[0].options] == ["0.2× capacity", "2× capacity"]
+    assert "1 requests/s (0.2× capacity): 4 done, 4 within" in ui.result.layout.title.text
+    ui.children[0].value = 10
+    assert "10 requests/s" in ui.result.layout.title.text
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    model, tok = lively_model("tiny"), mf.ByteTokenizer()
+    engine = mf.LLMEngine(model, tok, max_num_seqs=1)
+    with running_server(engine=engine, model_name=S.MODEL_NAME, max_waiting=2) as url:
+        yield url, engine
+
+
+def test_request_helpers(tiny_server):
+    url, engine = tiny_server
+    whole = S.complete(url, "Hello", max_tokens=6, temperature=0)
+    streamed = S.complete(url, "Hello", max_tokens=6, temperature=0, stream=True)
+    assert whole["status"] == 200 and streamed.text == whole["choices"][0]["text"]
+    assert len(streamed.token_events) == 6 and streamed.usage == whole["usage"]
+    assert not math.isnan(streamed.first_text_s) or streamed.text == ""
+    statuses = S.burst(url, 6, prompt="Hi", max_tokens=40, ignore_eos=True)
+    assert statuses.count(429) >= 2 and statuses.count(200) >= 2
+    assert S.leave_early(url, "Hi", after=2, max_tokens=100, ignore_eos=True) == 2
+    assert S.wait_idle(engine) and engine.block_manager.num_used_blocks == 0
+    assert S.metric_lines(url, ["minifer_request_aborted_total"]) == {
+        "minifer_request_aborted_total": 1.0}
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
+    return mf.load_pretrained("shakespeare")
+
+
+def test_strict_priority_starves_the_low_request(shakespeare):
+    run = S.priorities(*shakespeare, aging=0.0, n_high=6, clients=4, tokens=4)
+    assert run.first_token_order == ["high"] * 6 + ["low"] and run.highs_before_low == 6
+    assert len(run.high_ttft_s) == 6 and run.low_ttft_s > 0
+
+
+def test_interference_run_records_every_gap(shakespeare):
+    run = S.interference(*shakespeare, chunked=True, n_short=2, short_tokens=12,
+                         long_prompt=64, chunk_budget=16, long_after=3)
+    assert [len(ts) for ts in run.short_times] == [12, 12]
+    assert len(run.itls) == 22 and run.long_first_token_s > run.long_sent_s > 0
+    assert run.stall_ms > 0 and run.typical_ms > 0
+    fig = S.interference_figure([run])
+    assert fig.data[0].name == "chunked prefill"
