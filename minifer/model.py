@@ -6,6 +6,12 @@ nh query heads, nkv key/value heads, hd head dim.
 The only inference-specific idea here is the `cache` argument: with a `StaticKVCache`, each
 attention layer writes the new tokens' keys and values into it and attends over everything
 cached so far, so a decode step feeds one token per sequence instead of the whole history.
+
+`GPT.forward` checks its input and attends over the cache's filled prefix, whose length grows
+every step. `GPT.decode` is the lean, fixed-shape decode step: no checks (the caller checked once
+per request), the new K/V written at a slot held in a tensor, attention over the *whole*
+preallocated cache with a mask built from that slot, so every tensor has the same shape at every
+step and the step can be compiled (`torch.compile`) or captured once as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-        cache: StaticKVCache | None,
+        cache: StaticKVCache | None, slot: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
@@ -40,7 +46,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
-        if cache is not None:
+        if slot is not None:  # fixed shape: write at `slot`, read every slot (the mask hides some)
+            k, v = cache.write_at(self.layer_idx, slot, k, v)  # (B, nkv, max_len, hd)
+        elif cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd): all cached tokens
         if nkv != nh:  # grouped-query attention: each K/V head serves nh // nkv query heads
             k = k.repeat_interleave(nh // nkv, dim=1)
@@ -82,8 +90,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, mask, is_causal, cache):
-        x = x + self.attn(self.ln_1(x), mask, is_causal, cache)
+    def forward(self, x, mask, is_causal, cache, slot=None):
+        x = x + self.attn(self.ln_1(x), mask, is_causal, cache, slot)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -214,6 +222,27 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:, :]
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
+
+    def decode(self, tokens: torch.Tensor, cache: StaticKVCache, slot: torch.Tensor) -> torch.Tensor:
+        """The fixed-shape decode step: logits ``(B, vocab)`` for one new token per row.
+
+        `tokens` ``(B, 1)``; `slot` a one-element long tensor holding ``cache.pos`` (usually
+        ``cache.slot``). Each layer writes the new K/V at `slot` and attends over all
+        ``cache.max_len`` slots; the mask lets row b see slots ``start[b]..slot``. Every shape
+        is the same at every step and nothing reads a Python number that changes, so the step
+        can be compiled and captured. It checks nothing and does not move ``cache.pos``: call it
+        through `minifer.decode_step`, which does both.
+
+        Attention reads the whole preallocated cache every step (masked), so size the cache to
+        the request (as `generate` does) rather than to the model's context.
+        """
+        slots, start = cache.slots, cache.start
+        mask = ((slots <= slot) & (slots >= start[:, None]))[:, None, None, :]  # (B, 1, 1, L)
+        pos = (slot - start)[:, None]  # (B, 1) each row's own position
+        x = self.transformer.wte(tokens) + self.transformer.wpe(pos)  # (B, 1, C)
+        for block in self.transformer.h:
+            x = block(x, mask, False, cache, slot)
+        return self.lm_head(self.transformer.ln_f(x))[:, 0]  # (B, vocab)
 
 
 def _masks(device, B: int, T: int, offset: int, start: torch.Tensor | None):
