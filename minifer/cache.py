@@ -133,33 +133,36 @@ class StaticKVCache:
         self.v[layer][:, :, self.pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def write_at(self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_at(self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new ``k, v`` ``[B, kv_heads, T, head_dim]`` at the slots in the long tensor `slot`
-        ``(T,)`` of `layer`; returns the *whole* buffers ``[B, kv_heads, max_len, head_dim]``.
+        ``(T,)`` of `layer`; returns the first `length` slots of the buffers, by default all of
+        them: ``[B, kv_heads, max_len, head_dim]``.
 
-        Nothing here depends on `pos` as a Python number, so every call has the same shapes
-        (the caller masks the slots not yet written). `pos` moves only in `advance`.
+        With ``length=None`` nothing here depends on a Python number that changes, so every call
+        has the same shapes (the caller masks the slots not yet written): the fixed-shape step.
+        `pos` moves only in `advance`.
         """
         if self.quantized:
-            return self._write_int8(layer, slot, k, v, whole=True)
+            return self._write_int8(layer, slot, k, v, end=self.max_len if length is None else length)
         self.k[layer].index_copy_(2, slot, k)
         self.v[layer].index_copy_(2, slot, v)
-        return self.k[layer], self.v[layer]
+        if length is None:
+            return self.k[layer], self.v[layer]
+        return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
 
     def _update_int8(self, layer: int, k: torch.Tensor, v: torch.Tensor, end: int):
         slot = torch.arange(self.pos, end, device=self.k[layer].device)
-        return self._write_int8(layer, slot, k, v, whole=False)
+        return self._write_int8(layer, slot, k, v, end)
 
     def _write_int8(self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    whole: bool):
-        """Quantize the new tokens (symmetric, per head per token), then dequantize the prefix
-        (slots ``0..pos+T-1``) or, with `whole`, every slot.
+                    end: int):
+        """Quantize the new tokens (symmetric, per head per token) into `slot`, then dequantize
+        slots ``0..end-1``.
 
         Attention needs float K/V, so every call rebuilds the cached tokens in float: the int8
         cache saves memory (and, with a fused kernel, bandwidth), not arithmetic.
         """
-        end = self.max_len if whole else self.pos + k.shape[2]
         out = []
         for store, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             scale = (new.detach().abs().amax(dim=-1, keepdim=True).float() / 127).clamp(min=1e-6)

@@ -46,22 +46,25 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, cache: StaticKVCache) -> 
 
 
 def decode_step(model: torch.nn.Module, tokens: torch.Tensor, cache: StaticKVCache, *,
-                step: Callable | None = None) -> torch.Tensor:
+                step: Callable | None = None, fixed_shape: bool = False) -> torch.Tensor:
     """Feed one new token per row ``(B,)``; attention reads all earlier tokens from `cache`.
 
-    Returns the next-token logits ``(B, V)``. This is the fixed-shape step (`GPT.decode`): it
-    writes the new K/V at ``cache.slot`` (set here to ``cache.pos``) and attends over every slot
-    of the preallocated cache with a mask, so all shapes are the same at every step and the step
-    can be compiled and captured once as a CUDA graph: pass ``step=compiled_decode(model)``.
-    The only check here is that the cache has room; the request was checked once, up front.
+    Returns the next-token logits ``(B, V)``. The step (`GPT.decode`) writes the new K/V at
+    ``cache.slot`` (a one-element tensor, set here to ``cache.pos``). Eager, it reads only the
+    filled slots. With ``fixed_shape=True``, or a compiled `step` from `compiled_decode`, it
+    attends over every slot of the preallocated cache through a mask instead: then every shape
+    is the same at every step, so `torch.compile` can compile it and a GPU can capture it once
+    as a CUDA graph and replay it. The only check here is that the cache has room; the request
+    was checked once, up front (`sequence.prepare`).
     """
     cache.check_room(1)
     tokens = tokens.view(-1, 1)
-    if not hasattr(model, "decode"):  # a model without the fixed-shape step: plain forward
+    if not hasattr(model, "decode"):  # a model without the lean step: plain forward
         return model(tokens, cache=cache)[:, -1]
     cache.slot.fill_(cache.pos)
     if step is None:
-        logits = model.decode(tokens, cache, cache.slot)
+        kv_len = None if fixed_shape else cache.pos + 1
+        logits = model.decode(tokens, cache, cache.slot, kv_len)
     else:
         if cache.slot.is_cuda:  # CUDA graphs: the previous step's outputs have been used
             torch.compiler.cudagraph_mark_step_begin()

@@ -38,7 +38,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-        cache: StaticKVCache | None, slot: torch.Tensor | None = None,
+        cache: StaticKVCache | None, slot: torch.Tensor | None = None, kv_len: int | None = None,
     ) -> torch.Tensor:
         B, T, C = x.shape
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
@@ -46,8 +46,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
-        if slot is not None:  # fixed shape: write at `slot`, read every slot (the mask hides some)
-            k, v = cache.write_at(self.layer_idx, slot, k, v)  # (B, nkv, max_len, hd)
+        if slot is not None:  # decode: write at `slot`, read `kv_len` slots (None: all of them)
+            k, v = cache.write_at(self.layer_idx, slot, k, v, kv_len)  # (B, nkv, S, hd)
         elif cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd): all cached tokens
         if nkv != nh:  # grouped-query attention: each K/V head serves nh // nkv query heads
@@ -67,8 +67,10 @@ def _attention_math(q, k, v, mask, is_causal):
     if is_causal:
         t, s = scores.shape[-2:]
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
-    if mask is not None:
+    if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:  # additive: 0 where allowed, -inf where not
+        scores = scores + mask
     return scores.softmax(dim=-1) @ v
 
 
@@ -90,8 +92,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, mask, is_causal, cache, slot=None):
-        x = x + self.attn(self.ln_1(x), mask, is_causal, cache, slot)
+    def forward(self, x, mask, is_causal, cache, slot=None, kv_len=None):
+        x = x + self.attn(self.ln_1(x), mask, is_causal, cache, slot, kv_len)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -223,25 +225,35 @@ class GPT(nn.Module):
             x = x[:, -1:, :]
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
 
-    def decode(self, tokens: torch.Tensor, cache: StaticKVCache, slot: torch.Tensor) -> torch.Tensor:
-        """The fixed-shape decode step: logits ``(B, vocab)`` for one new token per row.
+    def decode(self, tokens: torch.Tensor, cache: StaticKVCache, slot: torch.Tensor,
+               kv_len: int | None = None) -> torch.Tensor:
+        """The lean decode step: logits ``(B, vocab)`` for one new token per row.
 
         `tokens` ``(B, 1)``; `slot` a one-element long tensor holding ``cache.pos`` (usually
-        ``cache.slot``). Each layer writes the new K/V at `slot` and attends over all
-        ``cache.max_len`` slots; the mask lets row b see slots ``start[b]..slot``. Every shape
-        is the same at every step and nothing reads a Python number that changes, so the step
-        can be compiled and captured. It checks nothing and does not move ``cache.pos``: call it
-        through `minifer.decode_step`, which does both.
+        ``cache.slot``). Each layer writes the new K/V at `slot` and attends over the first
+        `kv_len` cache slots; row b sees slots ``start[b]..slot``. It checks nothing and does
+        not move ``cache.pos``: call it through `minifer.decode_step`, which does both.
 
-        Attention reads the whole preallocated cache every step (masked), so size the cache to
-        the request (as `generate` does) rather than to the model's context.
+        - ``kv_len=None``, the **fixed-shape** step: attention reads all ``cache.max_len`` slots
+          through a mask built from `slot`, so every shape is the same at every step and
+          nothing reads a Python number that changes: the step can be compiled and captured
+          (a CUDA graph). Size the cache to the request (as `generate` does), since every slot
+          is read.
+        - ``kv_len=cache.pos + 1``, the eager step: only the filled slots are read, and without
+          left padding no mask is needed at all.
         """
-        slots, start = cache.slots, cache.start
-        mask = ((slots <= slot) & (slots >= start[:, None]))[:, None, None, :]  # (B, 1, 1, L)
+        start = cache.start
         pos = (slot - start)[:, None]  # (B, 1) each row's own position
         x = self.transformer.wte(tokens) + self.transformer.wpe(pos)  # (B, 1, C)
+        mask = None
+        if kv_len is None or cache.padded:
+            slots = cache.slots if kv_len is None else cache.slots[:kv_len]
+            allowed = (slots <= slot) & (slots >= start[:, None])  # (B, S)
+            # additive, in the model's dtype: converted once here, not once per layer by SDPA
+            mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
+            mask = mask.masked_fill(~allowed, float("-inf"))[:, None, None, :]  # (B, 1, 1, S)
         for block in self.transformer.h:
-            x = block(x, mask, False, cache, slot)
+            x = block(x, mask, False, cache, slot, kv_len)
         return self.lm_head(self.transformer.ln_f(x))[:, 0]  # (B, vocab)
 
 
