@@ -64,7 +64,7 @@ def decode_step(model: torch.nn.Module, tokens: torch.Tensor, cache: StaticKVCac
     cache.slot.fill_(cache.pos)
     if step is None:
         kv_len = None if fixed_shape else cache.pos + 1
-        logits = model.decode(tokens, cache, cache.slot, kv_len)
+        logits = model(tokens, cache=cache, slot=cache.slot, kv_len=kv_len)
     else:
         if cache.slot.is_cuda:  # CUDA graphs: the previous step's outputs have been used
             torch.compiler.cudagraph_mark_step_begin()
@@ -78,7 +78,7 @@ _compiled: dict[str | None, Callable] = {}
 
 
 def _decode(model, tokens, cache, slot):
-    return model.decode(tokens, cache, slot)
+    return model(tokens, cache=cache, slot=slot)
 
 
 def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> Callable:

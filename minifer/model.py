@@ -188,6 +188,9 @@ class GPT(nn.Module):
         cache: StaticKVCache | None = None,
         start: torch.Tensor | None = None,
         last_only: bool = False,
+        *,
+        slot: torch.Tensor | None = None,
+        kv_len: int | None = None,
     ) -> torch.Tensor:
         """Logits for token ids `idx` ``(B, T)``.
 
@@ -195,7 +198,11 @@ class GPT(nn.Module):
           left padding is taken from ``cache.start``.
         - `start`: without a cache, per-row count of left-padding tokens (None = no padding).
         - `last_only`: compute logits for the last position only (all prefill needs).
+        - `slot` (with `cache`, optionally `kv_len`): the lean decode step `decode`, unchecked;
+          returns ``(B, vocab)``. Going through ``model(...)`` keeps forward hooks working.
         """
+        if slot is not None:
+            return self.decode(idx, cache, slot, kv_len)
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, tokens), got {tuple(idx.shape)}")
         if idx.dtype not in (torch.int64, torch.int32):
@@ -232,7 +239,8 @@ class GPT(nn.Module):
         `tokens` ``(B, 1)``; `slot` a one-element long tensor holding ``cache.pos`` (usually
         ``cache.slot``). Each layer writes the new K/V at `slot` and attends over the first
         `kv_len` cache slots; row b sees slots ``start[b]..slot``. It checks nothing and does
-        not move ``cache.pos``: call it through `minifer.decode_step`, which does both.
+        not move ``cache.pos``: call it through `minifer.decode_step`, which does both (as
+        ``model(tokens, cache=cache, slot=..., kv_len=...)``, so forward hooks see it).
 
         - ``kv_len=None``, the **fixed-shape** step: attention reads all ``cache.max_len`` slots
           through a mask built from `slot`, so every shape is the same at every step and
