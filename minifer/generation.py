@@ -10,7 +10,9 @@ The decode step has a fixed shape (`GPT.decode`): it writes at a slot held in a 
 over the whole preallocated cache through a mask, so ``generate(..., compile=True)`` can hand it to
 `torch.compile` (on CUDA with CUDA graphs). Everything per request — the cache, its slot numbers,
 the token buffer — is allocated once before the loop, and the request is checked once, by
-`sequence.prepare`, not at every step. Nothing here changes torch's thread count.
+`sequence.prepare`, not at every step. Nothing here changes torch's thread count: torch uses one
+thread per core, which is right on an idle machine; where other programs keep the cores busy,
+``torch.set_num_threads(1)`` can be many times faster (BENCHMARKS.md measures it).
 
 Prompts of different lengths share a batch by *left padding*: row b's real tokens start at slot
 ``start[b]`` and the attention mask hides the padding, so every row computes what it would

@@ -294,9 +294,12 @@ def busy_warning(threads: int) -> str | None:
     cpus = os.cpu_count() or 1
     if load + threads <= cpus + 0.5:
         return None
+    fewer = max(1, cpus - round(load))
+    advice = (f"consider --threads {fewer}" if fewer < threads else
+              "expect slower, noisier timings than on an idle machine (ratios measured in one "
+              "run hold up better)")
     return (f"note: this machine is busy (load average {load:.1f} on {cpus} CPUs); {threads} "
-            f"thread(s) will compete with it and the timings will suffer; consider "
-            f"--threads {max(1, cpus - round(load))}")
+            f"thread(s) will compete with it and the timings will suffer; {advice}")
 
 
 def run_command(args: argparse.Namespace) -> int:
