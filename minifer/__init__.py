@@ -23,8 +23,10 @@ __all__ = [
     "PRESETS",
     "PromptLookupDrafter",
     "ByteTokenizer",
+    "RequestOutput",
     "Completion",
     "GPTConfig",
+    "LLMEngine",
     "SamplingParams",
     "Sequence",
     "StaticKVCache",
@@ -43,3 +45,12 @@ __all__ = [
     "stream",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`LLMEngine` and `RequestOutput` load on first use, so `import minifer` stays light."""
+    if name in ("LLMEngine", "RequestOutput"):
+        from .serve import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'minifer' has no attribute {name!r}")

@@ -7,12 +7,20 @@ next free slot in place: the decode loop never concatenates or reallocates.
 
 Batches of prompts of different lengths are *left padded*: every row writes at the same slot
 (`pos`), and row ``b``'s real tokens start at slot ``start[b]``. Slots before ``start[b]`` hold
-padding that attention masks out, so each row behaves exactly as if it were alone.
+padding that attention masks out, so each row computes what it would compute alone.
+
+How exact: in fp32, cached and recomputed logits (and a row batched or alone) agree to float
+rounding (within 1e-5; kernels of different shapes add in different orders), so greedy tokens
+are identical. In bf16/fp16 they agree only to that dtype's precision (~1% of the logits'
+scale): greedy tokens can diverge after a near-tie. The int8 cache is an approximation
+(within 2% of the logits' scale). See tests/test_exactness.py.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .device import as_device
 
 SCALE_DTYPE = torch.float16  # the int8 cache's per-head-per-token scales
 
@@ -50,6 +58,7 @@ class StaticKVCache:
                             ("n_kv_head", n_kv_head), ("head_dim", head_dim), ("max_len", max_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"StaticKVCache {name} must be a positive integer, got {value!r}")
+        device = as_device(device)
         shape = (batch_size, n_kv_head, max_len, head_dim)
         self.quantized = _is_int8(dtype)
         if self.quantized:  # int8 values + one scale per (row, head, token): K ≈ k_q * k_scale
@@ -66,7 +75,7 @@ class StaticKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.batch_size, self.max_len = batch_size, max_len
         self.n_layer, self.n_kv_head, self.head_dim = n_layer, n_kv_head, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.device = dtype, device
         self.pos = 0
         self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.padded = False  # any row left padded? (kept on the host to avoid a device sync)
@@ -97,7 +106,7 @@ class StaticKVCache:
             )
         float_p = next((t for t in model.parameters() if t.is_floating_point()), p)
         return cls(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, max_len,
-                   dtype=dtype or float_p.dtype, device=device or p.device)
+                   dtype=dtype or float_p.dtype, device=p.device if device is None else device)
 
     def reset(self, start: torch.Tensor | list[int] | None = None) -> None:
         """Empty the cache for a new batch; `start[b]` = number of left-padding slots of row b."""

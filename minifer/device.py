@@ -9,13 +9,44 @@ from __future__ import annotations
 import torch
 
 
-def as_device(device: str | torch.device) -> torch.device:
-    """`device` as a `torch.device`, with a clear error for names torch does not know."""
+def as_device(device: str | torch.device | int) -> torch.device:
+    """`device` as a `torch.device`, checked to exist here.
+
+    A name torch does not know, or an accelerator this machine (or this build of torch) does not
+    have, is a ValueError naming `device` — not torch's AssertionError on first use.
+    """
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise ValueError(f"device must be a torch device such as 'cpu', 'cuda', 'cuda:0' or "
+                         f"'mps', got {device!r}")
     try:
-        return torch.device(device)
-    except (RuntimeError, TypeError):
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        if isinstance(device, int):
+            raise ValueError(f"device={device!r} is not available: an integer names an "
+                             f"accelerator, and this machine has none; use 'cpu'") from None
         raise ValueError(f"device must be a torch device such as 'cpu', 'cuda', 'cuda:0' or "
                          f"'mps', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA GPU is visible")
+            raise ValueError(f"device={device!r} is not available: {why}; use 'cpu' "
+                             f"(or minifer.default_device())")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device={device!r} is not available: this machine has {count} "
+                             f"CUDA device(s), cuda:0 to cuda:{count - 1}")
+    elif dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ValueError(f"device={device!r} is not available: Apple's MPS backend is not "
+                             f"available here; use 'cpu' (or minifer.default_device())")
+    elif dev.type not in ("cpu", "meta"):
+        backend = getattr(torch, dev.type, None)  # e.g. torch.xpu
+        available = getattr(backend, "is_available", None)
+        if available is not None and not available():
+            raise ValueError(f"device={device!r} is not available on this machine; use 'cpu'")
+    return dev
 
 
 def default_device() -> torch.device:

@@ -8,10 +8,11 @@ attention layer writes the new tokens' keys and values into it and attends over 
 cached so far, so a decode step feeds one token per sequence instead of the whole history.
 
 `GPT.forward` checks its input and attends over the cache's filled prefix, whose length grows
-every step. `GPT.decode` is the lean, fixed-shape decode step: no checks (the caller checked once
-per request), the new K/V written at a slot held in a tensor, attention over the *whole*
-preallocated cache with a mask built from that slot, so every tensor has the same shape at every
-step and the step can be compiled (`torch.compile`) or captured once as a CUDA graph.
+every step. `GPT.decode` is the lean decode step: no checks (the caller checked once per
+request), the new K/V written at a slot held in a tensor. Eager, it reads only the filled slots;
+in its fixed-shape form it attends over the *whole* preallocated cache with a mask built from
+that slot, so every tensor has the same shape at every step and the step can be compiled
+(`torch.compile`) or captured once as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from .cache import StaticKVCache
 from .config import GPTConfig
+from .device import as_device
 
 
 class CausalSelfAttention(nn.Module):
@@ -40,7 +42,15 @@ class CausalSelfAttention(nn.Module):
         self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
         cache: StaticKVCache | None, slot: torch.Tensor | None = None, kv_len: int | None = None,
     ) -> torch.Tensor:
-        B, T, C = x.shape
+        return self.c_proj(self.attend(x, mask, is_causal, cache, slot, kv_len))
+
+    def attend(
+        self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+        cache: StaticKVCache | None, slot: torch.Tensor | None = None, kv_len: int | None = None,
+    ) -> torch.Tensor:
+        """Every head's attention output, concatenated ``(B, T, n_head * head_dim)``: all of
+        attention but the output projection (tensor parallelism projects a slice of heads)."""
+        B, T, _ = x.shape
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.c_attn(x).split([nh * hd, nkv * hd, nkv * hd], dim=2)
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
@@ -57,8 +67,7 @@ class CausalSelfAttention(nn.Module):
             y = _attention_math(q, k, v, mask, is_causal)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-        return self.c_proj(y)
+        return y.transpose(1, 2).reshape(B, T, nh * hd)  # (B, T, nh * hd)
 
 
 def _attention_math(q, k, v, mask, is_causal):
@@ -103,6 +112,11 @@ class GPT(nn.Module):
     With ``cache=...`` the new tokens' K/V are written into the cache and attention reads all
     cached tokens (prefill: many new tokens; decode: one). Without a cache the whole sequence
     is recomputed, which is the reference path the KV-cache lesson compares against.
+
+    The cached, recomputed, chunked and left-padded paths compute the same function: in fp32
+    their logits agree to float rounding (within 1e-5), which keeps greedy tokens identical;
+    in bf16/fp16 only to that dtype's precision (~1% of the logits' scale), so greedy tokens
+    can diverge after a near-tie (tests/test_exactness.py).
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -127,6 +141,8 @@ class GPT(nn.Module):
         """A randomly initialised model (GPT-2 init, seeded: same seed → same weights anywhere)."""
         if isinstance(config, str):
             config = GPTConfig.preset(config)
+        if device is not None:
+            as_device(device)  # a device this machine lacks: fail before building anything
         with torch.device("cpu"):
             model = cls(config)
         gen = torch.Generator().manual_seed(seed)
@@ -138,6 +154,7 @@ class GPT(nn.Module):
             elif name.endswith("bias"):  # GPT-2 init: zero biases (not torch's random default)
                 with torch.no_grad():
                     p.zero_()
+        device = None if device is None else as_device(device)
         return model.to(device=device, dtype=dtype).eval()
 
     @classmethod
@@ -145,12 +162,18 @@ class GPT(nn.Module):
         """Import a `transformers` `GPT2LMHeadModel` already in memory (no download here).
 
         GPT-2 stores its linear layers as `Conv1D` with the weight transposed, so those are
-        transposed on the way in.
+        transposed on the way in. Config options this engine does not compute (another
+        activation, attention scaled other than by 1/√head_dim, cross-attention, an MLP width
+        other than 4 × n_embd) are a ValueError naming the option, never a silent conversion;
+        ``layer_norm_epsilon`` is carried over, and ``reorder_and_upcast_attn`` (attention in
+        fp32) is accepted for fp32 models, where it is the same arithmetic.
         """
-        hc = hf_model.config
-        act = getattr(hc, "activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"from_hf supports GPT-2's tanh GELU, got activation {act!r}")
+        hc = getattr(hf_model, "config", None)
+        if not isinstance(hf_model, nn.Module) or getattr(hc, "model_type", None) != "gpt2" \
+                or not hasattr(hf_model, "lm_head"):
+            raise TypeError(f"hf_model must be a transformers GPT2LMHeadModel, got "
+                            f"{type(hf_model).__name__}")
+        _check_hf_options(hc, next(hf_model.parameters()).dtype)
         config = GPTConfig(
             vocab_size=hc.vocab_size, context_length=hc.n_positions, n_layer=hc.n_layer,
             n_head=hc.n_head, n_embd=hc.n_embd,
@@ -198,8 +221,15 @@ class GPT(nn.Module):
           left padding is taken from ``cache.start``.
         - `start`: without a cache, per-row count of left-padding tokens (None = no padding).
         - `last_only`: compute logits for the last position only (all prefill needs).
-        - `slot` (with `cache`, optionally `kv_len`): the lean decode step `decode`, unchecked;
-          returns ``(B, vocab)``. Going through ``model(...)`` keeps forward hooks working.
+
+        Token ids outside ``[0, vocab_size)`` are a ValueError. The check is one min/max
+        reduction; on a GPU it costs a host sync, so there it runs only for calls that start a
+        sequence (no cache or an empty one): decode steps and speculative verification feed
+        tokens the engine produced itself, and never wait for it (see `_checks_ids`).
+
+        `slot` (with `cache`, optionally `kv_len`) runs the lean decode step `decode` instead:
+        unchecked, returns ``(B, vocab)``. Going through ``model(...)`` keeps forward hooks
+        working.
         """
         if slot is not None:
             return self.decode(idx, cache, slot, kv_len)
@@ -208,6 +238,16 @@ class GPT(nn.Module):
         if idx.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"idx must hold integer token ids (int64/int32), got {idx.dtype}")
         B, T = idx.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"idx is empty (shape {tuple(idx.shape)}): give at least one token "
+                             f"per row")
+        if _checks_ids(idx.device.type, cache is None or cache.pos == 0):
+            lo, hi = (t.item() for t in torch.aminmax(idx))  # one reduction (~5 µs on a CPU)
+            V = self.config.vocab_size
+            if lo < 0 or hi >= V:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"idx must hold token ids in [0, {V}) (the vocabulary), "
+                                 f"got {bad}")
         offset = 0 if cache is None else cache.pos
         if offset + T > self.config.context_length:
             raise ValueError(
@@ -263,6 +303,45 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x, mask, False, cache, slot, kv_len)
         return self.lm_head(self.transformer.ln_f(x))[:, 0]  # (B, vocab)
+
+
+def _checks_ids(device_type: str, fresh: bool) -> bool:
+    """Whether `GPT.forward` range-checks the token ids of a call.
+
+    Always on the CPU (a reduction over B×T ints, ~5 µs, no sync). On accelerators reading the
+    result back makes the host wait for the device, so only calls that start a sequence are
+    checked (`fresh`: no cache, or an empty one — a prefill, or a recompute); tokens appended to
+    a cache later (decode steps, speculative verification) come from the engine's own sampling
+    or drafter, which produce only valid ids.
+    """
+    if device_type == "meta":  # shapes only, no values to check
+        return False
+    return device_type == "cpu" or fresh
+
+
+def _check_hf_options(hc, dtype: torch.dtype) -> None:
+    """Raise a ValueError naming the first GPT-2 config option `GPT` cannot reproduce."""
+    act = getattr(hc, "activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"from_hf supports GPT-2's tanh GELU, got activation {act!r}")
+    unsupported = [  # (option, value that this engine computes)
+        ("scale_attn_weights", True),  # attention scores divided by √head_dim
+        ("scale_attn_by_inverse_layer_idx", False),  # ... and not also by the layer number
+        ("add_cross_attention", False),  # a decoder-only model
+    ]
+    for option, ours in unsupported:
+        value = getattr(hc, option, ours)
+        if bool(value) != ours:
+            raise ValueError(f"from_hf: GPT-2 config {option}={value!r} is not supported "
+                             f"(this engine computes {option}={ours})")
+    n_inner = getattr(hc, "n_inner", None)
+    if n_inner is not None and n_inner != 4 * hc.n_embd:
+        raise ValueError(f"from_hf: GPT-2 config n_inner={n_inner!r} is not supported (the MLP "
+                         f"width here is 4 × n_embd = {4 * hc.n_embd})")
+    if getattr(hc, "reorder_and_upcast_attn", False) and dtype != torch.float32:
+        raise ValueError(f"from_hf: GPT-2 config reorder_and_upcast_attn=True computes attention "
+                         f"in float32; this engine matches it only for a float32 model, got "
+                         f"{dtype} (convert the model with .float() first)")
 
 
 def _masks(device, B: int, T: int, offset: int, start: torch.Tensor | None):

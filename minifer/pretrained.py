@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .config import GPTConfig
+from .device import as_device
 from .model import GPT
 from .tokenizer import Tokenizer
 
@@ -70,6 +71,8 @@ def load_pretrained(
     ``"shakespeare-draft"``: its small draft for speculative decoding). `device` and `dtype`
     default to CPU and the stored dtype (fp32).
     """
+    if device is not None:
+        as_device(device)  # a device this machine lacks: fail before reading any file
     weights, _config, tok_path = model_files(name)
     missing = [p for p in (weights, weights.with_suffix(".json"), tok_path) if not p.is_file()]
     if missing:
@@ -175,6 +178,7 @@ def load_checkpoint(
     Every tensor the config implies must be in the file with the right shape; anything
     missing, extra or mis-shaped is a ValueError that names the tensor.
     """
+    device = None if device is None else as_device(device)
     path = Path(path)
     info = read_checkpoint_info(path)
     config = GPTConfig.from_dict(info["config"])

@@ -23,15 +23,19 @@ Each quantized layer runs one of two paths, tested against each other:
 * ``"reference"``: dequantize the weight to the activation dtype, then an ordinary matmul —
   the same numbers, readable, and slower (it rebuilds a float weight at every call).
 
-The fused kernels changed signatures across torch versions, so they are probed once at run time
-(called on a small layer and compared with the reference path); where the probe fails, ``"auto"``
-falls back to the reference path with a warning — it computes the same quantized model.
+The fused kernels changed signatures across torch versions, and each takes only some shapes
+(int8: ``in_features`` a multiple of 16 — past it, it reads out of bounds; int4: groups of
+32/64/128/256, and on the CPU ``out_features`` a multiple of 16). So they are probed at run time
+on every layer shape they will be used on (`fused_problem`: called on a random layer of that shape
+and compared with the reference path); a layer whose shape fails runs on the reference path, with
+a warning — it computes the same quantized model.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -39,9 +43,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["PRECISIONS", "FLOAT_DTYPES", "QuantizedLinear", "quantize", "quantize_int8",
-           "quantize_int4", "pack_int4", "unpack_int4", "dequantize_int4", "fused_available",
-           "ModelBytes", "model_bytes"]
+__all__ = ["PRECISIONS", "FLOAT_DTYPES", "KERNEL_GROUP_SIZES", "QuantizedLinear", "quantize",
+           "quantize_int8", "quantize_int4", "default_group_size", "pack_int4", "unpack_int4",
+           "dequantize_int4", "fused_available", "fused_problem", "ModelBytes", "model_bytes"]
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,26 +65,55 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # the only int4 groups torch's fused kernels take
+DEFAULT_GROUP_SIZES = (128, 64, 32)  # the default: the largest of these that fits every layer
+
+
+def _even_divisors(n: int, lo: int = 8, hi: int = 256) -> list[int]:
+    return [g for g in range(lo, min(n, hi) + 1) if g % 2 == 0 and n % g == 0]
+
+
 def _check_group_size(in_features: int, group_size: int) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 \
             or group_size % 2:
         raise ValueError(f"group_size must be a positive even integer (32, 64 or 128 usually), "
                          f"got {group_size!r}")
     if in_features % group_size:
-        divisors = [g for g in (32, 64, 128, 256) if in_features % g == 0]
+        sizes = ", ".join(map(str, _even_divisors(in_features))) or "none from 8 to 256"
         raise ValueError(f"group_size={group_size} does not divide in_features={in_features}; "
-                         f"sizes that do: {divisors or 'none of 32/64/128/256'}")
+                         f"even sizes that do: {sizes} (the fused kernel takes 32, 64, 128 or "
+                         f"256; any other size runs on the reference path)")
 
 
-def quantize_int4(w: torch.Tensor, group_size: int = 128
+def default_group_size(in_features: list[int] | tuple[int, ...]) -> int:
+    """The int4 group size used when none is given: the largest of 128, 64 and 32 that divides
+    every layer's ``in_features`` (GPT-2 and the reference model: 128; the Shakespeare models,
+    ``n_embd`` 320: 64), so the fused kernel can take it.
+
+    Raises a ValueError that lists the sizes that would work when none of the three divides all.
+    """
+    widths = sorted(set(in_features))
+    for g in DEFAULT_GROUP_SIZES:
+        if all(k % g == 0 for k in widths):
+            return g
+    common = math.gcd(*widths)
+    sizes = ", ".join(map(str, _even_divisors(common, lo=2))) or "none (an odd width)"
+    raise ValueError(
+        f"no int4 group_size the fused kernel takes (32, 64 or 128) divides every layer's "
+        f"in_features {widths}; pass group_size= one that divides them all: {sizes} "
+        f"(those run on the dequantize-then-matmul reference path)")
+
+
+def quantize_int4(w: torch.Tensor, group_size: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric grouped int4: ``q`` (uint8 values 0..15, [N, K]), ``scale`` and ``zero``
     (fp32, [N, K // group_size]) with ``w ≈ (q - 8) * scale + zero``.
 
     Each group's minimum maps to 0 and its maximum to 15, so a weight is off by at most
-    ``scale / 2`` of its group.
+    ``scale / 2`` of its group. ``group_size=None``: `default_group_size` of ``K``.
     """
     N, K = w.shape
+    group_size = default_group_size([K]) if group_size is None else group_size
     _check_group_size(K, group_size)
     wg = w.detach().float().reshape(N, K // group_size, group_size)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, G]
@@ -125,9 +158,12 @@ def _int4_convert(q: torch.Tensor, device: torch.device) -> torch.Tensor:
         if op is not None:  # torch >= 2.5: int32 values [N, K]
             return op(q.to(torch.int32), 1)
         return _aten("_convert_weight_to_int4pack")(q.to(torch.int32), 1)
-    # CUDA (torch >= 2.5): uint8 packed two per byte, high nibble first, [N, K/2]
+    # CUDA (torch >= 2.5): uint8 packed two per byte, high nibble first, [N, K/2]; the kernel
+    # tiles K by 16 × inner_k_tiles (2, 4 or 8), so take the largest tiling that divides K
     packed = (q[:, 0::2] << 4) | q[:, 1::2]
-    return _aten("_convert_weight_to_int4pack")(packed.to(torch.uint8), 8)
+    K = q.shape[1]
+    inner_k_tiles = next((t for t in (8, 4, 2) if K % (16 * t) == 0), 8)
+    return _aten("_convert_weight_to_int4pack")(packed.to(torch.uint8), inner_k_tiles)
 
 
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int,
@@ -141,29 +177,63 @@ def _int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     return torch.ops.aten._weight_int8pack_mm(x, q, scale)
 
 
+def _static_problem(bits: int, in_features: int, group_size: int | None) -> str | None:
+    """What rules a layer out of the fused kernel before calling it (calling it could crash)."""
+    if bits == 8 and in_features % 16:
+        # past this, _weight_int8pack_mm reads out of bounds: garbage logits, then a segfault
+        return (f"in_features={in_features} is not a multiple of 16 (the int8 kernel reads "
+                f"16 inputs at a time)")
+    if bits == 4 and group_size not in KERNEL_GROUP_SIZES:
+        return f"group_size={group_size} is not one the int4 kernel takes (32, 64, 128 or 256)"
+    return None
+
+
+@functools.cache
+def fused_problem(bits: int, out_features: int, in_features: int, group_size: int | None = None,
+                  device: str = "cpu", compute_dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why the fused int``bits`` kernel cannot run a layer of this shape here (None: it can).
+
+    First the rules known to crash the kernel (`_static_problem`), then a probe *on this very
+    shape*: a random layer of ``out_features × in_features`` is run through the kernel on 1, 3
+    and 17 rows (the decode and prefill paths) and compared with dequantize-then-matmul; an
+    exception or an answer off by more than 2% of the output's scale is a problem. Cached per
+    shape, so a model's repeated layer shapes are probed once.
+    """
+    static = _static_problem(bits, in_features, group_size)
+    if static is not None:
+        return static
+    dev = torch.device(device)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        lin = _linear_from(torch.randn(out_features, in_features, generator=gen) * 0.05).to(dev)
+        ref = QuantizedLinear.from_linear(lin, bits, group_size=group_size, impl="reference")
+        fused = QuantizedLinear.from_linear(lin, bits, group_size=group_size, impl="fused",
+                                            compute_dtype=compute_dtype)
+        for rows in (1, 3, 17):
+            # inputs the compute dtype represents exactly, so only the kernel can differ
+            x = torch.randn(rows, in_features, generator=gen).to(compute_dtype).float().to(dev)
+            want, got = ref(x), fused(x).float()
+            err = (got - want).abs().max().item()
+            if not err <= 0.02 * want.abs().max().item() + 1e-3:  # also catches NaN
+                return (f"the kernel's output differs from dequantize-then-matmul by {err:.3g} "
+                        f"on {rows} row(s)")
+    except Exception as e:  # noqa: BLE001 — a missing/renamed op, an unsupported shape/dtype/device
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        return f"the kernel raised {type(e).__name__}: {first}"
+    return None
+
+
 @functools.cache
 def fused_available(bits: int, device: str = "cpu", compute_dtype: torch.dtype = torch.bfloat16
                     ) -> bool:
     """Does this torch have a working fused int``bits`` matmul on ``device``?
 
-    Calls the kernel on a small random layer and compares it with dequantize-then-matmul;
-    any exception or a wrong answer means "no".
+    Probes a typical layer (64 × 256; int4 groups of 64) with `fused_problem`. A model's own
+    layer shapes are probed again when it is quantized: a kernel can work here and still
+    reject (or miscompute) a particular shape.
     """
-    dev = torch.device(device)
-    try:
-        gen = torch.Generator().manual_seed(0)
-        w = torch.randn(64, 256, generator=gen) * 0.05
-        x = torch.randn(3, 256, generator=gen)
-        lin = _linear_from(w).to(dev)
-        layer = QuantizedLinear.from_linear(lin, bits, group_size=64, impl="reference")
-        fused = QuantizedLinear.from_linear(lin, bits, group_size=64, impl="fused",
-                                            compute_dtype=compute_dtype)
-        x = x.to(dev)
-        ref = layer(x).float()
-        out = fused(x).float()
-        return bool(torch.allclose(out, ref, atol=0.05, rtol=0.02))
-    except Exception:  # noqa: BLE001 — a missing/renamed op or an unsupported dtype/device
-        return False
+    return fused_problem(bits, 64, 256, 64 if bits == 4 else None, str(device),
+                         compute_dtype) is None
 
 
 def _linear_from(w: torch.Tensor) -> nn.Linear:
@@ -186,7 +256,8 @@ class QuantizedLinear(nn.Module):
     * ``bias`` in float, when the layer has one.
     """
 
-    def __init__(self, in_features: int, out_features: int, bits: int, *, group_size: int = 128,
+    def __init__(self, in_features: int, out_features: int, bits: int, *,
+                 group_size: int | None = None,
                  impl: str = "reference", compute_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -194,17 +265,29 @@ class QuantizedLinear(nn.Module):
         self.compute_dtype = compute_dtype
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int, *, group_size: int = 128,
+    def from_linear(cls, linear: nn.Linear, bits: int, *, group_size: int | None = None,
                     impl: str = "reference", compute_dtype: torch.dtype = torch.bfloat16
                     ) -> QuantizedLinear:
-        """Quantize an `nn.Linear` (its weight is read, not changed)."""
+        """Quantize an `nn.Linear` (its weight is read, not changed).
+
+        ``group_size`` (int4): None picks `default_group_size` of this layer. ``impl="fused"``
+        raises a ValueError for a shape the kernel is known not to take (int8: ``in_features``
+        not a multiple of 16; int4: a group size other than 32/64/128/256); `quantize` checks
+        each layer with `fused_problem` and falls back per layer instead.
+        """
         if bits not in (8, 4):
             raise ValueError(f"bits must be 8 or 4, got {bits!r}")
         if impl not in ("fused", "reference"):
             raise ValueError(f"impl must be 'fused' or 'reference', got {impl!r}")
         N, K = linear.weight.shape
         if bits == 4:
+            group_size = default_group_size([K]) if group_size is None else group_size
             _check_group_size(K, group_size)
+        if impl == "fused":
+            problem = _static_problem(bits, K, group_size)
+            if problem is not None:
+                raise ValueError(f"the fused int{bits} kernel cannot take this layer "
+                                 f"({N} × {K}): {problem}; use impl='reference'")
         self = cls(K, N, bits, group_size=group_size if bits == 4 else K, impl=impl,
                    compute_dtype=compute_dtype)
         w = linear.weight.detach()
@@ -291,21 +374,30 @@ def _nbytes(t: torch.Tensor | None) -> int:
 
 
 # ---- whole models --------------------------------------------------------------------------
-def quantize(model: nn.Module, precision: str, *, group_size: int = 128, impl: str = "auto",
-             compute_dtype: torch.dtype = torch.bfloat16, include_lm_head: bool = True
-             ) -> nn.Module:
+def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
+             impl: str = "auto", compute_dtype: torch.dtype = torch.bfloat16,
+             include_lm_head: bool = True) -> nn.Module:
     """A new model in ``precision`` (``"fp32" | "bf16" | "fp16" | "int8" | "int4"``).
 
     The input model is not changed (it is deep-copied, then the copy's layers are swapped).
 
     * float precisions cast the whole copy (weights, norms, embeddings) to that dtype;
     * ``"int8"``/``"int4"`` replace every `nn.Linear` by a `QuantizedLinear` (weight-only; the
-      activations stay in the model's dtype). ``group_size`` is the int4 group (32/64/128; it
-      must divide every layer's ``in_features``). ``impl``: ``"fused"`` (torch's kernels; error
-      if they do not work here), ``"reference"`` (dequantize-then-matmul), or ``"auto"`` (fused
-      where the probe succeeds, else reference with a warning). ``compute_dtype`` is the
-      activation dtype of the fused kernels. ``include_lm_head=False`` keeps the output head in
-      float (a tied head is always kept, to keep the tie).
+      activations stay in the model's dtype). ``group_size`` is the int4 group: it must divide
+      every layer's ``in_features``; None (the default) picks `default_group_size`, the largest
+      of 128/64/32 that does (128 for GPT-2 and the reference model, 64 for the Shakespeare
+      models). ``impl``: ``"fused"`` (torch's kernels; error if they do not work here at all),
+      ``"reference"`` (dequantize-then-matmul), or ``"auto"`` (fused where the probe succeeds,
+      else reference with a warning). With ``"fused"`` and ``"auto"``, every layer shape is
+      checked with `fused_problem`: a layer the kernel cannot take (int8: ``in_features`` not a
+      multiple of 16; int4: ``out_features`` not a multiple of 16 on the CPU, or a group size
+      other than 32/64/128/256) runs on the reference path, with a warning that names it.
+      ``compute_dtype`` is the activation dtype of the fused kernels. ``include_lm_head=False``
+      keeps the output head in float (a tied head is always kept, to keep the tie).
+
+    Exactness: the reference path computes exactly ``x @ dequantize()ᵀ`` in the activation
+    dtype; the fused path rounds activations to ``compute_dtype`` (bf16), so its logits differ
+    from the reference path's in the low digits and are not bit-identical across CPUs.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
@@ -316,12 +408,16 @@ def quantize(model: nn.Module, precision: str, *, group_size: int = 128, impl: s
         return new.to(FLOAT_DTYPES[precision]).eval()
     bits = 8 if precision == "int8" else 4
     targets = _linear_targets(new, include_lm_head)
-    if bits == 4:  # check every layer before changing any, so the error names the first bad one
-        for name, lin in targets:
+    if bits == 4 and targets:
+        if group_size is None:
+            group_size = default_group_size([lin.in_features for _, lin in targets])
+        for name, lin in targets:  # check every layer before changing any: name the first bad one
             try:
                 _check_group_size(lin.in_features, group_size)
             except ValueError as e:
                 raise ValueError(f"int4 layer {name}: {e}") from None
+    if bits == 8:
+        group_size = None
     if impl == "auto" or impl == "fused":
         device = next(model.parameters()).device
         ok = fused_available(bits, str(device), compute_dtype)
@@ -334,22 +430,26 @@ def quantize(model: nn.Module, precision: str, *, group_size: int = 128, impl: s
                           f"{device}; using the dequantize-then-matmul reference path "
                           f"(same quantized weights, slower)", RuntimeWarning, stacklevel=2)
         impl = "fused" if ok else "reference"
-    unfused = []
+    unfused: dict[str, list[str]] = {}  # reason -> layers
     for name, lin in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = new.get_submodule(parent_name) if parent_name else new
-        try:
-            layer = QuantizedLinear.from_linear(lin, bits, group_size=group_size, impl=impl,
-                                                compute_dtype=compute_dtype)
-        except RuntimeError:  # the kernel rejects this shape (e.g. int4 on CPU needs N % 16 == 0)
-            layer = QuantizedLinear.from_linear(lin, bits, group_size=group_size,
-                                                impl="reference")
-            unfused.append(f"{name} {tuple(lin.weight.shape)}")
+        layer_impl = impl
+        if impl == "fused":
+            N, K = lin.weight.shape
+            problem = fused_problem(bits, N, K, group_size, str(lin.weight.device),
+                                    compute_dtype)
+            if problem is not None:
+                layer_impl = "reference"
+                unfused.setdefault(problem, []).append(f"{name} {(N, K)}")
+        layer = QuantizedLinear.from_linear(lin, bits, group_size=group_size, impl=layer_impl,
+                                            compute_dtype=compute_dtype)
         setattr(parent, attr, layer)
     if unfused:
-        warnings.warn(f"the fused int{bits} kernel rejects the shape of {', '.join(unfused)}; "
-                      f"those layers use the dequantize-then-matmul reference path",
-                      RuntimeWarning, stacklevel=2)
+        detail = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in unfused.items())
+        warnings.warn(f"the fused int{bits} kernel rejects the shape of {detail}; those layers "
+                      f"use the dequantize-then-matmul reference path", RuntimeWarning,
+                      stacklevel=2)
     return new.eval()
 
 

@@ -604,3 +604,173 @@ def tokens_per_second(tpot_s: float, batch: int = 1) -> float:
     _check_positive(tpot_s, "tpot_s")
     _check_int(batch, "batch", 1)
     return batch / tpot_s
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor parallelism: the model split over N devices that all-reduce at every layer (PAR-1/2)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The link between devices as the ring all-reduce sees it.
+
+    ``bandwidth``: bytes/s one device can send (and at the same time receive) in one direction;
+    spec sheets often print the two directions added up. ``latency``: seconds of fixed cost per
+    ring step (launch, synchronisation, the wire), the term that dominates the small messages of
+    decode.
+    """
+
+    name: str
+    bandwidth: float
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive(self.bandwidth, "Interconnect.bandwidth")
+        _check_positive(self.latency, "Interconnect.latency", allow_zero=True)
+
+    @classmethod
+    def preset(cls, name: str) -> Interconnect:
+        """A named link from :data:`INTERCONNECTS`."""
+        try:
+            return INTERCONNECTS[name]
+        except KeyError:
+            raise ValueError(f"unknown interconnect {name!r}; choose one of "
+                             f"{list(INTERCONNECTS)}") from None
+
+
+INTERCONNECTS: dict[str, Interconnect] = {
+    # Bandwidths per direction from the spec sheets (NVLink: H100 SXM 900 GB/s and A100 600 GB/s
+    # "total", i.e. both directions; PCIe x16: 4.0 ≈ 32 GB/s, 5.0 ≈ 64 GB/s each way). The
+    # latencies are illustrative round numbers of the right order (microseconds per ring step),
+    # not measurements: a real all-reduce library's small-message cost depends on its algorithm.
+    "nvlink-h100": Interconnect("NVLink 4 (H100 SXM, 450 GB/s per direction)", 450e9, 1e-6),
+    "nvlink-a100": Interconnect("NVLink 3 (A100 SXM, 300 GB/s per direction)", 300e9, 1e-6),
+    "pcie-5": Interconnect("PCIe 5.0 x16 (64 GB/s per direction)", 64e9, 5e-6),
+    "pcie-4": Interconnect("PCIe 4.0 x16 (32 GB/s per direction)", 32e9, 5e-6),
+}
+
+
+def _as_link(link: Interconnect | str) -> Interconnect:
+    if isinstance(link, Interconnect):
+        return link
+    if isinstance(link, str):
+        return Interconnect.preset(link)
+    raise ValueError(f"link must be an Interconnect or a preset name, got {link!r}")
+
+
+def allreduce_time(nbytes: float, world: int, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` (the size of the tensor) over ``world`` devices.
+
+    The ring algorithm is a reduce-scatter followed by an all-gather: ``2(N-1)`` steps, in each
+    of which every device sends ``nbytes / N`` to its neighbour. With the usual latency-bandwidth
+    cost model (Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication
+    Operations in MPICH", 2005; Patarasuk & Yuan, "Bandwidth Optimal All-reduce Algorithms for
+    Clusters of Workstations", 2009):
+
+        T = 2(N-1) · latency + 2(N-1)/N · nbytes / bandwidth
+
+    The bandwidth term barely grows with N (it tends to 2 · nbytes / bandwidth), the latency
+    term grows linearly. One device needs no all-reduce: 0 s. NCCL's "bus bandwidth" is the
+    same 2(N-1)/N factor applied to measured times.
+    """
+    _check_positive(nbytes, "nbytes", allow_zero=True)
+    _check_int(world, "world", 1)
+    _check_positive(bandwidth, "bandwidth")
+    _check_positive(latency, "latency", allow_zero=True)
+    if world == 1:
+        return 0.0
+    steps = 2 * (world - 1)
+    return steps * latency + steps / world * nbytes / bandwidth
+
+
+@dataclass(frozen=True)
+class TPDecode:
+    """One decode step of a model split over ``degree`` devices by tensor parallelism.
+
+    Per device: 1/degree of the weights and of the K/V heads (K/V heads are copied when there
+    are fewer of them than devices), 1/degree of the FLOPs, and two all-reduces of
+    ``batch × d_model`` activations per layer on the critical path (not overlapped).
+    ``tpot_s = max(read_s, compute_s) + comm_s``. Bytes and seconds.
+    """
+
+    model: str
+    hardware: str
+    interconnect: str
+    degree: int
+    batch: int
+    context: int
+    precision: str
+    weight_bytes_per_device: float
+    kv_bytes_per_device: float
+    memory_per_device: float  # weights + KV cache
+    fits: bool  # memory_per_device <= the device's memory
+    allreduces_per_step: int
+    allreduce_bytes: float  # size of one all-reduced activation tensor
+    read_s: float
+    compute_s: float
+    comm_s: float
+    tpot_s: float
+    tokens_per_s: float  # this group of devices: batch / tpot
+    tokens_per_s_per_device: float
+
+    @property
+    def tpot_ms(self) -> float:
+        return self.tpot_s * 1e3
+
+    @property
+    def comm_fraction(self) -> float:
+        """Share of the step spent all-reducing."""
+        return self.comm_s / self.tpot_s
+
+
+def tp_decode(spec: ModelSpec | str, hw: Hardware | str, degree: int,
+              link: Interconnect | str = "nvlink-h100", batch: int = 1, context: int = 0,
+              precision: str = "bf16", kv_precision: str | None = None) -> TPDecode:
+    """Roofline time of a decode step with tensor parallelism of ``degree`` (claims PAR-1, PAR-2).
+
+    Each device reads its 1/degree of the weights (and of the KV cache of ``batch × context``
+    tokens) and does 1/degree of the FLOPs, then waits for ``2 × n_layer`` ring all-reduces of
+    ``batch × d_model`` activations (:func:`allreduce_time`). Everything is assumed split
+    evenly, embeddings included (Megatron splits them too); ``degree`` must divide ``n_head``.
+    Llama-2-70B in 16-bit on H100s: degree 1 does not fit in 80 GB; degree 8 over NVLink reads
+    17.5 GB per device per step.
+    """
+    spec, hw, link = _as_spec(spec), _as_hardware(hw), _as_link(link)
+    _check_int(degree, "degree", 1)
+    if spec.n_head % degree:
+        raise ValueError(f"degree must divide n_head={spec.n_head} (whole heads per device), "
+                         f"got {degree}")
+    _check_int(batch, "batch", 1)
+    _check_int(context, "context")
+    kv_p = _kv_precision(precision, kv_precision)
+    act = BYTES_PER_VALUE[_ACTIVATION_PRECISION[precision]]
+    wb = weight_bytes(spec, precision) / degree
+    kv_heads_here = math.ceil(spec.n_kv_head / degree)  # copies when degree > n_kv_head
+    kvb = kv_cache_bytes(spec, context, batch, kv_p) * kv_heads_here / spec.n_kv_head
+    flops = 2 * spec.params * batch / degree
+    read_s = (wb + kvb) / hw.bandwidth
+    compute_s = flops / hw.peak_flops(_compute_precision(precision, None))
+    n_ar = 2 * spec.n_layer
+    ar_bytes = batch * spec.d_model * act
+    comm_s = n_ar * allreduce_time(ar_bytes, degree, link.bandwidth, link.latency)
+    tpot = max(read_s, compute_s) + comm_s
+    return TPDecode(model=spec.name, hardware=hw.name, interconnect=link.name, degree=degree,
+                    batch=batch, context=context, precision=precision,
+                    weight_bytes_per_device=wb, kv_bytes_per_device=kvb,
+                    memory_per_device=wb + kvb, fits=wb + kvb <= hw.memory_bytes,
+                    allreduces_per_step=n_ar if degree > 1 else 0, allreduce_bytes=ar_bytes,
+                    read_s=read_s, compute_s=compute_s, comm_s=comm_s, tpot_s=tpot,
+                    tokens_per_s=batch / tpot, tokens_per_s_per_device=batch / tpot / degree)
+
+
+def tp_table(spec: ModelSpec | str, hw: Hardware | str, degrees: Iterable[int] = (1, 2, 4, 8),
+             link: Interconnect | str = "nvlink-h100", batch: int = 1, context: int = 0,
+             precision: str = "bf16", kv_precision: str | None = None) -> list[TPDecode]:
+    """:func:`tp_decode` for each degree: latency falls with the degree, throughput per device
+    falls too once all-reduces take a visible share of the step (PAR-2)."""
+    return [tp_decode(spec, hw, d, link, batch, context, precision, kv_precision)
+            for d in degrees]
+
+
+__all__ += ["Interconnect", "INTERCONNECTS", "TPDecode", "allreduce_time", "tp_decode",
+            "tp_table"]

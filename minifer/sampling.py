@@ -3,21 +3,36 @@
 The model outputs one logit per vocabulary entry (claim SAMP-1). A decoding strategy turns them
 into one token, in this order (the order Hugging Face and vLLM use):
 
-0. logit bias (OpenAI/vLLM `logit_bias`): a fixed number added to chosen tokens' logits, e.g.
-   -inf to ban a token;
+0. logit bias (OpenAI/vLLM `logit_bias`): a fixed number added to chosen tokens' logits:
+   -inf bans a token, +inf forces it (only +inf tokens can then be drawn, evenly; greedy takes
+   the lowest such id);
 1. repetition penalty (CTRL): logits of tokens already seen are divided by the penalty when
    positive and multiplied by it when negative, so they become less likely either way;
 2. temperature: logits / T — T < 1 sharpens, T > 1 flattens; T = 0 means greedy (argmax);
-3. top-k: keep the k largest logits;
-4. top-p (nucleus): keep the smallest set of most likely tokens whose probabilities reach p.
+   T = inf is uniform over the tokens not banned;
+3. top-k: keep the k largest logits (and every token tied with the k-th);
+4. top-p (nucleus): keep the smallest set of most likely tokens whose probabilities reach p
+   (and every token tied with the last one it needs).
+
+Edge values never turn into NaN: a tiny temperature (1e-45) whose division would overflow float32
+is applied in the shift-invariant form (logits - max) / T, which is its limit — all mass on the
+argmax, split evenly between tied maxima. A row with nothing left to draw (every token banned) or
+with NaN logits is a ValueError from `sample`.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+INF = float("inf")
+SEED_RANGE = (0, 2**64)  # what torch.Generator.manual_seed takes (as an unsigned 64-bit seed)
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -25,8 +40,10 @@ class SamplingParams:
     """How to pick tokens and when to stop; validated on construction.
 
     Names follow vLLM so what you learn here transfers. ``temperature=0`` is greedy decoding.
-    `seed` makes sampling reproducible: each prompt gets its own generator seeded with it, so a
-    prompt gives the same text alone or inside a batch.
+    `seed` (an integer in [0, 2**64)) makes sampling reproducible: each prompt gets its own
+    generator seeded with it, so a prompt gives the same text alone or inside a batch.
+    Numbers may be Python or NumPy scalars (NumPy ones are stored as Python int/float);
+    ``logit_bias`` maps token ids to numbers, ±inf included (see the module docstring).
     """
 
     temperature: float = 1.0
@@ -40,28 +57,22 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        _check_number("temperature", self.temperature, "≥ 0", lambda t: t >= 0)
-        _check_number("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1)
-        _check_number("repetition_penalty", self.repetition_penalty, "> 0", lambda r: r > 0)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer ≥ 0 (0 = off), got {self.top_k!r}")
-        if (isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int)
-                or self.max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be an integer ≥ 1, got {self.max_new_tokens!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        for tok, bias in dict(self.logit_bias).items():
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-                raise ValueError(f"logit_bias keys must be token ids (integers ≥ 0), got {tok!r}")
-            _check_number(f"logit_bias[{tok}]", bias, "a number", lambda b: True)
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("stop", _as_stop(self.stop))
+        put("temperature", _check_number("temperature", self.temperature, "≥ 0", lambda t: t >= 0))
+        put("top_p", _check_number("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1))
+        put("repetition_penalty", _check_number("repetition_penalty", self.repetition_penalty,
+                                                "> 0", lambda r: r > 0))
+        put("top_k", _check_int("top_k", self.top_k, "an integer ≥ 0 (0 = off)", lambda k: k >= 0))
+        put("max_new_tokens", _check_int("max_new_tokens", self.max_new_tokens,
+                                         "an integer ≥ 1", lambda n: n >= 1))
+        if self.seed is not None:
+            lo, hi = SEED_RANGE
+            put("seed", _check_int("seed", self.seed, "None or an integer in [0, 2**64)",
+                                   lambda s: lo <= s < hi))
+        put("logit_bias", _as_logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -71,24 +82,106 @@ class SamplingParams:
     def plain_argmax(self) -> bool:
         """Greedy with nothing that can move the argmax: the raw logits' argmax is the token.
 
-        Top-k keeps the largest logit (and every tie with it); a logit bias, a repetition penalty
-        or top-p (which may cut between tied top tokens) can change it.
+        Top-k and top-p keep the largest logit and every tie with it, so they never move the
+        argmax; a logit bias or a repetition penalty can.
         """
-        return (self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
-                and self.top_p == 1.0)
+        return self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
 
 
-def _check_number(name: str, value, allowed: str, ok) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not ok(value):
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) \
+        and type(value).__name__ != "bool_"
+
+
+def _check_number(name: str, value, allowed: str, ok) -> float | int:
+    """A real number (Python or NumPy) satisfying `ok`; NumPy scalars come back as float."""
+    try:
+        valid = _is_number(value) and not math.isnan(float(value)) and ok(value)
+    except OverflowError:  # an int too large for a float
+        valid = False
+    if not valid:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return value if type(value) in (int, float) else float(value)
+
+
+def _check_int(name: str, value, allowed: str, ok) -> int:
+    """An integer (Python or NumPy, not bool) satisfying `ok`, returned as a Python int."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) \
+            or type(value).__name__ == "bool_" or not ok(operator.index(value)):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return operator.index(value)
+
+
+def _as_stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    elif not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return tuple(stop)
+
+
+def _as_logit_bias(bias) -> dict[int, float]:
+    if bias is None:
+        return {}
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {bias!r}")
+    out = {}
+    for tok, b in bias.items():
+        tok = _check_int("logit_bias keys", tok, "token ids (integers ≥ 0)", lambda t: t >= 0)
+        out[tok] = float(_check_number(f"logit_bias[{tok}]", b, "a number (±inf allowed)",
+                                       lambda _: True))
+    return out
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's penalty on ``(B, V)`` logits for the tokens marked in the boolean mask `seen` ``(B, V)``."""
+    """CTRL's penalty on ``(B, V)`` logits for the tokens marked in the boolean mask `seen` ``(B, V)``.
+
+    The penalty is clamped into float32's normal range, so that it never acts as 0 or inf
+    (0 / 0 and inf / inf would be NaN).
+    """
     if penalty == 1.0:
         return logits
+    f32 = torch.finfo(torch.float32)
+    penalty = min(max(penalty, f32.tiny), f32.max)
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalised, logits)
+
+
+def apply_forced(logits: torch.Tensor) -> torch.Tensor:
+    """Rows holding a +inf logit (a +inf `logit_bias`): those tokens become 0, all others -inf,
+    so only they can be drawn (evenly). Other rows are returned unchanged."""
+    pos = logits == INF
+    forced = pos.any(dim=-1, keepdim=True)
+    return torch.where(forced, torch.zeros_like(logits).masked_fill(~pos, -INF), logits)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / T`` for T > 0, without ever making NaN (use after `apply_forced`: no +inf).
+
+    * T so large it is inf in float32: every finite logit becomes 0 — uniform over the tokens
+      not banned (-inf stays -inf; plain division would make -inf / inf = NaN).
+    * T < 1 can overflow float32 (a tiny T such as 1e-45, or huge logits). Only the row's
+      maximum matters (a smaller logit overflowing to -inf has probability 0 either way): rows
+      whose ``max / T`` is not finite use the distribution's shift-invariant form
+      ``(logits - max) / T``, which can only overflow towards -inf — the T → 0 limit: all mass
+      on the argmax, split evenly between tied maxima.
+    Every other row is exactly ``logits / T``.
+    """
+    if temperature > _F32_MAX:
+        return logits.masked_fill(torch.isfinite(logits), 0.0)
+    scaled = logits / temperature
+    if temperature >= 1:
+        return scaled  # |x / T| <= |x|: cannot overflow
+    top = logits.amax(dim=-1, keepdim=True)
+    overflow = ~torch.isfinite(top / temperature) & torch.isfinite(top)  # (B, 1)
+    if logits.device.type == "cpu" and not bool(overflow.any()):  # a host read is free here
+        return scaled
+    shifted = torch.where(logits == top, 0.0, (logits - top) / temperature)
+    return torch.where(overflow, shifted, scaled)
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -100,15 +193,20 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probabilities sum to at least `p`."""
+    """Keep the smallest set of most likely tokens whose probabilities sum to at least `p`.
+
+    Ties are kept, as in `apply_top_k`: every token whose logit equals the last one the set
+    needs is kept too, so which of several equally likely tokens survive never depends on the
+    order a sort leaves them in. The most likely token is always kept.
+    """
     if p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_logits = torch.sort(logits, dim=-1, descending=True).values
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each token
-    drop_sorted = before >= p  # once p is reached, drop the rest (the top token is always kept)
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    n_keep = (before < p).sum(dim=-1, keepdim=True).clamp(min=1)  # once p is reached, stop
+    boundary = sorted_logits.gather(-1, n_keep - 1)  # the last logit the set needs
+    return logits.masked_fill(logits < boundary, float("-inf"))
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,26 +214,97 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
 
     Returns the processed logits; their softmax is the distribution the next token is drawn from.
     Greedy (T = 0) skips temperature: argmax of the processed logits is the greedy choice.
+    A ±inf bias *sets* the logit to ±inf (whatever the model said); a finite one is added in
+    float32. A logit that is then +inf forces its token (`apply_forced`). No NaN is made from
+    non-NaN logits (see also `apply_temperature`).
+
+    A row `sample` could not draw from is a ValueError: NaN logits, or every token at -inf
+    (banned by ``logit_bias``, or by an extreme ``repetition_penalty``). Finding one takes one
+    max-reduction read on the host: free on the CPU, where it always runs; on an accelerator it
+    would make every step wait for the device, so there it runs only when ``logit_bias`` holds
+    ±inf (the way the parameters themselves empty or force a row).
     """
+    _check_shapes(logits, seen)
     logits = logits.float()
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=logits.device)
-        bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)
-        logits = logits.index_add(1, ids, bias.expand(logits.shape[0], -1))
+    bias = params.logit_bias
+    if bias:
+        logits = _add_bias(logits, bias)
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if logits.device.type == "cpu" or any(math.isinf(b) for b in bias.values()):
+        top = logits.amax(dim=-1).tolist()  # per row: NaN, +inf (forced) or -inf (empty)?
+        _check_rows(top, bias)
+        if INF in top:
+            logits = apply_forced(logits)
+    else:
+        logits = apply_forced(logits)  # elementwise: no host read
     if params.temperature > 0:
-        logits = logits / params.temperature
+        logits = apply_temperature(logits, params.temperature)
     logits = apply_top_k(logits, params.top_k)
     return apply_top_p(logits, params.top_p)
+
+
+def _check_shapes(logits: torch.Tensor, seen: torch.Tensor | None) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or 0 in logits.shape \
+            or not (logits.is_floating_point()):
+        raise ValueError(f"logits must be a float tensor of shape (batch, vocab), got "
+                         f"{_describe(logits)}")
+    if seen is not None and (not isinstance(seen, torch.Tensor) or seen.dtype != torch.bool
+                             or seen.shape != logits.shape):
+        raise ValueError(f"seen must be a bool tensor shaped like logits "
+                         f"{tuple(logits.shape)}, got {_describe(seen)}")
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def _add_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    V = logits.shape[-1]
+    bad = [t for t in bias if t >= V]
+    if bad:
+        raise ValueError(f"logit_bias token id {bad[0]} outside the vocabulary [0, {V})")
+    ids = torch.tensor(list(bias))
+    values = torch.tensor(list(bias.values()), dtype=torch.float32)  # beyond float32: ±inf
+    finite = torch.isfinite(values)
+    dev = logits.device
+    if bool(finite.any()):
+        logits = logits.index_add(1, ids[finite].to(dev),
+                                  values[finite].to(dev).expand(logits.shape[0], -1))
+    for sign in (INF, -INF):  # ±inf sets the logit: -inf + inf must not become NaN
+        chosen = ids[values == sign]
+        if chosen.numel():
+            logits = logits.index_fill(1, chosen.to(dev), sign)
+    return logits
+
+
+def _check_rows(top: list[float], bias: dict[int, float]) -> None:
+    """ValueError for a row with NaN logits or nothing left to draw (row maxima `top`)."""
+    for row, t in enumerate(top):
+        if math.isnan(t):
+            raise ValueError(f"logits of row {row} contain NaN: the model's output is broken "
+                             f"(an overflow in a low-precision dtype?)")
+        if t == -INF:
+            why = ("logit_bias bans (-inf) every token the model may sample"
+                   if any(b == -INF for b in bias.values())
+                   else "every logit is -inf (after logit_bias and repetition_penalty)")
+            raise ValueError(f"no token left to sample in row {row}: {why}")
 
 
 def sample(
     logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
     generators: list[torch.Generator] | None = None,
 ) -> torch.Tensor:
-    """Pick one token per row of ``(B, V)`` logits; returns ``(B,)`` token ids."""
+    """Pick one token per row of ``(B, V)`` logits; returns ``(B,)`` token ids.
+
+    Rows with NaN logits or nothing left to draw are a ValueError (see `process_logits`).
+    """
     processed = process_logits(logits, params, seen)
+    if generators is not None and len(generators) != processed.shape[0]:
+        raise ValueError(f"generators must hold one generator per row ({processed.shape[0]}), "
+                         f"got {len(generators)}")
     if params.greedy:
         return processed.argmax(dim=-1)
     probs = processed.softmax(dim=-1)

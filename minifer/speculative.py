@@ -7,11 +7,14 @@ the weights, not by arithmetic: checking k + 1 tokens costs about as much as pro
 prefix it agrees with plus one token of its own. Every target pass yields at least one token.
 
 - **Greedy** (temperature 0): a draft token is kept when it equals the target's argmax, so the
-  output is exactly the target's own greedy output (SPEC-2).
+  output is the target's own greedy output (SPEC-2) — token for token in fp32 (tested); in
+  bf16/fp16 the k + 1-token verification pass rounds differently from one-token steps, so a
+  near-tie can flip.
 - **Sampling**: draft token d (drawn from the draft's distribution q) is accepted with
   probability min(1, p(d)/q(d)); at the first rejection a token is drawn from
   normalise(max(0, p − q)); after k acceptances a bonus token is drawn from p. The output then
-  follows exactly the target's distribution p (Leviathan et al. 2023; Chen et al. 2023).
+  follows the target's distribution p exactly, up to float rounding (Leviathan et al. 2023;
+  Chen et al. 2023).
   The same logits processing (logit bias, repetition penalty, temperature, top-k, top-p) turns
   logits into p and q, position by position, so "the target's distribution" is the one
   `minifer.generate` samples from. The repetition penalty is applied exactly: the draft tokens

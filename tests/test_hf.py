@@ -75,3 +75,50 @@ def test_from_hf_rejects_other_activations():
     hf = _hf_gpt2(activation_function="relu")
     with pytest.raises(ValueError, match="relu"):
         GPT.from_hf(hf)
+
+
+# ---- GPT-2 options the engine does not model: rejected by name, never converted silently --------
+@pytest.mark.parametrize("option,value", [
+    ("scale_attn_by_inverse_layer_idx", True),  # logits were off by 0.77
+    ("scale_attn_weights", False),  # logits were off by 3.9
+    ("add_cross_attention", True),
+    ("n_inner", 100),  # an MLP width other than 4 × n_embd
+])
+def test_from_hf_rejects_unsupported_options(option, value):
+    hf = _hf_gpt2(**{option: value})
+    with pytest.raises(ValueError, match=f"{option}={value}"):
+        GPT.from_hf(hf)
+
+
+def _logits_match(hf, tol=1e-5):
+    m = GPT.from_hf(hf)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        ref = hf(ids).logits
+        assert (m(ids) - ref).abs().max().item() <= tol
+    return m
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(n_inner=256),  # = 4 × n_embd: the usual width, spelled out
+    dict(layer_norm_epsilon=1e-2),  # carried over as GPTConfig.layer_norm_eps
+    dict(reorder_and_upcast_attn=True, attn_implementation="eager"),  # fp32: same arithmetic
+])
+def test_from_hf_supported_options_match(overrides):
+    m = _logits_match(_hf_gpt2(**overrides))
+    if "layer_norm_epsilon" in overrides:
+        assert m.config.layer_norm_eps == 1e-2
+
+
+def test_from_hf_upcast_attention_needs_fp32():
+    hf = _hf_gpt2(reorder_and_upcast_attn=True).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="reorder_and_upcast_attn=True.*float32"):
+        GPT.from_hf(hf)
+
+
+def test_from_hf_rejects_other_models():
+    with pytest.raises(TypeError, match="GPT2LMHeadModel"):
+        GPT.from_hf(transformers.GPT2Model(transformers.GPT2Config(
+            n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16)))
+    with pytest.raises(TypeError, match="hf_model"):
+        GPT.from_hf("gpt2")

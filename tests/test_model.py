@@ -198,3 +198,34 @@ def test_batch_size_mismatch_with_cache_raises(tiny):
 def test_gqa_has_fewer_kv_weights_than_mha(tiny, tiny_gqa):
     assert tiny_gqa.transformer.h[0].attn.c_attn.weight.shape == (32 + 2 * 2 * 8, 32)
     assert tiny.transformer.h[0].attn.c_attn.weight.shape == (3 * 32, 32)
+
+
+@pytest.mark.parametrize("bad", [-1, 257, 10**6])
+def test_out_of_range_ids_raise_value_error(tiny, bad):
+    ids = torch.tensor([[1, 2, bad, 3]])
+    with pytest.raises(ValueError, match=r"idx.*\[0, 257\).*" + str(bad)):
+        tiny(ids)
+    cache = StaticKVCache.for_model(tiny, 1, 16)
+    with pytest.raises(ValueError, match=r"\[0, 257\)"):
+        tiny(ids, cache=cache)
+    assert cache.pos == 0  # nothing written
+    tiny(torch.tensor([[1, 2]]), cache=cache)
+    with pytest.raises(ValueError, match=r"\[0, 257\)"):  # a CPU decode step is checked too
+        tiny(torch.tensor([[bad]]), cache=cache)
+    assert cache.pos == 2
+
+
+def test_range_check_skips_accelerator_decode_steps():
+    """Decode steps and verification chunks feed tokens the engine produced itself; on a GPU
+    checking them would cost a host sync per step, so there only fresh sequences are checked."""
+    from minifer.model import _checks_ids
+    assert _checks_ids("cpu", fresh=True) and _checks_ids("cpu", fresh=False)
+    assert _checks_ids("cuda", fresh=True) and _checks_ids("mps", fresh=True)
+    assert not _checks_ids("cuda", fresh=False) and not _checks_ids("mps", fresh=False)
+    assert not _checks_ids("meta", fresh=True)  # no values to check
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 3)])
+def test_empty_idx_raises(tiny, shape):
+    with pytest.raises(ValueError, match="idx.*empty"):
+        tiny(torch.zeros(shape, dtype=torch.long))

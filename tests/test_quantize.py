@@ -281,3 +281,118 @@ def test_generate_passes_kv_dtype(tiny):
     scaled = lively_model("tiny", seed=1)
     assert len(mf.generate(scaled, "hi", params, mf.ByteTokenizer(), kv_dtype="int8")[0]
                .token_ids) == 6
+
+
+# ---- shapes the fused kernels cannot take (issue 14) -------------------------------------------
+ODD = mf.GPTConfig(vocab_size=257, context_length=64, n_layer=2, n_head=4, n_embd=72)
+
+
+def test_int8_odd_input_width_runs_and_matches_reference_in_a_subprocess():
+    """`_weight_int8pack_mm` needs in_features % 16 == 0: past it, it read out of bounds
+    (NaN/1e17 logits, then a segfault in generate). Run in a child process so that a crash fails
+    this test instead of killing the test run."""
+    import subprocess
+    import sys
+    code = """
+import warnings, torch, minifer as mf
+warnings.simplefilter("ignore")
+cfg = mf.GPTConfig(vocab_size=257, context_length=64, n_layer=2, n_head=4, n_embd=72)
+m = mf.GPT.from_config(cfg, seed=0)
+q, r = mf.quantize(m, "int8"), mf.quantize(m, "int8", impl="reference")
+ids = torch.randint(0, 257, (3, 12), generator=torch.Generator().manual_seed(0))
+with torch.inference_mode():
+    out, ref = q(ids), r(ids)
+assert torch.isfinite(out).all(), "non-finite logits"
+err = (out - ref).abs().max().item()
+assert err <= 0.02 * ref.abs().max().item(), err
+p = mf.SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+for prompt in ([1], [1, 2, 3], list(range(20))):
+    assert len(mf.generate(q, prompt, p)[0].token_ids) == 8
+print("OK")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_int8_fused_only_on_layers_the_kernel_takes():
+    from minifer.quantization import fused_problem
+    model = mf.GPT.from_config(ODD, seed=0)
+    assert "16" in fused_problem(8, 216, 72)  # in_features 72: not a multiple of 16
+    with pytest.warns(RuntimeWarning, match=r"c_attn \(216, 72\).*multiple of 16"):
+        q = quantize(model, "int8")
+    block = q.transformer.h[0]
+    assert block.attn.c_attn.impl == "reference"  # K = 72
+    assert q.lm_head.impl == "reference"
+    if fused_available(8):
+        assert block.mlp.c_proj.impl == "fused"  # K = 288 = 18 * 16
+    with pytest.raises(ValueError, match="in_features=72.*multiple of 16"):
+        QuantizedLinear.from_linear(_linear(16, 72), 8, impl="fused")
+
+
+def test_fused_probe_tests_the_shape_it_is_used_on(monkeypatch):
+    """A kernel that is right on the probe's usual shape but wrong on one layer's shape must not
+    be used on that layer."""
+    import sys
+    qm = sys.modules["minifer.quantization"]
+    real = qm._int8_mm
+
+    def wrong_for_n_96(x, q, scale):
+        y = real(x, q, scale)
+        return y + 1.0 if q.shape[0] == 96 else y
+
+    monkeypatch.setattr(qm, "_int8_mm", wrong_for_n_96)
+    qm.fused_problem.cache_clear()
+    try:
+        if qm.fused_problem(8, 64, 256) is not None:
+            pytest.skip("no fused int8 kernel in this torch")
+        assert "differs" in qm.fused_problem(8, 96, 256)
+        model = nn.Sequential(nn.Linear(256, 96), nn.Linear(96, 64))
+        with pytest.warns(RuntimeWarning, match=r"0 \(96, 256\)"):
+            q = quantize(model, "int8")
+        assert q[0].impl == "reference" and q[1].impl == "fused"
+    finally:
+        qm.fused_problem.cache_clear()
+
+
+@pytest.mark.parametrize("cfg,group", [("tiny", 8), ("tiny", 16), (ODD, 24), (ODD, 72)])
+def test_int4_group_sizes_that_validate_also_run(cfg, group):
+    """Group sizes the fused kernel does not take (it wants 32/64/128/256) run on the reference
+    path instead of failing at the first forward."""
+    model = mf.GPT.from_config(cfg, seed=0)
+    with pytest.warns(RuntimeWarning, match="group_size"):
+        q = quantize(model, "int4", group_size=group)
+    r = quantize(model, "int4", group_size=group, impl="reference")
+    ids = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(q(ids), r(ids))  # every layer took the reference path
+    assert len(mf.generate(q, [1, 2], mf.SamplingParams(temperature=0, max_new_tokens=3))[0]
+               .token_ids) == 3
+    with pytest.raises(ValueError, match="group_size.*32, 64, 128 or 256"):
+        QuantizedLinear.from_linear(_linear(16, 96), 4, group_size=group if group != 72 else 24,
+                                    impl="fused")
+
+
+def test_int4_odd_group_sizes_still_rejected_clearly(tiny):
+    with pytest.raises(ValueError, match="group_size=24 does not divide in_features=32.*8, 16, 32"):
+        quantize(tiny, "int4", group_size=24)
+    with pytest.raises(ValueError, match="group_size"):
+        quantize(tiny, "int4", group_size=True)
+
+
+@pytest.mark.filterwarnings("ignore:the fused int4 kernel rejects")
+@pytest.mark.parametrize("preset", ["shakespeare", "shakespeare-draft", "reference", "tiny"])
+def test_int4_default_group_size_quantizes_the_course_models(preset):
+    from minifer.quantization import default_group_size
+    model = mf.GPT.from_config(preset, seed=0)
+    q = quantize(model, "int4")  # shakespeare: n_embd 320, which 128 does not divide
+    groups = {m.group_size for m in q.modules() if isinstance(m, QuantizedLinear)}
+    expected = {"shakespeare": 64, "shakespeare-draft": 64, "reference": 128, "tiny": 32}[preset]
+    assert groups == {expected}
+    assert default_group_size([768, 3072]) == 128  # GPT-2 small keeps the usual 128
+
+
+def test_int4_default_group_size_error_names_sizes_that_work():
+    model = mf.GPT.from_config(ODD, seed=0)  # in_features 72 and 288
+    with pytest.raises(ValueError, match=r"group_size.*72.*288.*24"):
+        quantize(model, "int4")

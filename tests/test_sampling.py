@@ -156,7 +156,10 @@ def test_repetition_penalty_never_raises_a_seen_logit(values, penalty, data):
                                             max_size=len(values)))])
     out = apply_repetition_penalty(logits, seen, penalty)
     assert (out[seen] <= logits[seen]).all()
-    assert (out[seen & (logits != 0)] < logits[seen & (logits != 0)]).all()
+    # Strictly lower wherever float32 can represent the change (a subnormal x/penalty may
+    # round back to x).
+    moved = seen & (logits.abs() >= torch.finfo(torch.float32).tiny)
+    assert (out[moved] < logits[moved]).all()
     assert torch.equal(out[~seen], logits[~seen])
 
 
@@ -264,3 +267,158 @@ def test_top_p_nan_free_with_extreme_logits():
     assert not out.isnan().any()
     assert torch.isfinite(out[0]).tolist() == [True, False, False, False]
     assert math.isclose(out.softmax(-1)[0, 0].item(), 1.0)
+
+
+# ---- edge inputs (issue 14): never NaN, never a raw torch error ------------------------------
+INF = float("inf")
+
+
+def _draws(logits, params, n=400, seed=0):
+    rows = logits.expand(n, -1)
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(n)]
+    return sample(rows, params, generators=gens)
+
+
+@pytest.mark.parametrize("temperature", [0, 1e-45, 0.7, 1.0, 5.0, INF])
+def test_plus_inf_bias_forces_the_token(temperature):
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=temperature, top_k=3, top_p=0.5, logit_bias={17: INF})
+    out = process_logits(logits, params)
+    assert not out.isnan().any() and not (out == INF).any()
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [17]
+    assert set(_draws(logits, params).tolist()) == {17}
+
+
+def test_several_plus_inf_biases_share_the_draw_evenly():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(logit_bias={3: INF, 40: INF, 7: -INF})
+    counts = torch.bincount(_draws(logits, params, n=2000), minlength=50)
+    assert set(counts.nonzero().flatten().tolist()) == {3, 40}
+    assert abs(int(counts[3]) - 1000) < 120  # uniform over the forced tokens
+    greedy = SamplingParams(temperature=0, logit_bias={3: INF, 40: INF})
+    assert sample(logits, greedy).tolist() == [3]  # greedy: the lowest forced id
+
+
+def test_plus_inf_bias_forces_the_token_in_generate(tiny):
+    params = SamplingParams(max_new_tokens=6, seed=0, logit_bias={65: INF}, ignore_eos=True)
+    assert generate(tiny, [[1, 2]], params)[0].token_ids == [65] * 6
+
+
+def test_minus_inf_bias_on_every_token_is_a_value_error():
+    logits = torch.randn(2, 5)
+    ban_all = {t: -INF for t in range(5)}
+    for temperature in (0, 1.0):
+        with pytest.raises(ValueError, match="logit_bias"):
+            sample(logits, SamplingParams(temperature=temperature, logit_bias=ban_all))
+    # banning all but one leaves that one
+    params = SamplingParams(logit_bias={t: -INF for t in range(4)})
+    assert sample(logits, params).tolist() == [4, 4]
+
+
+def test_minus_inf_bias_on_every_usable_token_of_a_padded_vocabulary(tiny):
+    from minifer import GPT, ByteTokenizer
+    model = GPT.from_config(tiny.config.replace(vocab_size=300))  # 257 usable, 43 padding
+    params = SamplingParams(max_new_tokens=2, logit_bias={t: -INF for t in range(257)})
+    with pytest.raises(ValueError, match="logit_bias"):
+        generate(model, "hi", params, ByteTokenizer())
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 1e-38])
+def test_tiny_temperature_is_the_argmax_limit(temperature):
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(1)) * 10
+    params = SamplingParams(temperature=temperature)
+    out = process_logits(logits, params)
+    assert not out.isnan().any()
+    assert torch.equal(sample(logits, params), logits.argmax(-1))
+    tied = torch.tensor([[3.0, 5.0, 5.0, -1.0]])  # the limit splits the mass between ties
+    assert process_logits(tied, params).softmax(-1).tolist() == [[0.0, 0.5, 0.5, 0.0]]
+
+
+def test_huge_logits_do_not_overflow_a_small_temperature():
+    logits = torch.tensor([[3e38, 1e38, 0.0, -3e38]])
+    out = process_logits(logits, SamplingParams(temperature=0.5))
+    assert not out.isnan().any()
+    assert out.softmax(-1)[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("temperature", [INF, 1e300])
+def test_infinite_temperature_is_uniform_over_the_allowed_tokens(temperature):
+    logits = torch.randn(1, 8, generator=torch.Generator().manual_seed(2))
+    logits[0, 5:] = -INF  # a padded vocabulary, or banned tokens
+    params = SamplingParams(temperature=temperature)
+    out = process_logits(logits, params)
+    assert not out.isnan().any()
+    assert torch.equal(out.softmax(-1)[0, :5], torch.full((5,), 0.2))
+    assert set(_draws(logits, params).tolist()) == {0, 1, 2, 3, 4}
+
+
+def test_nan_logits_are_a_value_error():
+    logits = torch.tensor([[0.0, float("nan"), 1.0]])
+    for temperature in (0, 1.0):
+        with pytest.raises(ValueError, match="NaN"):
+            sample(logits, SamplingParams(temperature=temperature))
+
+
+def test_bias_for_a_token_past_the_logits_is_a_value_error():
+    with pytest.raises(ValueError, match=r"logit_bias.*token id 9.*\[0, 5\)"):
+        process_logits(torch.zeros(1, 5), SamplingParams(logit_bias={9: 1.0}))
+
+
+@pytest.mark.parametrize("name, value", [
+    ("stop", 5),
+    ("stop", b"END"),
+    ("stop", {"a": 1}),
+    ("logit_bias", "abc"),
+    ("logit_bias", [(1, 2.0)]),
+    ("logit_bias", {1: "x"}),
+    ("logit_bias", {"a": 1.0}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {1: float("nan")}),
+    ("seed", 2**64),
+    ("seed", -1),
+    ("temperature", 1j),
+    ("max_new_tokens", 2**100 + 0.5),
+])
+def test_wrong_types_raise_value_error_naming_the_parameter(name, value):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: value})
+
+
+def test_numpy_scalars_are_accepted_as_python_numbers():
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), top_k=np.int64(3),
+                       repetition_penalty=np.float16(1.5), max_new_tokens=np.int32(7),
+                       seed=np.uint64(2**64 - 1), logit_bias={np.int64(4): np.float32(2.0)})
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_new_tokens) == (
+        0.5, 0.9, 3, 1.5, 7)
+    assert type(p.temperature) is float and type(p.top_k) is int
+    assert type(p.max_new_tokens) is int and p.seed == 2**64 - 1 and type(p.seed) is int
+    assert p.logit_bias == {4: 2.0} and type(next(iter(p.logit_bias))) is int
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=np.float64(3.0))  # a float is not a count, numpy or not
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=np.bool_(True))
+
+
+def test_seed_range_is_what_torch_takes():
+    for seed in (0, 2**63, 2**64 - 1):
+        assert len(make_generators(SamplingParams(seed=seed), 1, torch.device("cpu"))) == 1
+
+
+def test_logit_bias_none_and_mappings_are_accepted():
+    from types import MappingProxyType
+    assert SamplingParams(logit_bias=None).logit_bias == {}
+    assert SamplingParams(logit_bias=MappingProxyType({3: -1})).logit_bias == {3: -1.0}
+
+
+# ---- ties: top-k and top-p both keep every token tied with the boundary ------------------------
+def test_top_p_keeps_all_tokens_tied_with_the_boundary_token():
+    logits = torch.tensor([[2.0, 1.0, 2.0, 2.0, 0.0]])  # three tokens tied at the top
+    # one of them alone already holds p = 0.1; the other two tie with it and are kept too
+    assert torch.isfinite(apply_top_p(logits, 0.1))[0].tolist() == [True, False, True, True, False]
+    assert torch.isfinite(apply_top_k(logits, 1))[0].tolist() == [True, False, True, True, False]
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, -2.0]])
+    p0 = logits.softmax(-1)[0, 0].item()  # the boundary falls on one of the tied 1.0s
+    kept = torch.isfinite(apply_top_p(logits, p0 + 0.01))[0].tolist()
+    assert kept == [True, True, True, True, False]
+    assert torch.isfinite(apply_top_k(logits, 2))[0].tolist() == kept

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quant": ("minifer.bench.quant", "bytes and decode tokens/s per precision (fp32 ... int4)"),
     "spec": ("minifer.bench.spec", "plain vs speculative decoding (draft model, prompt lookup) on "
              "the shipped Shakespeare pair, greedy, batch 1"),
+    "serve": ("minifer.bench.serve", "static vs continuous batching on a Poisson workload, and "
+              "prefix caching on a shared system prompt (LLMEngine)"),
 }
 
 

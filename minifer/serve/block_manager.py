@@ -1,0 +1,273 @@
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks and one block table per sequence.
+
+Reserving a KV region of the maximum length for every request wastes most of it (claim KV-12).
+Paging instead cuts the cache into blocks of `block_size` token slots; a sequence owns a list of
+block ids (its *block table*), token ``i`` lives in slot ``i % block_size`` of block
+``table[i // block_size]``, and a sequence asks for one more block only when its last one is
+full. The only waste is the unfilled tail of each sequence's last block (internal fragmentation).
+
+**Prefix caching.** A *full* block's contents are fixed by the tokens it holds and every token
+before it, so it is named by a hash chained through its parent: ``hash(parent_hash, tokens)``.
+When a new sequence starts with the same tokens (a shared system prompt), its leading blocks are
+found by hash and shared, with a reference count, instead of being computed again. A block whose
+count drops to zero goes back to the free list but keeps its contents and hash: it can be revived
+by a later hit until it is handed out for new contents, least recently freed first (LRU).
+
+This module holds no tensors: it decides *which* slot each token uses; `kv_pool.PagedKVPool`
+holds the keys and values in those slots.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Block", "BlockManager", "block_hash"]
+
+
+def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """The name of a full block: its tokens chained with its parent block's hash.
+
+    Python hashes tuples of ints deterministically (no per-process salt), so equal prefixes get
+    equal names in any run. A collision cannot corrupt output: a hit also compares the tokens.
+    """
+    return hash((-1 if parent is None else parent, tuple(tokens)))
+
+
+@dataclass
+class Block:
+    """One block of `block_size` KV slots: who uses it and, once full, what it holds."""
+
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and its K/V computed
+    tokens: tuple[int, ...] = ()  # the tokens behind `hash` (checked on every hit)
+
+
+class BlockManager:
+    """Hands out blocks to sequences; shares full blocks by content when prefix caching is on.
+
+    - `allocate(seq, tokens)`: a block table for a sequence about to be (re)computed; returns how
+      many leading tokens are already in cached blocks (those need no compute).
+    - `append_slots(seq, n)`: grow the table so the sequence can hold `n` tokens.
+    - `commit(seq, tokens, n)`: `n` tokens now have their K/V written; name the full blocks.
+    - `free(seq)`: drop the sequence's references (a second `free` is an error: no double free).
+
+    `can_allocate` / `can_append` tell the scheduler beforehand whether a request fits.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
+                 bytes_per_token: int = 0) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) \
+                or bytes_per_token < 0:
+            raise ValueError(f"bytes_per_token must be an integer >= 0, got {bytes_per_token!r}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.bytes_per_token = bytes_per_token
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # ref_count == 0 blocks, least recently freed first: the front is evicted first.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[int, int] = {}  # content hash -> block id holding it
+        self.tables: dict[Hashable, list[int]] = {}
+        self.num_tokens: dict[Hashable, int] = {}  # tokens each table is sized for
+        self._hashed: dict[Hashable, int] = {}  # leading blocks of each table already named
+        # counters (for lessons and benchmarks)
+        self.hit_blocks = 0  # full blocks found in the cache instead of computed
+        self.queried_blocks = 0  # full blocks looked up
+        self.evictions = 0  # cached blocks handed out for new contents
+
+    # ---- sizes -------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence uses (cached ones included: they can be evicted)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a named prefix (revivable until evicted)."""
+        return sum(1 for b in self._free if self.blocks[b].hash is not None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V the whole pool holds (all layers), used or not."""
+        return self.num_blocks * self.block_size * self.bytes_per_token
+
+    @property
+    def utilization(self) -> float:
+        """Fraction of the pool's blocks in use by some sequence."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def wasted_slots(self) -> int:
+        """Slots reserved in used blocks but holding no token: the tails of last blocks.
+
+        Only a sequence's last block can be partly filled, and partial blocks are never shared,
+        so this sums ``len(table) * block_size - num_tokens`` over sequences.
+        """
+        return sum(len(t) * self.block_size - self.num_tokens[s] for s, t in self.tables.items())
+
+    @property
+    def internal_fragmentation(self) -> float:
+        """Wasted slots / slots of the blocks in use (0 when nothing is in use)."""
+        used = self.num_used_blocks * self.block_size
+        return self.wasted_slots / used if used else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hits / full blocks looked up (nan before any lookup)."""
+        return self.hit_blocks / self.queried_blocks if self.queried_blocks else float("nan")
+
+    # ---- allocation --------------------------------------------------------------------
+    def _prefix_hits(self, tokens: Sequence[int]) -> list[int]:
+        """Block ids of the cached blocks that hold the leading full blocks of `tokens`.
+
+        Stops at the first miss, and never covers the last token: its logits are needed, so at
+        least one token is always computed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent, bs = [], None, self.block_size
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = block_hash(parent, chunk)
+            bid = self._by_hash.get(h)
+            if bid is None or self.blocks[bid].tokens != chunk:
+                break
+            hits.append(bid)
+            parent = h
+        return hits
+
+    def cached_prefix_tokens(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` `allocate` would find already cached."""
+        return len(self._prefix_hits(tokens)) * self.block_size
+
+    def can_allocate(self, tokens: Sequence[int]) -> bool:
+        """Whether `allocate` of a sequence holding `tokens` would find enough free blocks."""
+        hits = self._prefix_hits(tokens)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # these leave the free list
+        fresh = self.blocks_for(len(tokens)) - len(hits)
+        return fresh + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Hashable, tokens: Sequence[int]) -> int:
+        """Build `seq`'s block table for `tokens`; returns the number of leading tokens whose
+        K/V are already cached (a multiple of `block_size`, always < len(tokens))."""
+        if seq in self.tables:
+            raise ValueError(f"sequence {seq!r} already has blocks; free it first")
+        if not tokens:
+            raise ValueError("allocate needs at least one token")
+        if not self.can_allocate(tokens):
+            raise RuntimeError(f"not enough free blocks for {len(tokens)} tokens "
+                               f"({self.num_free_blocks} free); check can_allocate first")
+        hits = self._prefix_hits(tokens)
+        if self.enable_prefix_caching:
+            self.queried_blocks += (len(tokens) - 1) // self.block_size
+            self.hit_blocks += len(hits)
+        for bid in hits:
+            self._take(bid)
+        table = hits + [self._take_fresh() for _ in range(self.blocks_for(len(tokens)) - len(hits))]
+        self.tables[seq] = table
+        self.num_tokens[seq] = len(tokens)
+        self._hashed[seq] = len(hits)
+        return len(hits) * self.block_size
+
+    def can_append(self, seq: Hashable, num_tokens: int) -> bool:
+        """Whether `seq` can grow to hold `num_tokens` tokens."""
+        return self.blocks_for(num_tokens) - len(self.tables[seq]) <= self.num_free_blocks
+
+    def append_slots(self, seq: Hashable, num_tokens: int) -> None:
+        """Grow `seq`'s table (new blocks at the end) so it holds `num_tokens` tokens."""
+        table = self.tables[seq]
+        if not self.can_append(seq, num_tokens):
+            raise RuntimeError(f"not enough free blocks to grow {seq!r} to {num_tokens} tokens; "
+                               f"check can_append first")
+        while len(table) < self.blocks_for(num_tokens):
+            table.append(self._take_fresh())
+        self.num_tokens[seq] = max(self.num_tokens[seq], num_tokens)
+
+    def commit(self, seq: Hashable, tokens: Sequence[int], num_computed: int) -> None:
+        """The first `num_computed` of `tokens` now have K/V in `seq`'s blocks: name every
+        block that became full, so later sequences can share it."""
+        if not self.enable_prefix_caching:
+            return
+        table, bs = self.tables[seq], self.block_size
+        done = self._hashed[seq]
+        parent = self.blocks[table[done - 1]].hash if done else None
+        while (done + 1) * bs <= num_computed:
+            block = self.blocks[table[done]]
+            chunk = tuple(tokens[done * bs:(done + 1) * bs])
+            h = block_hash(parent, chunk)
+            if block.hash is None and h not in self._by_hash:
+                block.hash, block.tokens = h, chunk
+                self._by_hash[h] = block.block_id
+            # else: another sequence computed the same block first; this copy stays unnamed
+            parent = h
+            done += 1
+        self._hashed[seq] = done
+
+    def free(self, seq: Hashable) -> None:
+        """Release `seq`'s blocks. Last blocks go back first, so a prefix's leading blocks are
+        the most recently freed and the last to be evicted."""
+        table = self.tables.pop(seq, None)
+        if table is None:
+            raise KeyError(f"sequence {seq!r} holds no blocks (never allocated or already freed)")
+        del self.num_tokens[seq], self._hashed[seq]
+        for bid in reversed(table):
+            block = self.blocks[bid]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {bid} freed more often than allocated")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None or self._by_hash.get(block.hash) != bid:
+                    self._forget(block)
+                self._free[bid] = None  # at the end: most recently freed
+
+    # ---- internals ---------------------------------------------------------------------
+    def _take(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self._free[bid]
+        block.ref_count += 1
+
+    def _take_fresh(self) -> int:
+        bid, _ = self._free.popitem(last=False)  # least recently freed
+        block = self.blocks[bid]
+        if block.hash is not None:
+            if self._by_hash.get(block.hash) == bid:
+                del self._by_hash[block.hash]
+            self.evictions += 1
+        self._forget(block)
+        block.ref_count = 1
+        return bid
+
+    @staticmethod
+    def _forget(block: Block) -> None:
+        block.hash, block.tokens = None, ()
+
+    def check(self) -> None:
+        """Assert the bookkeeping is consistent (tests call this; cheap enough to call often)."""
+        counts = [0] * self.num_blocks
+        for table in self.tables.values():
+            for bid in table:
+                counts[bid] += 1
+        for block, n in zip(self.blocks, counts):
+            assert block.ref_count == n, f"block {block.block_id}: ref {block.ref_count} != {n}"
+            assert (n == 0) == (block.block_id in self._free), f"block {block.block_id} free list"
+        for h, bid in self._by_hash.items():
+            assert self.blocks[bid].hash == h, f"hash map points at block {bid} with another hash"
+
+    def __repr__(self) -> str:
+        return (f"BlockManager(blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"used={self.num_used_blocks}, cached={self.num_cached_blocks}, "
+                f"prefix_caching={self.enable_prefix_caching})")

@@ -1,0 +1,106 @@
+"""One request inside the serving engine, and what `LLMEngine.step` reports about it.
+
+A `Request` wraps the `minifer.sequence.Sequence` that every generation loop uses (prompt,
+tokens so far, incremental text, stop strings, finish reason) and adds what a scheduler needs:
+an id, a priority, a status, how many of its tokens already have K/V in the cache
+(`num_computed`), its own random generator, and its serving metrics.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ..sequence import Sequence
+from .metrics import RequestMetrics
+
+__all__ = ["Status", "Request", "RequestOutput"]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not started, or preempted (its K/V freed, to be recomputed)
+    RUNNING = "running"  # holds blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after one engine step (vLLM's `RequestOutput`, flattened).
+
+    `token_ids` and `text` are everything generated so far; `delta` is the text this step
+    released (stop strings and incomplete characters are held back until certain).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    delta: str
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+
+class Request:
+    """A `Sequence` plus its place in the scheduler.
+
+    ``tokens`` (prompt + generated) is what the model has to have seen; ``num_computed`` of them
+    have K/V in the cache. A request is due a forward pass over ``tokens[num_computed:]`` — the
+    whole prompt at first, one token per decode step, everything again after a preemption —
+    and samples its next token once ``num_computed == len(tokens)``.
+    """
+
+    def __init__(self, request_id: str, seq: Sequence, vocab: int, priority: int,
+                 arrival_time: float, order: int, device: torch.device,
+                 vocab_size: int | None = None) -> None:
+        self.request_id, self.seq, self.vocab = request_id, seq, vocab
+        self.priority, self.order = priority, order  # order: arrival rank, breaks ties
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.waited_steps = 0  # scheduler steps spent waiting (for aging)
+        self.metrics = RequestMetrics(request_id=request_id, prompt_tokens=len(seq.prompt_ids),
+                                      arrival_time=arrival_time)
+        p = seq.params
+        self.generator = None  # one per request: its samples never depend on the batch
+        if p.seed is not None and not p.greedy:
+            self.generator = torch.Generator(device=device).manual_seed(p.seed)
+        self.seen = None  # tokens seen so far, for the repetition penalty
+        if p.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size or vocab, dtype=torch.bool, device=device)
+            self.seen[torch.tensor(seq.prompt_ids, device=device)] = True
+        self.text = ""  # released so far
+
+    @property
+    def params(self):
+        return self.seq.params
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt then generated tokens (a new list)."""
+        return self.seq.prompt_ids + self.seq.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_tokens
+
+    @property
+    def num_due(self) -> int:
+        """Tokens still to feed before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def output(self, delta: str) -> RequestOutput:
+        s = self.seq
+        return RequestOutput(self.request_id, s.prompt_ids, list(s.output_ids),
+                             self.text if s.stopper is not None else None, delta,
+                             self.finished, self.metrics.finish_reason, self.metrics)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, priority={self.priority}, {self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed})")
+
