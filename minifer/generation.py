@@ -6,9 +6,10 @@ drives them for a batch of prompts and yields each token the moment it exists (c
 `generate` collects one `Completion` per prompt. Per-request state (tokens, text, stop strings,
 finish reason, timings) lives in `sequence.Sequence`.
 
-The decode step has a fixed shape (`GPT.decode`): it writes at a slot held in a tensor and attends
-over the whole preallocated cache through a mask, so ``generate(..., compile=True)`` can hand it to
-`torch.compile` (on CUDA with CUDA graphs). Everything per request — the cache, its slot numbers,
+The decode step (`GPT.decode`) writes at a slot held in a tensor. Eager, it reads only the filled
+cache slots; in its fixed-shape form it attends over the whole preallocated cache through a mask,
+so ``generate(..., compile=True)`` can hand it to `torch.compile` (on CUDA with CUDA graphs: written
+for it, untested on a GPU). Everything per request — the cache, its slot numbers,
 the token buffer — is allocated once before the loop, and the request is checked once, by
 `sequence.prepare`, not at every step. Nothing here changes torch's thread count: torch uses one
 thread per core, which is right on an idle machine; where other programs keep the cores busy,
