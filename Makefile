@@ -70,11 +70,17 @@ test-matrix: test-kernels
 notebooks: $(STAMP)
 	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py $(notdir $(NOTEBOOKS))
 
+# The CPU benchmark suite (a few minutes; BENCHMARKS.md records its latest tables). On a machine
+# that other programs keep busy, pin the thread count: `make bench THREADS=1`.
+THREADS ?=
+BENCH_THREADS := $(if $(THREADS),--threads $(THREADS))
+
 bench: $(STAMP)
 	$(BIN)/python -m minifer.bench probe
-	$(BIN)/python -m minifer.bench decode
-	$(BIN)/python -m minifer.bench quant
-	$(BIN)/python -m minifer.bench spec
+	$(BIN)/python -m minifer.bench decode $(BENCH_THREADS)
+	$(BIN)/python -m minifer.bench decode --table --json bench-decode.json $(BENCH_THREADS)
+	$(BIN)/python -m minifer.bench quant $(BENCH_THREADS)
+	$(BIN)/python -m minifer.bench spec $(BENCH_THREADS)
 
 # Retrain the shipped tokenizer and Shakespeare models (≈40 min on 2 CPU cores; resumable).
 train: $(STAMP)

@@ -36,6 +36,11 @@ class StaticKVCache:
     - `start`: per-row first real slot (left padding), a ``[batch]`` long tensor.
     - `lengths`: per-row number of real tokens cached (``pos - start``).
     - `rollback(n)`: forget the last ``n`` slots (speculative decoding rejects drafted tokens).
+
+    Two ways to write: `update` (slots ``pos..pos+T-1``, returns the filled prefix, whose length
+    grows every step) and `write_at` (a slot given as a tensor, returns the whole buffers: the
+    fixed-shape decode step, see `GPT.decode`). `slots` (``arange(max_len)``) and `slot` (a
+    one-element tensor the decode step sets to `pos`) are allocated once here, not every step.
     """
 
     def __init__(
@@ -74,6 +79,8 @@ class StaticKVCache:
         self.pos = 0
         self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.padded = False  # any row left padded? (kept on the host to avoid a device sync)
+        self.slots = torch.arange(max_len, device=device)  # key slot numbers, for the decode mask
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the decode step's write slot
 
     @classmethod
     def for_model(
@@ -135,10 +142,34 @@ class StaticKVCache:
         self.v[layer][:, :, self.pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def _update_int8(self, layer: int, k: torch.Tensor, v: torch.Tensor, end: int):
-        """Quantize the new tokens (symmetric, per head per token), then dequantize the prefix.
+    def write_at(self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new ``k, v`` ``[B, kv_heads, T, head_dim]`` at the slots in the long tensor `slot`
+        ``(T,)`` of `layer`; returns the first `length` slots of the buffers, by default all of
+        them: ``[B, kv_heads, max_len, head_dim]``.
 
-        Attention needs float K/V, so every call rebuilds the cached prefix in float: the int8
+        With ``length=None`` nothing here depends on a Python number that changes, so every call
+        has the same shapes (the caller masks the slots not yet written): the fixed-shape step.
+        `pos` moves only in `advance`.
+        """
+        if self.quantized:
+            return self._write_int8(layer, slot, k, v, end=self.max_len if length is None else length)
+        self.k[layer].index_copy_(2, slot, k)
+        self.v[layer].index_copy_(2, slot, v)
+        if length is None:
+            return self.k[layer], self.v[layer]
+        return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
+
+    def _update_int8(self, layer: int, k: torch.Tensor, v: torch.Tensor, end: int):
+        slot = torch.arange(self.pos, end, device=self.k[layer].device)
+        return self._write_int8(layer, slot, k, v, end)
+
+    def _write_int8(self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    end: int):
+        """Quantize the new tokens (symmetric, per head per token) into `slot`, then dequantize
+        slots ``0..end-1``.
+
+        Attention needs float K/V, so every call rebuilds the cached tokens in float: the int8
         cache saves memory (and, with a fused kernel, bandwidth), not arithmetic.
         """
         out = []
@@ -146,8 +177,8 @@ class StaticKVCache:
             scale = (new.detach().abs().amax(dim=-1, keepdim=True).float() / 127).clamp(min=1e-6)
             scale = scale.to(SCALE_DTYPE)  # round first, so q and the stored scale agree
             q = torch.round(new.float() / scale.float()).clamp(-127, 127)
-            store[layer][:, :, self.pos:end] = q.to(torch.int8)
-            scales[layer][:, :, self.pos:end] = scale
+            store[layer].index_copy_(2, slot, q.to(torch.int8))
+            scales[layer].index_copy_(2, slot, scale)
             dtype = new.dtype
             out.append(store[layer][:, :, :end].to(dtype) * scales[layer][:, :, :end].to(dtype))
         return out[0], out[1]

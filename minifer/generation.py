@@ -6,6 +6,15 @@ drives them for a batch of prompts and yields each token the moment it exists (c
 `generate` collects one `Completion` per prompt. Per-request state (tokens, text, stop strings,
 finish reason, timings) lives in `sequence.Sequence`.
 
+The decode step (`GPT.decode`) writes at a slot held in a tensor. Eager, it reads only the filled
+cache slots; in its fixed-shape form it attends over the whole preallocated cache through a mask,
+so ``generate(..., compile=True)`` can hand it to `torch.compile` (on CUDA with CUDA graphs: written
+for it, untested on a GPU). Everything per request — the cache, its slot numbers,
+the token buffer — is allocated once before the loop, and the request is checked once, by
+`sequence.prepare`, not at every step. Nothing here changes torch's thread count: torch uses one
+thread per core, which is right on an idle machine; where other programs keep the cores busy,
+``torch.set_num_threads(1)`` can be many times faster (BENCHMARKS.md measures it).
+
 Prompts of different lengths share a batch by *left padding*: row b's real tokens start at slot
 ``start[b]`` and the attention mask hides the padding, so every row computes what it would
 compute alone. In fp32 that holds exactly (greedy tokens are identical, tested); in bf16/fp16 the
@@ -16,7 +25,7 @@ after a near-tie.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -26,8 +35,8 @@ from .sampling import SamplingParams, make_generators, mask_padded_vocab, sample
 from .sequence import Completion, TokenEvent, encode_prompts, prepare
 from .tokenizer import TokenizerLike
 
-__all__ = ["prefill", "decode_step", "stream", "generate", "Completion", "TokenEvent",
-           "encode_prompts"]
+__all__ = ["prefill", "decode_step", "compiled_decode", "stream", "generate", "Completion",
+           "TokenEvent", "encode_prompts"]
 
 
 # ---- the two kinds of forward pass ---------------------------------------------------------
@@ -39,14 +48,76 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, cache: StaticKVCache) -> 
     return model(ids, cache=cache, last_only=True)[:, -1]
 
 
-def decode_step(model: torch.nn.Module, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+def decode_step(model: torch.nn.Module, tokens: torch.Tensor, cache: StaticKVCache, *,
+                step: Callable | None = None, fixed_shape: bool = False) -> torch.Tensor:
     """Feed one new token per row ``(B,)``; attention reads all earlier tokens from `cache`.
 
-    Input and output have the same shapes at every step (B×1 in, B×V out), but attention reads
-    the cache's filled prefix, which grows by one slot per step: the step is not (yet) a
-    fixed-shape function that a GPU could capture once as a CUDA graph.
+    Returns the next-token logits ``(B, V)``. The step (`GPT.decode`) writes the new K/V at
+    ``cache.slot`` (a one-element tensor, set here to ``cache.pos``). Eager, it reads only the
+    filled slots. With ``fixed_shape=True``, or a compiled `step` from `compiled_decode`, it
+    attends over every slot of the preallocated cache through a mask instead: then every shape
+    is the same at every step, so `torch.compile` can compile it and a GPU can capture it once
+    as a CUDA graph and replay it. The only check here is that the cache has room; the request
+    was checked once, up front (`sequence.prepare`).
     """
-    return model(tokens.view(-1, 1), cache=cache)[:, -1]
+    cache.check_room(1)
+    tokens = tokens.view(-1, 1)
+    if not hasattr(model, "decode"):  # a model without the lean step: plain forward
+        return model(tokens, cache=cache)[:, -1]
+    cache.slot.fill_(cache.pos)
+    if step is None:
+        kv_len = None if fixed_shape else cache.pos + 1
+        logits = model(tokens, cache=cache, slot=cache.slot, kv_len=kv_len)
+    else:
+        if cache.slot.is_cuda:  # CUDA graphs: the previous step's outputs have been used
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = step(model, tokens, cache, cache.slot)
+    cache.advance(1)
+    return logits
+
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_compiled: dict[str | None, Callable] = {}
+
+
+def _decode(model, tokens, cache, slot):
+    return model(tokens, cache=cache, slot=slot)
+
+
+def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> Callable:
+    """`GPT.decode` compiled by `torch.compile`, for ``decode_step(..., step=...)``.
+
+    `mode` None picks ``"reduce-overhead"`` on CUDA (the step captured as a CUDA graph and
+    replayed with one launch; untested here, where no GPU was available) and inductor's default
+    elsewhere (on a CPU: fused C++ kernels for everything between the matmuls; needs a C++
+    compiler). Compiled once per process and mode; torch compiles one graph per batch size and
+    cache length (``fullgraph=True``: a graph break is an error, not a silent slow path).
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+    if mode is None:
+        mode = "reduce-overhead" if next(model.parameters()).is_cuda else "default"
+    if mode not in _compiled:
+        _compiled[mode] = torch.compile(_decode, mode=mode, fullgraph=True, dynamic=False)
+    return _compiled[mode]
+
+
+def _compile_step(model: torch.nn.Module, compile: bool | str, cache: StaticKVCache
+                  ) -> Callable | None:
+    """The step function `stream` uses: None (eager) or the compiled one."""
+    if compile is False or compile is None:
+        return None
+    if compile is not True and not isinstance(compile, str):
+        raise ValueError(f"compile must be True, False or a torch.compile mode "
+                         f"{COMPILE_MODES[1:]}, got {compile!r}")
+    if not hasattr(model, "decode"):
+        raise ValueError(f"compile=True needs a model with the fixed-shape step GPT.decode, got "
+                         f"{type(model).__name__}")
+    step = compiled_decode(model, None if compile is True else compile)
+    if cache.slot.is_cuda:  # CUDA graphs may write the cache in place only at fixed addresses
+        for t in cache.k + cache.v + (cache.k_scale + cache.v_scale if cache.quantized else []):
+            torch._dynamo.mark_static_address(t)
+    return step
 
 
 # ---- the loop ------------------------------------------------------------------------------
@@ -60,12 +131,17 @@ def stream(
     device: torch.device | str | None = None,
     completions: list[Completion] | None = None,
     kv_dtype: torch.dtype | str | None = None,
+    compile: bool | str = False,
 ) -> Iterator[TokenEvent]:
     """Yield a `TokenEvent` for every generated token of every prompt, as soon as it exists.
 
     Pass a list as `completions` to have it filled with the final `Completion`s.
     `use_cache=False` recomputes the whole sequence at every step: the reference path.
     `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
+    `compile`: run the decode step through `torch.compile` (True, or a mode such as
+    ``"reduce-overhead"``; see `compiled_decode`). The first call for a batch size and cache
+    length pays for compiling (seconds to minutes); later ones reuse it. fp32 greedy tokens are
+    identical to eager (tested on CPU).
     """
     req = prepare(model, prompts, params, tokenizer, device=device)
     params = req.sequences[0].params
@@ -89,11 +165,20 @@ def stream(
             seen[b, torch.tensor(s.prompt_ids, device=device)] = True
     rows = torch.arange(B, device=device)
 
+    if compile and not use_cache:
+        raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True")
+    cache, step_fn = None, None
+    if use_cache:
+        slots = total - 1
+        if compile:  # round the cache length up so requests of similar length share one graph
+            slots = min(-(-slots // 64) * 64, model.config.context_length)
+        cache = StaticKVCache.for_model(model, B, slots, dtype=kv_dtype, device=device)
+        cache.reset(start)
+        step_fn = _compile_step(model, compile, cache)
+
     with torch.inference_mode():
         t0 = time.perf_counter()
         if use_cache:
-            cache = StaticKVCache.for_model(model, B, total - 1, dtype=kv_dtype, device=device)
-            cache.reset(start)
             logits = prefill(model, buf[:, :T], cache)
         else:
             logits = model(buf[:, :T], start=start if padded else None, last_only=True)[:, -1]
@@ -110,7 +195,7 @@ def stream(
             if all(s.finished for s in seqs):
                 break
             if use_cache:
-                logits = decode_step(model, tokens, cache)
+                logits = decode_step(model, tokens, cache, step=step_fn)
             else:
                 seq = buf[:, : T + step + 1]
                 logits = model(seq, start=start if padded else None, last_only=True)[:, -1]
@@ -126,14 +211,16 @@ def generate(
     use_cache: bool = True,
     device: torch.device | str | None = None,
     kv_dtype: torch.dtype | str | None = None,
+    compile: bool | str = False,
 ) -> list[Completion]:
     """Generate for one prompt or a batch; returns one `Completion` per prompt, in order.
 
     `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
+    `compile`: compile the decode step with `torch.compile` (see `stream`).
     """
     completions: list[Completion] = []
     for _ in stream(model, prompts, params, tokenizer, use_cache=use_cache, device=device,
-                    completions=completions, kv_dtype=kv_dtype):
+                    completions=completions, kv_dtype=kv_dtype, compile=compile):
         pass
     return completions
 

@@ -6,6 +6,13 @@ nh query heads, nkv key/value heads, hd head dim.
 The only inference-specific idea here is the `cache` argument: with a `StaticKVCache`, each
 attention layer writes the new tokens' keys and values into it and attends over everything
 cached so far, so a decode step feeds one token per sequence instead of the whole history.
+
+`GPT.forward` checks its input and attends over the cache's filled prefix, whose length grows
+every step. `GPT.decode` is the lean decode step: no checks (the caller checked once per
+request), the new K/V written at a slot held in a tensor. Eager, it reads only the filled slots;
+in its fixed-shape form it attends over the *whole* preallocated cache with a mask built from
+that slot, so every tensor has the same shape at every step and the step can be compiled
+(`torch.compile`) or captured once as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -33,13 +40,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-        cache: StaticKVCache | None,
+        cache: StaticKVCache | None, slot: torch.Tensor | None = None, kv_len: int | None = None,
     ) -> torch.Tensor:
-        return self.c_proj(self.attend(x, mask, is_causal, cache))
+        return self.c_proj(self.attend(x, mask, is_causal, cache, slot, kv_len))
 
     def attend(
         self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-        cache: StaticKVCache | None,
+        cache: StaticKVCache | None, slot: torch.Tensor | None = None, kv_len: int | None = None,
     ) -> torch.Tensor:
         """Every head's attention output, concatenated ``(B, T, n_head * head_dim)``: all of
         attention but the output projection (tensor parallelism projects a slice of heads)."""
@@ -49,7 +56,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
-        if cache is not None:
+        if slot is not None:  # decode: write at `slot`, read `kv_len` slots (None: all of them)
+            k, v = cache.write_at(self.layer_idx, slot, k, v, kv_len)  # (B, nkv, S, hd)
+        elif cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd): all cached tokens
         if nkv != nh:  # grouped-query attention: each K/V head serves nh // nkv query heads
             k = k.repeat_interleave(nh // nkv, dim=1)
@@ -67,8 +76,10 @@ def _attention_math(q, k, v, mask, is_causal):
     if is_causal:
         t, s = scores.shape[-2:]
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
-    if mask is not None:
+    if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:  # additive: 0 where allowed, -inf where not
+        scores = scores + mask
     return scores.softmax(dim=-1) @ v
 
 
@@ -90,8 +101,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, mask, is_causal, cache):
-        x = x + self.attn(self.ln_1(x), mask, is_causal, cache)
+    def forward(self, x, mask, is_causal, cache, slot=None, kv_len=None):
+        x = x + self.attn(self.ln_1(x), mask, is_causal, cache, slot, kv_len)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -200,6 +211,9 @@ class GPT(nn.Module):
         cache: StaticKVCache | None = None,
         start: torch.Tensor | None = None,
         last_only: bool = False,
+        *,
+        slot: torch.Tensor | None = None,
+        kv_len: int | None = None,
     ) -> torch.Tensor:
         """Logits for token ids `idx` ``(B, T)``.
 
@@ -212,7 +226,13 @@ class GPT(nn.Module):
         reduction; on a GPU it costs a host sync, so there it runs only for calls that start a
         sequence (no cache or an empty one): decode steps and speculative verification feed
         tokens the engine produced itself, and never wait for it (see `_checks_ids`).
+
+        `slot` (with `cache`, optionally `kv_len`) runs the lean decode step `decode` instead:
+        unchecked, returns ``(B, vocab)``. Going through ``model(...)`` keeps forward hooks
+        working.
         """
+        if slot is not None:
+            return self.decode(idx, cache, slot, kv_len)
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, tokens), got {tuple(idx.shape)}")
         if idx.dtype not in (torch.int64, torch.int32):
@@ -251,6 +271,38 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:, :]
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
+
+    def decode(self, tokens: torch.Tensor, cache: StaticKVCache, slot: torch.Tensor,
+               kv_len: int | None = None) -> torch.Tensor:
+        """The lean decode step: logits ``(B, vocab)`` for one new token per row.
+
+        `tokens` ``(B, 1)``; `slot` a one-element long tensor holding ``cache.pos`` (usually
+        ``cache.slot``). Each layer writes the new K/V at `slot` and attends over the first
+        `kv_len` cache slots; row b sees slots ``start[b]..slot``. It checks nothing and does
+        not move ``cache.pos``: call it through `minifer.decode_step`, which does both (as
+        ``model(tokens, cache=cache, slot=..., kv_len=...)``, so forward hooks see it).
+
+        - ``kv_len=None``, the **fixed-shape** step: attention reads all ``cache.max_len`` slots
+          through a mask built from `slot`, so every shape is the same at every step and
+          nothing reads a Python number that changes: the step can be compiled and captured
+          (a CUDA graph). Size the cache to the request (as `generate` does), since every slot
+          is read.
+        - ``kv_len=cache.pos + 1``, the eager step: only the filled slots are read, and without
+          left padding no mask is needed at all.
+        """
+        start = cache.start
+        pos = (slot - start)[:, None]  # (B, 1) each row's own position
+        x = self.transformer.wte(tokens) + self.transformer.wpe(pos)  # (B, 1, C)
+        mask = None
+        if kv_len is None or cache.padded:
+            slots = cache.slots if kv_len is None else cache.slots[:kv_len]
+            allowed = (slots <= slot) & (slots >= start[:, None])  # (B, S)
+            # additive, in the model's dtype: converted once here, not once per layer by SDPA
+            mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
+            mask = mask.masked_fill(~allowed, float("-inf"))[:, None, None, :]  # (B, 1, 1, S)
+        for block in self.transformer.h:
+            x = block(x, mask, False, cache, slot, kv_len)
+        return self.lm_head(self.transformer.ln_f(x))[:, 0]  # (B, vocab)
 
 
 def _checks_ids(device_type: str, fresh: bool) -> bool:

@@ -263,6 +263,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64,
                         help="prompt length for cache vs no cache (default: 64)")
     parser.add_argument("--repeats", type=int, default=3, help="counted runs (default: 3)")
+    table = parser.add_argument_group(
+        "engine table (--table): minifer vs the textbook engine and transformers, the matmul "
+        "floor, GB/s and MBU")
+    table.add_argument("--table", action="store_true",
+                       help="print the engine table instead of the prefill/decode report")
+    table.add_argument("--presets", nargs="+", default=["reference", "gpt2"],
+                       help="model shapes (default: reference gpt2)")
+    table.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                       help="precisions (default: fp32 bf16)")
+    table.add_argument("--table-prompt-tokens", type=int, default=128,
+                       help="prompt already in the cache (default: 128)")
+    table.add_argument("--table-new-tokens", type=int, default=16,
+                       help="decode steps per timed run (default: 16)")
+    table.add_argument("--compile", action="store_true",
+                       help="compile minifer's decode step (torch.compile; slow to start)")
+    table.add_argument("--no-baselines", action="store_true",
+                       help="time minifer and the floor only")
+    table.add_argument("--json", metavar="PATH", default=None,
+                       help="also write the table as JSON to PATH")
 
 
 def busy_warning(threads: int) -> str | None:
@@ -275,9 +294,12 @@ def busy_warning(threads: int) -> str | None:
     cpus = os.cpu_count() or 1
     if load + threads <= cpus + 0.5:
         return None
+    fewer = max(1, cpus - round(load))
+    advice = (f"consider --threads {fewer}" if fewer < threads else
+              "expect slower, noisier timings than on an idle machine (ratios measured in one "
+              "run hold up better)")
     return (f"note: this machine is busy (load average {load:.1f} on {cpus} CPUs); {threads} "
-            f"thread(s) will compete with it and the timings will suffer; consider "
-            f"--threads {max(1, cpus - round(load))}")
+            f"thread(s) will compete with it and the timings will suffer; {advice}")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -285,9 +307,31 @@ def run_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.device == "cpu" and (warning := busy_warning(torch.get_num_threads())):
         print(warning, file=sys.stderr, flush=True)
+    if args.table:
+        return _run_table(args)
     result = run(args.preset, prefill_tokens=args.prefill_tokens, context=args.context,
                  batches=args.batches, new_tokens=args.new_tokens,
                  prompt_tokens=args.prompt_tokens, repeats=args.repeats, device=args.device)
     print(format_report(result))
+    return 0
+
+
+def _run_table(args: argparse.Namespace) -> int:
+    import json
+
+    from .engines import HEADER, format_table, run_table, to_json
+
+    print(HEADER, file=sys.stderr, flush=True)
+    result = run_table(args.presets, args.dtypes, args.batches,
+                       prompt_tokens=args.table_prompt_tokens, new_tokens=args.table_new_tokens,
+                       repeats=args.repeats, compile=args.compile,
+                       baselines=not args.no_baselines,
+                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    result["command"] = "python -m minifer.bench " + " ".join(sys.argv[1:])
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(result), f, indent=1)
+        print(f"wrote {args.json}")
     return 0
 

@@ -132,8 +132,8 @@ class TPAttention(CausalSelfAttention):
         self.proj_bias = None if attn.c_proj.bias is None else nn.Parameter(
             attn.c_proj.bias.detach().clone(), requires_grad=False)
 
-    def forward(self, x, mask, is_causal, cache):
-        y = self.all_reduce(self.c_proj(self.attend(x, mask, is_causal, cache)))  # sum of partials
+    def forward(self, x, mask, is_causal, cache, slot=None, kv_len=None):
+        y = self.all_reduce(self.c_proj(self.attend(x, mask, is_causal, cache, slot, kv_len)))
         return y if self.proj_bias is None else y + self.proj_bias
 
 
