@@ -37,21 +37,14 @@ from .. import roofline as rl
 from ..bench.decode import REFERENCE, time_decode_step, time_prefill
 from ..serve.metrics import RequestMetrics, summarize
 from ..serve.workload import LogNormal, Request
-from .common import TEMPLATE, table
+from .common import control, panel, sig, style, table
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 POLICIES = ("static", "continuous")
 
 
-def _r(x: float, digits: int = 6) -> float:
-    """Round to ``digits`` significant digits: stable figure JSON."""
-    return float(f"{x:.{digits}g}")
-
-
 def _layout(fig: go.Figure, title: str, *, width: int = 1000, height: int = 380) -> go.Figure:
-    fig.update_layout(title=dict(text=title, font=dict(size=13)), template=TEMPLATE, width=width,
-                      height=height, margin=dict(l=60, r=20, t=70, b=50))
-    return fig
+    return style(fig, title, width=width, height=height, title_size=13, top=70, legend=False)
 
 
 # =============================================================================================
@@ -132,26 +125,26 @@ def batch_figure(sweep: BatchSweep, batch: int = 8,
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
                         subplot_titles=("time of one decode step", "tokens per second"))
     x = list(sweep.batches)
-    fig.add_trace(go.Scatter(x=x, y=[_r(t * 1e3, 4) for t in sweep.step_s], mode="lines+markers",
+    fig.add_trace(go.Scatter(x=x, y=[sig(t * 1e3, 4) for t in sweep.step_s], mode="lines+markers",
                              name=f"step, {sweep.label}"), 1, 1)
-    fig.add_trace(go.Scatter(x=x, y=[_r(sweep.step_s[0] * b * 1e3, 4) for b in x], mode="lines",
+    fig.add_trace(go.Scatter(x=x, y=[sig(sweep.step_s[0] * b * 1e3, 4) for b in x], mode="lines",
                              name="batch × one step (no sharing)", line=dict(dash="dot")), 1, 1)
-    fig.add_trace(go.Scatter(x=x, y=[_r(sweep.total(b), 4) for b in x], mode="lines+markers",
+    fig.add_trace(go.Scatter(x=x, y=[sig(sweep.total(b), 4) for b in x], mode="lines+markers",
                              name=f"server tok/s, {sweep.label}"), 1, 2)
-    fig.add_trace(go.Scatter(x=x, y=[_r(sweep.per_user(b), 4) for b in x], mode="lines+markers",
+    fig.add_trace(go.Scatter(x=x, y=[sig(sweep.per_user(b), 4) for b in x], mode="lines+markers",
                              name=f"per-user tok/s, {sweep.label}"), 1, 2)
     if reference is not None:
         rx = list(reference.batches)
-        fig.add_trace(go.Scatter(x=rx, y=[_r(t * 1e3, 4) for t in reference.step_s],
+        fig.add_trace(go.Scatter(x=rx, y=[sig(t * 1e3, 4) for t in reference.step_s],
                                  mode="markers", name=f"step, {reference.label}",
                                  marker=dict(symbol="x", size=9)), 1, 1)
-        fig.add_trace(go.Scatter(x=rx, y=[_r(reference.total(b), 4) for b in rx], mode="markers",
+        fig.add_trace(go.Scatter(x=rx, y=[sig(reference.total(b), 4) for b in rx], mode="markers",
                                  name=f"server tok/s, {reference.label}",
                                  marker=dict(symbol="x", size=9)), 1, 2)
-    fig.add_trace(go.Scatter(x=[batch], y=[_r(sweep.step(batch) * 1e3, 4)], mode="markers",
+    fig.add_trace(go.Scatter(x=[batch], y=[sig(sweep.step(batch) * 1e3, 4)], mode="markers",
                              showlegend=False, marker=dict(size=13, color="crimson")), 1, 1)
-    fig.add_trace(go.Scatter(x=[batch, batch], y=[_r(sweep.total(batch), 4),
-                                                  _r(sweep.per_user(batch), 4)],
+    fig.add_trace(go.Scatter(x=[batch, batch], y=[sig(sweep.total(batch), 4),
+                                                  sig(sweep.per_user(batch), 4)],
                              mode="markers", showlegend=False,
                              marker=dict(size=13, color="crimson")), 1, 2)
     fig.update_xaxes(type="log", title_text="batch (sequences per step)")
@@ -169,22 +162,14 @@ def batch_figure(sweep: BatchSweep, batch: int = 8,
     return _layout(fig, title, height=420)
 
 
-def show_batch(sweep: BatchSweep, batch: int = 8) -> go.Figure:
-    """Slider callback: build :func:`batch_figure`, show it, return it."""
-    fig = batch_figure(sweep, batch)
-    fig.show()
-    return fig
-
-
 def batch_panel(sweep: BatchSweep, batch: int = 8) -> widgets.interactive:
     """A batch-size slider over a measured :class:`BatchSweep`."""
 
-    def callback(batch: int = batch) -> go.Figure:
-        return show_batch(sweep, batch)
+    def figure(batch: int = batch) -> go.Figure:
+        return batch_figure(sweep, batch)
 
-    return widgets.interactive(
-        callback, batch=widgets.SelectionSlider(options=list(sweep.batches), value=batch,
-                                                description="batch", continuous_update=False))
+    return panel(figure, batch=control("select", "batch", options=list(sweep.batches),
+                                       value=batch))
 
 
 # =============================================================================================
@@ -256,16 +241,16 @@ def paging_figure(context: int = 2048, block_size: int = 16, model: str = "llama
                                         "sequences that fit"))
     schemes = [f"reserve {context:,}", f"paged, block {block_size}"]
     used = [1 - p["reserve_waste"], 1 - p["paged_waste"]]
-    fig.add_trace(go.Bar(x=schemes, y=[_r(100 * u, 4) for u in used], name="holds tokens",
+    fig.add_trace(go.Bar(x=schemes, y=[sig(100 * u, 4) for u in used], name="holds tokens",
                          marker_color="seagreen"), 1, 1)
-    fig.add_trace(go.Bar(x=schemes, y=[_r(100 * (1 - u), 4) for u in used], name="wasted",
+    fig.add_trace(go.Bar(x=schemes, y=[sig(100 * (1 - u), 4) for u in used], name="wasted",
                          marker_color="indianred"), 1, 1)
     fig.update_layout(barmode="stack")
-    waste = [_r(100 * paging_rows(context, b, model, hardware, precision)["paged_waste"], 4)
+    waste = [sig(100 * paging_rows(context, b, model, hardware, precision)["paged_waste"], 4)
              for b in BLOCK_SIZES]
     fig.add_trace(go.Scatter(x=list(BLOCK_SIZES), y=waste, mode="lines+markers",
                              name="paged waste", line=dict(color="indianred")), 1, 2)
-    fig.add_trace(go.Scatter(x=[block_size], y=[_r(100 * p["paged_waste"], 4)], mode="markers",
+    fig.add_trace(go.Scatter(x=[block_size], y=[sig(100 * p["paged_waste"], 4)], mode="markers",
                              showlegend=False, marker=dict(size=13, color="crimson")), 1, 2)
     fig.add_trace(go.Bar(x=["reserve", "paged", "no waste"],
                          y=[p["fit_reserve"], p["fit_paged"], p["fit_ideal"]],
@@ -285,22 +270,16 @@ def paging_figure(context: int = 2048, block_size: int = 16, model: str = "llama
     return _layout(fig, title, width=1050, height=420)
 
 
-def show_paging(context: int = 2048, block_size: int = 16) -> go.Figure:
-    """Slider callback: build :func:`paging_figure`, show it, return it."""
-    fig = paging_figure(context, block_size)
-    fig.show()
-    return fig
-
-
 def paging_panel(context: int = 2048, block_size: int = 16) -> widgets.interactive:
-    """Sliders for :func:`show_paging`: the context length reserved and the block size."""
-    return widgets.interactive(
-        show_paging,
-        context=widgets.SelectionSlider(options=list(CONTEXTS), value=context,
-                                        description="context", continuous_update=False),
-        block_size=widgets.SelectionSlider(options=list(BLOCK_SIZES), value=block_size,
-                                           description="block size", continuous_update=False,
-                                           style={"description_width": "initial"}))
+    """Sliders for :func:`paging_figure`: the context length reserved and the block size."""
+
+    def figure(context: int = context, block_size: int = block_size) -> go.Figure:
+        return paging_figure(context, block_size)
+
+    return panel(figure,
+                 context=control("select", "context", options=list(CONTEXTS), value=context),
+                 block_size=control("select", "block size", options=list(BLOCK_SIZES),
+                                    value=block_size))
 
 
 # =============================================================================================
@@ -568,7 +547,7 @@ def rates_for(costs: StepCosts) -> tuple[float, ...]:
     sequences), rounded to 3 digits: the same range of load, from idle to overloaded, on a
     faster or slower machine."""
     scale = REFERENCE_COSTS.step(16, 0) / costs.step(16, 0)
-    return tuple(_r(r * scale, 3) for r in RATES)
+    return tuple(sig(r * scale, 3) for r in RATES)
 
 
 def load_figure(costs: StepCosts, max_num_seqs: int = 16, rate: float = 8.0,
@@ -584,24 +563,24 @@ def load_figure(costs: StepCosts, max_num_seqs: int = 16, rate: float = 8.0,
         pts = [load_point(costs, r, m) for r in rates]
         width = 4 if m == max_num_seqs else 1.5
         name = f"max {m} seqs"
-        fig.add_trace(go.Scatter(x=list(RATES), y=[_r(p["output_throughput"], 4) for p in pts],
+        fig.add_trace(go.Scatter(x=list(RATES), y=[sig(p["output_throughput"], 4) for p in pts],
                                  mode="lines", name=name, legendgroup=name,
                                  line=dict(width=width)), 1, 1)
-        fig.add_trace(go.Scatter(x=list(RATES), y=[_r(p["ttft_p50"] * 1e3, 4) for p in pts],
+        fig.add_trace(go.Scatter(x=list(RATES), y=[sig(p["ttft_p50"] * 1e3, 4) for p in pts],
                                  mode="lines", name=name, legendgroup=name, showlegend=False,
                                  line=dict(width=width)), 1, 2)
         if m == max_num_seqs:
-            fig.add_trace(go.Scatter(x=list(RATES), y=[_r(p["queue_p50"] * 1e3, 4) for p in pts],
+            fig.add_trace(go.Scatter(x=list(RATES), y=[sig(p["queue_p50"] * 1e3, 4) for p in pts],
                                      mode="lines", name="queue time", line=dict(dash="dot",
                                                                                 width=width)),
                           1, 2)
-        fig.add_trace(go.Scatter(x=list(RATES), y=[_r(p["tpot_p50"] * 1e3, 4) for p in pts],
+        fig.add_trace(go.Scatter(x=list(RATES), y=[sig(p["tpot_p50"] * 1e3, 4) for p in pts],
                                  mode="lines", name=name, legendgroup=name, showlegend=False,
                                  line=dict(width=width)), 1, 3)
     p = load_point(costs, rate, max_num_seqs)
     for col, y in ((1, p["output_throughput"]), (2, p["ttft_p50"] * 1e3),
                    (3, p["tpot_p50"] * 1e3)):
-        fig.add_trace(go.Scatter(x=[rate], y=[_r(y, 4)], mode="markers", showlegend=False,
+        fig.add_trace(go.Scatter(x=[rate], y=[sig(y, 4)], mode="markers", showlegend=False,
                                  marker=dict(size=12, color="crimson")), 1, col)
     fig.update_xaxes(title_text="offered load (requests/s)")
     fig.update_yaxes(type="log", title_text="ms", row=1, col=2)
@@ -613,14 +592,6 @@ def load_figure(costs: StepCosts, max_num_seqs: int = 16, rate: float = 8.0,
     return _layout(fig, title, width=1050, height=420)
 
 
-def show_load(costs: StepCosts, max_num_seqs: int = 16, rate: float = 8.0,
-              rates: Sequence[float] = RATES) -> go.Figure:
-    """Slider callback: build :func:`load_figure`, show it, return it."""
-    fig = load_figure(costs, max_num_seqs, rate, rates=rates)
-    fig.show()
-    return fig
-
-
 def load_panel(costs: StepCosts, max_num_seqs: int = 16, rate: float | None = None,
                rates: Sequence[float] | None = None) -> widgets.interactive:
     """Sliders over the load simulation: the batch limit and the offered load (``rates``:
@@ -629,16 +600,13 @@ def load_panel(costs: StepCosts, max_num_seqs: int = 16, rate: float | None = No
     rates = tuple(rates) if rates is not None else rates_for(costs)
     rate = rates[6] if rate is None else rate
 
-    def callback(max_num_seqs: int = max_num_seqs, rate: float = rate) -> go.Figure:
-        return show_load(costs, max_num_seqs, rate, rates)
+    def figure(max_num_seqs: int = max_num_seqs, rate: float = rate) -> go.Figure:
+        return load_figure(costs, max_num_seqs, rate, rates=rates)
 
-    return widgets.interactive(
-        callback,
-        max_num_seqs=widgets.SelectionSlider(options=list(SEQ_LIMITS), value=max_num_seqs,
-                                             description="max seqs", continuous_update=False,
-                                             style={"description_width": "initial"}),
-        rate=widgets.SelectionSlider(options=list(rates), value=rate, description="req/s",
-                                     continuous_update=False))
+    return panel(figure,
+                 max_num_seqs=control("select", "max seqs", options=list(SEQ_LIMITS),
+                                      value=max_num_seqs),
+                 rate=control("select", "req/s", options=list(rates), value=rate))
 
 
 def pick_batch_limit(costs: StepCosts, tpot_target_s: float,

@@ -23,15 +23,15 @@ from plotly.subplots import make_subplots
 
 from ..bench.serve_load import LoadResult, run_load
 from ..serve.api import running_server
-from .common import TEMPLATE
+from .common import control, panel, sig, style
 
 CHAT_SLO = {"ttft": 0.5, "tpot": 0.05}  # claim MET-3: TTFT < 500 ms, TPOT < 50 ms
 MODEL_NAME = "shakespeare"
 
 
-def _r(x: float, digits: int = 4) -> float | None:
-    """Rounded for stable figure JSON; nan → None (a gap)."""
-    return None if x is None or math.isnan(x) else float(f"{x:.{digits}g}")
+def _gap(x: float | None, digits: int = 4) -> float | None:
+    """Rounded for stable figure JSON; nan → None (a gap in the line)."""
+    return None if x is None or math.isnan(x) else sig(x, digits)
 
 
 def poisson_workload(*args, **kwargs):
@@ -191,7 +191,7 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
               "tpot": [m.tpot for m in done], "itl": [g for m in done for g in m.itl]}
     for col, keys in ((1, ("ttft", "e2el")), (2, ("tpot", "itl"))):
         for key in keys:
-            vals = [_r(v * 1e3) for v in series[key]]
+            vals = [_gap(v * 1e3) for v in series[key]]
             fig.add_trace(go.Box(y=vals, name=key.upper(), showlegend=False,
                                  boxpoints="all" if key != "itl" else "outliers", jitter=0.4,
                                  marker=dict(size=3)), 1, col)
@@ -203,10 +203,10 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
         fig.update_yaxes(type="log", row=1, col=col)
     rows = sweep.rows()
     x = [r["rate req/s"] for r in rows]
-    fig.add_trace(go.Scatter(x=x, y=[_r(r["out tok/s"]) for r in rows], name="output tok/s "
+    fig.add_trace(go.Scatter(x=x, y=[_gap(r["out tok/s"]) for r in rows], name="output tok/s "
                              "(whole server)", mode="lines+markers"), 1, 3, secondary_y=False)
     for key, dash in (("TTFT p50 ms", "solid"), ("TTFT p99 ms", "dot")):
-        fig.add_trace(go.Scatter(x=x, y=[_r(r[key]) for r in rows], name=key, mode="lines+markers",
+        fig.add_trace(go.Scatter(x=x, y=[_gap(r[key]) for r in rows], name=key, mode="lines+markers",
                                  line=dict(dash=dash)), 1, 3, secondary_y=True)
     i = sweep.rates.index(rate)
     fig.add_vline(x=rate, line_color="gray", row=1, col=3)
@@ -215,21 +215,12 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
     fig.update_yaxes(title_text="output tokens/s", row=1, col=3, secondary_y=False)
     fig.update_yaxes(title_text="TTFT (ms)", type="log", row=1, col=3, secondary_y=True)
     good = s.get("good", 0)
-    fig.update_layout(template=TEMPLATE, width=1000, height=400,
-                      margin=dict(l=50, r=20, t=80, b=50),
-                      legend=dict(orientation="h", yanchor="bottom", y=-0.35, x=0.5),
-                      title=dict(font=dict(size=13), text=(
-                          f"{rate:g} requests/s ({sweep.label(rate)}): {s['completed']} done, {good} within the chat "
-                          f"SLO (goodput {s.get('goodput', 0):.2f} req/s of "
-                          f"{s['request_throughput']:.2f}); {rows[i]['out tok/s']:.0f} output "
-                          f"tok/s")))
-    return fig
-
-
-def show_rate(sweep: Sweep, rate: float) -> go.Figure:
-    """Slider callback: build :func:`latency_figure`, show it, return it (for asserts)."""
-    fig = latency_figure(sweep, rate)
-    fig.show()
+    title = (f"{rate:g} requests/s ({sweep.label(rate)}): {s['completed']} done, {good} within "
+             f"the chat SLO (goodput {s.get('goodput', 0):.2f} req/s of "
+             f"{s['request_throughput']:.2f}); {rows[i]['out tok/s']:.0f} output tok/s")
+    style(fig, title, width=1000, height=400, title_size=13, top=80, legend=False)
+    fig.update_layout(margin=dict(l=50, r=20, t=80, b=50),
+                      legend=dict(orientation="h", yanchor="bottom", y=-0.35, x=0.5))
     return fig
 
 
@@ -237,12 +228,12 @@ def rate_panel(sweep: Sweep, rate: float | None = None) -> widgets.interactive:
     """An arrival-rate slider over a measured :class:`Sweep` (instant: nothing is re-run)."""
     rate = sweep.rates[0] if rate is None else rate
 
-    def callback(rate: float = rate) -> go.Figure:
-        return show_rate(sweep, rate)
+    def figure(rate: float = rate) -> go.Figure:
+        return latency_figure(sweep, rate)
 
-    return widgets.interactive(callback, rate=widgets.SelectionSlider(
-        options=[(sweep.label(r), r) for r in sweep.rates], value=rate, description="load",
-        continuous_update=False))
+    return panel(figure, rate=control("select", "load",
+                                      options=[(sweep.label(r), r) for r in sweep.rates],
+                                      value=rate))
 
 
 # ---- limits (MET-5) ------------------------------------------------------------------------
@@ -362,15 +353,13 @@ def interference_figure(runs: Sequence[InterferenceRun]) -> go.Figure:
     for run in runs:
         name = "chunked prefill" if run.chunked else "whole prefill"
         pts = sorted(run.itls)
-        fig.add_trace(go.Scatter(x=[_r(t - run.long_sent_s) for t, _ in pts],
-                                 y=[_r(g * 1e3) for _, g in pts], mode="markers", name=name))
+        fig.add_trace(go.Scatter(x=[_gap(t - run.long_sent_s) for t, _ in pts],
+                                 y=[_gap(g * 1e3) for _, g in pts], mode="markers", name=name))
     fig.add_vline(x=0, line_dash="dash", annotation_text="long prompt arrives")
-    fig.update_layout(template=TEMPLATE, width=760, height=360,
-                      margin=dict(l=60, r=20, t=50, b=50),
-                      title="Short requests' inter-token latency as a long prompt arrives",
-                      xaxis_title="seconds after the long prompt was sent",
-                      yaxis_title="gap before this token (ms)",
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0.6))
+    style(fig, "Short requests' inter-token latency as a long prompt arrives",
+          "seconds after the long prompt was sent", "gap before this token (ms)", width=760,
+          height=360, legend=False)
+    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0.6))
     return fig
 
 
