@@ -106,15 +106,41 @@ def _inductor_can_run() -> str | None:
     return None
 
 
+_COMPILED_RUN = """
+import json, sys
+import minifer as mf
+from conftest import lively_model
+prompts, greedy = json.loads(sys.argv[1]), mf.SamplingParams(**json.loads(sys.argv[2]))
+tiny = lively_model("tiny")
+eager = [c.token_ids for c in mf.generate(tiny, prompts, greedy)]
+compiled = [c.token_ids for c in mf.generate(tiny, prompts, greedy, compile=True)]
+again = [c.token_ids for c in mf.generate(tiny, prompts[:2], greedy, compile=True)]
+print(json.dumps({"eager": eager, "compiled": compiled, "again": again}))
+"""
+
+
 @pytest.mark.skipif(_inductor_can_run() is not None, reason=str(_inductor_can_run()))
-def test_compiled_step_gives_identical_greedy_tokens(tiny):
+def test_compiled_step_gives_identical_greedy_tokens():
     """The compiled fixed-shape step (inductor on the CPU; compiling takes ~1 min on 2 busy
-    cores) gives the eager step's greedy tokens exactly, padded batch included."""
-    eager = [c.token_ids for c in mf.generate(tiny, PROMPTS, GREEDY)]
-    compiled = [c.token_ids for c in mf.generate(tiny, PROMPTS, GREEDY, compile=True)]
-    assert compiled == eager
-    again = [c.token_ids for c in mf.generate(tiny, PROMPTS[:2], GREEDY, compile=True)]
-    assert again == eager[:2]  # a new request reuses the compiled step
+    cores) gives the eager step's greedy tokens exactly, padded batch included.
+
+    It runs in a child process: code that inductor compiles may switch the process's floating
+    point to flush subnormals to zero, which would leak into every later test.
+    """
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    params = {"temperature": 0, "max_new_tokens": GREEDY.max_new_tokens, "ignore_eos": True}
+    assert GREEDY == mf.SamplingParams(**params)
+    out = subprocess.run([sys.executable, "-c", _COMPILED_RUN, json.dumps(PROMPTS),
+                          json.dumps(params)], capture_output=True, text=True, timeout=900,
+                         cwd=pathlib.Path(__file__).parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["compiled"] == got["eager"]
+    assert got["again"] == got["eager"][:2]  # a new request reuses the compiled step
 
 
 def test_textbook_engine_and_minifer_decoder_agree(tiny):

@@ -362,7 +362,9 @@ def test_int4_group_sizes_that_validate_also_run(cfg, group):
     """Group sizes the fused kernel does not take (it wants 32/64/128/256) run on the reference
     path instead of failing at the first forward."""
     model = mf.GPT.from_config(cfg, seed=0)
-    with pytest.warns(RuntimeWarning, match="group_size"):
+    # The warning names the group size, or (torch without a fused CPU int4 kernel, e.g. 2.4)
+    # says the kernel is unavailable: either way every layer takes the reference path.
+    with pytest.warns(RuntimeWarning, match="group_size|kernel unavailable"):
         q = quantize(model, "int4", group_size=group)
     r = quantize(model, "int4", group_size=group, impl="reference")
     ids = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(0))
