@@ -126,7 +126,20 @@ def run_rank(args: argparse.Namespace) -> dict:
             _print_summary(everyone, prompts, tok)
         return report
     finally:
-        dist.destroy_process_group()
+        _leave_group()
+
+
+def _leave_group() -> None:
+    """Leave the process group together: a barrier first (torch 2.4's gloo could hang in
+    destroy_process_group when one rank tore down while another was still finishing), then
+    destroy. A rank whose peers are already gone skips the barrier's wait."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - a failed peer must not keep this rank from exiting
+        pass
+    dist.destroy_process_group()
 
 
 def _print_summary(reports: list[dict], prompts, tok) -> None:
