@@ -96,6 +96,7 @@ def run_rank(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     comm, rank, world = init_group(device="cpu" if args.device == "cpu" else None,
                                    timeout_s=args.timeout)
+    done = False
     try:
         model, tok = load_model(args.model, args.init_seed)
         model = model.to(dtype=getattr(torch, DTYPES[args.dtype]))
@@ -124,21 +125,36 @@ def run_rank(args: argparse.Namespace) -> dict:
         dist.all_gather_object(everyone, {k: v for k, v in report.items() if k != "logits"})
         if rank == 0:
             _print_summary(everyone, prompts, tok)
+        done = True
         return report
     finally:
-        _leave_group()
+        _leave_group(done)
 
 
-def _leave_group() -> None:
-    """Leave the process group together: a barrier first (torch 2.4's gloo could hang in
-    destroy_process_group when one rank tore down while another was still finishing), then
-    destroy. A rank whose peers are already gone skips the barrier's wait."""
+def _leave_group(done: bool) -> None:
+    """Leave the process group together: a barrier first, then destroy it.
+
+    A worker started by `run_local` (its launcher's pid in the environment) that finished its
+    run (`done`) has written its report by now and ends right after the barrier with
+    ``os._exit(0)``: with torch 2.4.1's gloo, tearing the group and the interpreter down could
+    now and then hang a finished rank. A failed run only destroys the group and lets its error
+    end the process with a non-zero code.
+    """
     import torch.distributed as dist
 
+    from .runtime import PARENT_ENV
+
+    if not done:
+        dist.destroy_process_group()
+        return
     try:
         dist.barrier()
     except Exception:  # noqa: BLE001 - a failed peer must not keep this rank from exiting
         pass
+    if os.environ.get(PARENT_ENV):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     dist.destroy_process_group()
 
 
