@@ -11,55 +11,14 @@ nothing else): `add_request`, `step`, `has_unfinished`, `abort`, `RequestOutput`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from minifer import StaticKVCache, decode_step, prefill
 from minifer.sampling import make_generators, mask_padded_vocab, sample
 from minifer.sequence import prepare
-
-
-@dataclass
-class Metrics:
-    request_id: str
-    prompt_tokens: int
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finished_time: float | None = None
-    finish_reason: str | None = None
-
-    @property
-    def ttft(self) -> float:
-        return float("nan") if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2el(self) -> float:
-        return float("nan") if self.finished_time is None else self.finished_time - self.arrival_time
-
-    @property
-    def queue_time(self) -> float:
-        t = self.first_scheduled_time
-        return float("nan") if t is None else t - self.arrival_time
-
-    @property
-    def tpot(self) -> float:
-        n = len(self.token_times)
-        return float("nan") if n < 2 else (self.e2el - self.ttft) / (n - 1)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    delta: str
-    finished: bool
-    finish_reason: str | None
-    metrics: Metrics
+from minifer.serve.metrics import RequestMetrics
+from minifer.serve.request import RequestOutput
 
 
 class _Req:
@@ -115,7 +74,7 @@ class StandInEngine:
         seq = prep.sequences[0]
         now = time.perf_counter() if arrival_time is None else arrival_time
         req = _Req(request_id, seq, prep.vocab, self.device,
-                   Metrics(request_id, len(seq.prompt_ids), now))
+                   RequestMetrics(request_id, len(seq.prompt_ids), now))
         self.requests[request_id] = req
         self.scheduler.waiting.append(req)
         return request_id
