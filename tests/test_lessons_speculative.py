@@ -77,6 +77,7 @@ def test_legends_stay_below_the_titles(pair):
     points = L.sweep(target, draft, [1, 2, 3], ks=(1,), new_tokens=8, repeats=1)
     for fig in (L.speedup_figure(points), L.point_figure(points[0])):
         assert fig.layout.legend.y < 0 and fig.layout.legend.yanchor == "top"
+        assert fig.layout.legend.yref == "paper"  # below the plot whatever style() chose
 
 
 def test_distribution_check_separates_right_from_wrong_rule():

@@ -172,7 +172,8 @@ def tp_figure(degree: int = 8, bandwidth_gbs: float = 450, batch: int = 1,
              f"{sel.comm_s * 1e3:.2f} ms ({sel.comm_fraction:.0%}), "
              f"{sel.tokens_per_s_per_device:,.1f} tok/s per device")
     style(fig, title, width=1050, height=420, title_size=12, top=100, legend=False)
-    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=-0.35, x=0))  # below: 3 panels
+    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=-0.35, yref="paper",
+                                  x=0))  # below: 3 panels
     return fig
 
 

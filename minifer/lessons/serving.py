@@ -231,7 +231,7 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
              f"{s['request_throughput']:.2f}); {rows[i]['out tok/s']:.0f} output tok/s")
     style(fig, title, width=1000, height=400, title_size=13, top=80, legend=False)
     fig.update_layout(margin=dict(l=50, r=20, t=80, b=50),
-                      legend=dict(orientation="h", yanchor="bottom", y=-0.35, x=0.5))
+                      legend=dict(orientation="h", yanchor="bottom", y=-0.35, yref="paper", x=0.5))
     return fig
 
 
@@ -371,7 +371,7 @@ def interference_figure(runs: Sequence[InterferenceRun]) -> go.Figure:
     style(fig, "Short requests' inter-token latency as a long prompt arrives",
           "seconds after the long prompt was sent", "gap before this token (ms)", width=760,
           height=360, legend=False)
-    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0.6))
+    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.0, yref="paper", x=0.6))
     return fig
 
 

@@ -34,9 +34,9 @@ __all__ = ["reference_rows", "stats_row", "sweep", "verify_cost", "speedup_figur
 def _legend_below(fig: go.Figure, height: int) -> go.Figure:
     """Put the legend in rows under the x-axis titles, where it cannot cover the figure's title
     or the subplot titles (plotly's place above the plot is where subplot titles sit)."""
-    fig.update_layout(height=height, legend=dict(orientation="h", yanchor="top", y=-0.24,
-                                                 xanchor="left", x=0),
-                      margin=dict(b=120))
+    fig.update_layout(height=height, margin=dict(b=120),
+                      legend=dict(orientation="h", yanchor="top", y=-0.24, yref="paper",
+                                  xanchor="left", x=0))
     return fig
 
 
