@@ -48,6 +48,8 @@ def test_measure_sweep_and_figures(pair):
     assert lookup.cost_ratio == 0.0 and lookup.stats.draft_passes == 0
     fig = L.acceptance_figure([L.stats_row("a", lookup.stats), L.stats_row("b", points[0].stats)])
     assert list(fig.data[0].x) == ["a", "b"]
+    fig = L.acceptance_figure([L.stats_row("loop · lookup", lookup.stats), L.stats_row("loop · draft", points[0].stats)])
+    assert list(fig.data[0].x) == ["loop<br>lookup", "loop<br>draft"] and len(set(fig.data[0].marker.color)) == 2
 
 
 def test_panel_callback(pair):

@@ -198,11 +198,17 @@ def panel(target, draft, prompt_ids: list[int], new_tokens: int = 48,
 
 
 # ---- predictable vs creative text -----------------------------------------------------------
+DRAFTER_COLORS = {"draft": "#1f77b4", "lookup": "#ff7f0e"}
+
+
 def acceptance_figure(rows: Sequence[dict]) -> go.Figure:
     """Grouped bars: α and tokens/pass per (text, drafter) row of `stats_row`-like dicts."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("α: per-token acceptance", "tokens per target pass"))
+    # "text · drafter" on two lines (no slanted labels); one colour per drafter in both panels
+    labels = [r["run"].replace(" · ", "<br>") for r in rows]
+    colors = [DRAFTER_COLORS.get(r["run"].rsplit(" · ", 1)[-1], "#7f7f7f") for r in rows]
     for col, key in ((1, "alpha"), (2, "tokens/pass")):
-        fig.add_trace(go.Bar(x=[r["run"] for r in rows], y=[r[key] for r in rows],
+        fig.add_trace(go.Bar(x=labels, y=[r[key] for r in rows], marker_color=colors,
                              showlegend=False), 1, col)
     return style(fig, "Predictable text is accepted more", "", "", height=400, width=860, top=80,
                  legend=False)
