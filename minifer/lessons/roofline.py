@@ -289,3 +289,18 @@ def measured_figure(hw: rl.Hardware, spec: rl.ModelSpec | str, batches, step_s,
     title = (f"{spec.name}, {precision}, {context} tokens cached, on {hw.name}: "
              f"{hw.bandwidth / 1e9:,.1f} GB/s, {peak / 1e9:,.0f} GFLOP/s")
     return style(fig, title, width=900, height=400)
+
+
+def mbu_sentence(mbu: float, batch: int = 1) -> str:
+    """What a measured MBU says, in words for the reader of this run (no fixed numbers in prose)."""
+    if mbu > 1:
+        verdict = ("faster than the roofline allows: the CPU's caches held part of the model, so "
+                   "fewer bytes came from memory than the roofline counts")
+    elif mbu >= 0.6:
+        verdict = "close to the roofline: its time went to reading the weights"
+    elif mbu >= 0.3:
+        verdict = "within about 3× of the roofline: mostly reading weights, with overheads"
+    else:
+        verdict = ("well above the roofline's time: overheads (small kernels, threads, a busy "
+                   "machine) cost more than the reading")
+    return f"At batch {batch} this machine's step reached MBU {mbu:.0%}: {verdict}."
