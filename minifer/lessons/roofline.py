@@ -297,9 +297,9 @@ def mbu_sentence(mbu: float, batch: int = 1) -> str:
         verdict = ("faster than the roofline allows: the CPU's caches held part of the model, so "
                    "fewer bytes came from memory than the roofline counts")
     elif mbu >= 0.6:
-        verdict = "close to the roofline: its time went to reading the weights"
+        verdict = "close to the roofline, so its time went to reading the weights"
     elif mbu >= 0.3:
-        verdict = "within about 3× of the roofline: mostly reading weights, with overheads"
+        verdict = "within about 3× of the roofline: reading weights, plus overheads"
     else:
         verdict = ("well above the roofline's time: overheads (small kernels, threads, a busy "
                    "machine) cost more than the reading")
