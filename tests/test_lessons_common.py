@@ -155,3 +155,27 @@ def test_precision_options_run_from_32_to_4_bits():
     assert s.value == "int8" and s.label == "int8 · 8 bit"
     with pytest.raises(ValueError, match="precision"):
         common.precision_options(["fp64"])
+
+
+def test_setup_uses_colab_renderer_only_on_colab(monkeypatch):
+    import sys
+    import types
+
+    import plotly.io as pio
+
+    from minifer.lessons import common
+
+    common.setup()
+    assert pio.renderers.default == "plotly_mimetype"
+    calls = []
+    colab = types.ModuleType("google.colab")
+    colab.output = types.SimpleNamespace(enable_custom_widget_manager=lambda: calls.append(1))
+    monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    try:
+        common.setup()
+        assert pio.renderers.default == "colab" and calls == [1]
+    finally:
+        monkeypatch.delitem(sys.modules, "google.colab")
+        common.setup()
+    assert pio.renderers.default == "plotly_mimetype"

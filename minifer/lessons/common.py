@@ -21,14 +21,29 @@ def setup(threads: int | None = None, seed: int = 0) -> torch.device:
     - plotly's `plotly_mimetype` renderer stores figures as JSON only (no random div ids), so a
       re-run compares equal;
     - torch uses at most `threads` CPU threads (default: all cores torch sees) and a fixed seed.
+
+    On Google Colab, whose front end renders neither plotly's mimetype nor ipywidgets 8 by
+    itself, figures use plotly's ``colab`` renderer and Colab's widget manager is switched on.
     """
-    pio.renderers.default = "plotly_mimetype"
+    if _on_colab():
+        from google.colab import output  # only importable on Colab
+
+        output.enable_custom_widget_manager()
+        pio.renderers.default = "colab"
+    else:
+        pio.renderers.default = "plotly_mimetype"
     if threads is not None:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     from ..device import default_device
 
     return default_device()
+
+
+def _on_colab() -> bool:
+    import sys
+
+    return "google.colab" in sys.modules
 
 
 def on_device(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
