@@ -72,7 +72,7 @@ notebooks: $(STAMP)
 
 # The CPU benchmark suite: each command's quick scope, a few minutes on 2 cores (BENCHMARKS.md
 # records its latest tables). Each command prints how long it took and the load average.
-# `make bench FULL=1`: the whole grids (an hour or more on 2 cores). On a machine that other
+# `make bench FULL=1`: the whole grids and the compiled step (an hour or more on 2 cores). On a machine that other
 # programs keep busy, pin the thread count: `make bench THREADS=1`.
 THREADS ?=
 FULL ?=
@@ -86,6 +86,8 @@ bench: $(STAMP)
 	run probe; \
 	run decode $(BENCH_ARGS); \
 	run decode --table --json bench-decode.json $(BENCH_ARGS); \
+	$(if $(FULL),run decode --table --compile --presets reference gpt2 --dtypes fp32 \
+	  --batches 1 64 --json bench-decode-compiled.json $(BENCH_ARGS);) \
 	run quant --json bench-quant.json $(BENCH_ARGS); \
 	run spec $(BENCH_ARGS); \
 	run serve $(BENCH_ARGS); \
