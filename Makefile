@@ -84,6 +84,7 @@ bench: $(STAMP)
 	  $(BIN)/python -m minifer.bench "$$@"; \
 	  echo "== $$1 took $$(( $$(date +%s) - t )) s; load average $$(uptime | sed 's/.*load averages*: //')"; echo; }; \
 	run probe; \
+	run probe --dtype bfloat16; \
 	run decode $(BENCH_ARGS); \
 	run decode --table --json bench-decode.json $(BENCH_ARGS); \
 	$(if $(FULL),run decode --table --compile --presets reference gpt2 --dtypes fp32 \
