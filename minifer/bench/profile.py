@@ -29,13 +29,16 @@ __all__ = ["ENGINES", "LINEAR_OPS", "ATTENTION_OPS", "StepProfile", "profile_dec
 
 ENGINES = ("minifer", "compiled", "textbook", "transformers", "int8", "int4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# torch ops that are the linear layers' matmuls (eager, oneDNN/MKL, quantized, inductor)
-LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::_weight_int8pack_mm",
+# torch ops that are the linear layers' matmuls (eager, oneDNN/MKL, quantized, inductor): the
+# weights are 2-D, so a linear layer is an (add)mm; batched matmuls are attention's (the
+# textbook engine's QKᵀ and PV)
+LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::_weight_int8pack_mm",
               "aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu",
-              "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::matmul")
+              "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math",
-                 "aten::_scaled_dot_product_flash_attention", "aten::_softmax", "aten::softmax")
+                 "aten::_scaled_dot_product_flash_attention", "aten::bmm", "aten::_softmax",
+                 "aten::softmax")
 
 
 @dataclass(frozen=True)
