@@ -82,7 +82,7 @@ bench: $(STAMP)
 	@set -e; start=$$(date +%s); \
 	run() { t=$$(date +%s); echo "== python -m minifer.bench $$*"; \
 	  $(BIN)/python -m minifer.bench "$$@"; \
-	  echo "== $$1 took $$(( $$(date +%s) - t )) s; load average $$(uptime | sed 's/.*load averages*: //')"; echo; }; \
+	  echo "== $$* took $$(( $$(date +%s) - t )) s; load average $$(uptime | sed 's/.*load averages*: //')"; echo; }; \
 	run probe; \
 	run probe --dtype bfloat16; \
 	run decode $(BENCH_ARGS); \
