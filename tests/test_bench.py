@@ -158,14 +158,16 @@ def test_random_past_starts_every_engine_at_the_same_tokens(tiny):
 
 
 def test_quick_table_uses_fewer_steps_at_large_batches(capsys):
-    from minifer.bench.engines import quick_new_tokens
+    from minifer.bench.engines import quick_new_tokens, quick_repeats
 
     assert quick_new_tokens(1) >= quick_new_tokens(64) >= 2
+    assert quick_repeats(1) >= quick_repeats(64) >= 3
     assert bench_main(["decode", "--table", "--presets", "tiny", "--dtypes", "fp32",
-                       "--batches", "1", "16", "--table-prompt-tokens", "8", "--repeats", "1",
+                       "--batches", "1", "16", "--table-prompt-tokens", "8",
                        "--no-baselines"]) == 0
     out = capsys.readouterr().out
     assert "random K/V" in out and f"{quick_new_tokens(1)} at batch 1" in out
+    assert f"{quick_repeats(1)} at batch 1, {quick_repeats(16)} at batch 16" in out
 
 
 def test_quant_command_quick_scope_writes_json(tmp_path, capsys):

@@ -268,7 +268,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--full: 32 128)")
     parser.add_argument("--prompt-tokens", type=int, default=64,
                         help="prompt length for cache vs no cache (default: 64)")
-    parser.add_argument("--repeats", type=int, default=3, help="counted runs (default: 3)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="counted runs (default: 3; table: round-robin rounds, 5 at batch "
+                        "<= 8 and 3 above, --full: 3)")
     table = parser.add_argument_group(
         "engine table (--table): minifer vs the textbook engine and transformers, the matmul "
         "floor, GB/s and MBU")
@@ -323,7 +325,8 @@ def run_command(args: argparse.Namespace) -> int:
     new_tokens = ([32, 128] if args.full else [32]) if args.new_tokens is None else args.new_tokens
     result = run(args.preset, prefill_tokens=args.prefill_tokens, context=args.context,
                  batches=batches, new_tokens=new_tokens,
-                 prompt_tokens=args.prompt_tokens, repeats=args.repeats, device=args.device)
+                 prompt_tokens=args.prompt_tokens,
+                 repeats=3 if args.repeats is None else args.repeats, device=args.device)
     print(format_report(result))
     return 0
 
@@ -331,7 +334,7 @@ def run_command(args: argparse.Namespace) -> int:
 def _run_table(args: argparse.Namespace) -> int:
     import json
 
-    from .engines import HEADER, format_table, quick_new_tokens, run_table, to_json
+    from .engines import HEADER, format_table, quick_new_tokens, quick_repeats, run_table, to_json
 
     batches = ([1, 8, 32, 64] if args.full else [1, 64]) if args.batches is None else args.batches
     new_tokens = (16 if args.full else quick_new_tokens) if args.table_new_tokens is None \
@@ -339,7 +342,8 @@ def _run_table(args: argparse.Namespace) -> int:
     print(HEADER, file=sys.stderr, flush=True)
     result = run_table(args.presets, args.dtypes, batches,
                        prompt_tokens=args.table_prompt_tokens, new_tokens=new_tokens,
-                       repeats=args.repeats, compile=args.compile,
+                       repeats=(3 if args.full else quick_repeats) if args.repeats is None
+                       else args.repeats, compile=args.compile,
                        baselines=not args.no_baselines, prefill=args.prefill,
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
     result["command"] = "python -m minifer.bench " + " ".join(sys.argv[1:])

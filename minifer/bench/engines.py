@@ -37,7 +37,7 @@ from .probes import measure_bandwidth
 from .timing import round_robin
 
 __all__ = ["EngineResult", "TableRow", "linear_floor", "measure_row", "run_table",
-           "quick_new_tokens",
+           "quick_new_tokens", "quick_repeats",
            "format_table", "machine_info", "loadavg"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -63,6 +63,7 @@ class TableRow:
     bytes_per_step: int
     bandwidth: float  # this machine's measured bytes/s
     baselines: list[EngineResult] = field(default_factory=list)
+    rounds: int = 0  # round-robin rounds timed (after the checked warm-up run)
 
     @property
     def tokens_per_s(self) -> float:
@@ -160,7 +161,7 @@ def measure_row(model: torch.nn.Module, preset: str, dtype: str, batch: int, *,
         r.step_s = by_name.get(r.name)
     context = prompt_tokens + (new_tokens - 1) / 2  # mean cached tokens over the decode
     return TableRow(preset, dtype, batch, prompt_tokens, new_tokens, by_name[timed[0].name],
-                    medians[-1], step_bytes(model, batch, context), bandwidth, results)
+                    medians[-1], step_bytes(model, batch, context), bandwidth, results, repeats)
 
 
 def quick_new_tokens(batch: int) -> int:
@@ -170,15 +171,21 @@ def quick_new_tokens(batch: int) -> int:
     return 8 if batch <= 8 else 3
 
 
+def quick_repeats(batch: int) -> int:
+    """Round-robin rounds in the quick table: 5 at batch <= 8 (short steps, and the batch-1
+    ratio to the floor is the figure a noisy machine blurs most), 3 above."""
+    return 5 if batch <= 8 else 3
+
+
 def run_table(presets=("reference", "gpt2"), dtypes=("fp32", "bf16"), batches=(1, 8, 32, 64), *,
               prompt_tokens: int = 128, new_tokens: int | Callable[[int], int] = 16,
-              repeats: int = 3,
+              repeats: int | Callable[[int], int] = 3,
               compile: bool = False, baselines: bool = True, prefill: bool = False,
               progress=None) -> dict:
     """The whole table plus the machine it ran on; a JSON-ready dict (`rows` hold `TableRow`s).
 
-    `new_tokens`: decode steps per timed run, or a function of the batch size giving them
-    (e.g. `quick_new_tokens`)."""
+    `new_tokens` (decode steps per timed run) and `repeats` (round-robin rounds): a number, or
+    a function of the batch size (`quick_new_tokens`, `quick_repeats`)."""
     bandwidth = measure_bandwidth()
     load_before = loadavg()
     t0 = time.perf_counter()
@@ -189,7 +196,9 @@ def run_table(presets=("reference", "gpt2"), dtypes=("fp32", "bf16"), batches=(1
             for b in batches:
                 row = measure_row(model, preset, dtype, b, prompt_tokens=prompt_tokens,
                                   new_tokens=new_tokens if isinstance(new_tokens, int)
-                                  else new_tokens(b), repeats=repeats, bandwidth=bandwidth,
+                                  else new_tokens(b),
+                                  repeats=repeats if isinstance(repeats, int) else repeats(b),
+                                  bandwidth=bandwidth,
                                   compile=compile, baselines=baselines, prefill=prefill)
                 rows.append(row)
                 if progress:
@@ -241,6 +250,17 @@ def format_row(r: TableRow) -> str:
             f"{vs('textbook'):<17} {vs('transformers')}")
 
 
+def _per_batch(rows: list[TableRow], attr: str) -> str:
+    """``"8"`` when every row has the same value, else e.g. ``"8 at batch 1, 3 at batch 64"``."""
+    by_value: dict[int, list[int]] = {}
+    for r in rows:
+        by_value.setdefault(getattr(r, attr), []).append(r.batch)
+    if len(by_value) == 1:
+        return str(next(iter(by_value)))
+    return ", ".join(f"{v} at batch {'/'.join(map(str, sorted(set(b))))}"
+                     for v, b in by_value.items())
+
+
 def format_table(result: dict) -> str:
     m = result["machine"]
     rows = result["rows"]
@@ -250,13 +270,9 @@ def format_table(result: dict) -> str:
     if rows:
         r = rows[0]
         kv = "its K/V computed" if result.get("prefill") else "random K/V"
-        steps = {}
-        for x in rows:
-            steps.setdefault(x.new_tokens, []).append(x.batch)
-        per = ", ".join(f"{n} at batch {'/'.join(map(str, sorted(set(b))))}"
-                        for n, b in steps.items()) if len(steps) > 1 else str(r.new_tokens)
-        lines.append(f"greedy, {r.prompt_tokens}-token prompt in the cache ({kv}), new tokens "
-                     f"per row and timed run: {per}; medians of round-robin runs"
+        lines.append(f"greedy, {r.prompt_tokens}-token prompt in the cache ({kv}); new tokens "
+                     f"per row and timed run: {_per_batch(rows, 'new_tokens')}; round-robin "
+                     f"rounds: {_per_batch(rows, 'rounds')}; medians"
                      + ("; minifer's step compiled" if result.get("compile") else ""))
     lines.append(HEADER)
     lines += [format_row(r) for r in rows]
