@@ -72,17 +72,29 @@ test-matrix: test-kernels
 notebooks: $(STAMP)
 	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py $(notdir $(NOTEBOOKS)) $(SOLUTIONS:notebooks/%=%)
 
-# The CPU benchmark suite (a few minutes; BENCHMARKS.md records its latest tables). On a machine
-# that other programs keep busy, pin the thread count: `make bench THREADS=1`.
+# The CPU benchmark suite: each command's quick scope, a few minutes on 2 cores (BENCHMARKS.md
+# records its latest tables). Each command prints how long it took and the load average.
+# `make bench FULL=1`: the whole grids and the compiled step (an hour or more on 2 cores). On a machine that other
+# programs keep busy, pin the thread count: `make bench THREADS=1`.
 THREADS ?=
-BENCH_THREADS := $(if $(THREADS),--threads $(THREADS))
+FULL ?=
+BENCH_ARGS := $(if $(THREADS),--threads $(THREADS)) $(if $(FULL),--full)
 
 bench: $(STAMP)
-	$(BIN)/python -m minifer.bench probe
-	$(BIN)/python -m minifer.bench decode $(BENCH_THREADS)
-	$(BIN)/python -m minifer.bench decode --table --json bench-decode.json $(BENCH_THREADS)
-	$(BIN)/python -m minifer.bench quant $(BENCH_THREADS)
-	$(BIN)/python -m minifer.bench spec $(BENCH_THREADS)
+	@set -e; start=$$(date +%s); \
+	run() { t=$$(date +%s); echo "== python -m minifer.bench $$*"; \
+	  $(BIN)/python -m minifer.bench "$$@"; \
+	  echo "== $$* took $$(( $$(date +%s) - t )) s; load average $$(uptime | sed 's/.*load averages*: //')"; echo; }; \
+	run probe; \
+	run probe --dtype bfloat16; \
+	run decode $(BENCH_ARGS); \
+	run decode --table --json bench-decode.json $(BENCH_ARGS); \
+	$(if $(FULL),run decode --table --compile --presets reference gpt2 --dtypes fp32 \
+	  --batches 1 64 --json bench-decode-compiled.json $(BENCH_ARGS);) \
+	run quant --json bench-quant.json $(BENCH_ARGS); \
+	run spec $(BENCH_ARGS); \
+	run serve $(BENCH_ARGS); \
+	echo "== make bench took $$(( $$(date +%s) - start )) s"
 
 # Retrain the shipped tokenizer and Shakespeare models (≈40 min on 2 CPU cores; resumable).
 train: $(STAMP)

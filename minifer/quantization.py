@@ -12,8 +12,12 @@ the time to move the weights (claim PD-9). Storing them in fewer bits moves fewe
 
 Only the linear layers (attention, MLP and the output head) are quantized; they hold almost all
 the bytes a decode step reads. Embeddings are a table lookup (a step reads only B rows of them)
-and LayerNorms are tiny, so both stay in float. A tied output head (GPT-2) is left in float too,
-so that it keeps sharing its matrix with the embedding.
+and LayerNorms are tiny, so both stay in float. A head tied to the token embedding (GPT-2) is
+quantized as a *copy*: the embedding keeps the float matrix for its lookup, and the output
+projection, which reads every row of it at every step, reads the integer copy (where a fused
+kernel takes its shape; `quantize` says when it does not). The tie is gone
+in the quantized model (it stores both, so more bytes in memory), but for GPT-2 124M the head is
+38.6M of the 124M weights: left in fp32 it alone would be two thirds of the bytes an int8 step reads.
 
 Each quantized layer runs one of two paths, tested against each other:
 
@@ -393,7 +397,11 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
       multiple of 16; int4: ``out_features`` not a multiple of 16 on the CPU, or a group size
       other than 32/64/128/256) runs on the reference path, with a warning that names it.
       ``compute_dtype`` is the activation dtype of the fused kernels. ``include_lm_head=False``
-      keeps the output head in float (a tied head is always kept, to keep the tie).
+      keeps the output head in float (and a tied head tied). With ``True`` (the default) a head
+      tied to the embedding is quantized as a copy and the embedding stays float (module doc),
+      unless only the reference path could run it (``impl="auto"`` on a shape or torch the
+      fused kernel does not take, e.g. int4 with GPT-2's 50,257 output rows on a CPU): then it
+      stays float and tied, since rebuilding it at every step would cost more than reading it.
 
     Exactness: the reference path computes exactly ``x @ dequantize()ᵀ`` in the activation
     dtype; the fused path rounds activations to ``compute_dtype`` (bf16), so its logits differ
@@ -418,6 +426,7 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
                 raise ValueError(f"int4 layer {name}: {e}") from None
     if bits == 8:
         group_size = None
+    requested = impl
     if impl == "auto" or impl == "fused":
         device = next(model.parameters()).device
         ok = fused_available(bits, str(device), compute_dtype)
@@ -431,17 +440,24 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
                           f"(same quantized weights, slower)", RuntimeWarning, stacklevel=2)
         impl = "fused" if ok else "reference"
     unfused: dict[str, list[str]] = {}  # reason -> layers
+    tied = {m.weight.data_ptr() for m in new.modules() if isinstance(m, nn.Embedding)}
     for name, lin in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = new.get_submodule(parent_name) if parent_name else new
         layer_impl = impl
+        is_tied = lin.weight.data_ptr() in tied
         if impl == "fused":
             N, K = lin.weight.shape
             problem = fused_problem(bits, N, K, group_size, str(lin.weight.device),
                                     compute_dtype)
             if problem is not None:
                 layer_impl = "reference"
-                unfused.setdefault(problem, []).append(f"{name} {(N, K)}")
+                if not is_tied:
+                    unfused.setdefault(problem, []).append(f"{name} {(N, K)}")
+        if is_tied and layer_impl == "reference" and requested != "reference":
+            # dequantizing the copy at every call would rebuild the whole embedding-sized
+            # matrix per step, slower than reading it in float: keep the float, tied head
+            continue
         layer = QuantizedLinear.from_linear(lin, bits, group_size=group_size, impl=layer_impl,
                                             compute_dtype=compute_dtype)
         setattr(parent, attr, layer)
@@ -454,15 +470,19 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
 
 
 def _linear_targets(model: nn.Module, include_lm_head: bool) -> list[tuple[str, nn.Linear]]:
-    """The `nn.Linear` layers to quantize: all of them, less a head tied to an embedding."""
+    """The `nn.Linear` layers to quantize: all of them, or all but the output head.
+
+    A layer that shares its weight with an embedding (a tied head) is included too: quantizing
+    it builds new integer buffers from the shared matrix and replaces only the linear module, so
+    the embedding keeps the float matrix.
+    """
     embedding_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
     out = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear):
             continue
-        if m.weight.data_ptr() in embedding_ptrs:
-            continue  # tied to the embedding: keep the one shared float matrix
-        if name.split(".")[-1] == "lm_head" and not include_lm_head:
+        is_head = name.split(".")[-1] == "lm_head" or m.weight.data_ptr() in embedding_ptrs
+        if is_head and not include_lm_head:
             continue
         out.append((name, m))
     return out

@@ -130,3 +130,77 @@ def test_this_machine_is_measured_once(monkeypatch):
         assert roofline.decode_time("reference", hw, precision="fp32").bound == "memory"
     finally:
         probes.this_machine.cache_clear()
+
+
+# ---- quick scopes, shared random K/V, the profiler command (machinery only, no timings) ------
+def test_random_past_starts_every_engine_at_the_same_tokens(tiny):
+    """From the same random cache and last token, minifer and the textbook engine agree (fp32),
+    and minifer agrees with its own prefilled run on the cache it copies."""
+    from minifer.bench.baselines import MinifierDecoder, TextbookEngine, random_past
+
+    prompt = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(0))
+    past = random_past(tiny, 2, 8, seed=1)
+    assert len(past) == tiny.config.n_layer
+    assert past[0][0].shape == (2, tiny.config.kv_heads, 8, tiny.config.head_dim)
+    out = {}
+    for engine in (MinifierDecoder(tiny), TextbookEngine(tiny)):
+        engine.start(prompt, 6, past)
+        out[engine.name] = engine.decode(6).tolist()
+        assert engine.decode(6).tolist() == out[engine.name]  # repeatable
+    assert out["minifer"] == out["textbook"]
+    fresh = MinifierDecoder(tiny)
+    fresh.start(prompt, 6)  # a real prefill gives other K/V, so (in general) other tokens
+    assert len(fresh.decode(6)[0]) == 6
+    with pytest.raises(ValueError, match="past"):
+        MinifierDecoder(tiny).start(prompt[:, :5], 6, past)
+    with pytest.raises(ValueError, match="tokens"):
+        random_past(tiny, 1, tiny.config.context_length)
+
+
+def test_quick_table_uses_fewer_steps_at_large_batches(capsys):
+    from minifer.bench.engines import quick_new_tokens, quick_repeats
+
+    assert quick_new_tokens(1) >= quick_new_tokens(64) >= 2
+    assert quick_repeats(1) >= quick_repeats(64) >= 3
+    assert bench_main(["decode", "--table", "--presets", "tiny", "--dtypes", "fp32",
+                       "--batches", "1", "16", "--table-prompt-tokens", "8",
+                       "--no-baselines"]) == 0
+    out = capsys.readouterr().out
+    assert "random K/V" in out and f"{quick_new_tokens(1)} at batch 1" in out
+    assert f"{quick_repeats(1)} at batch 1, {quick_repeats(16)} at batch 16" in out
+
+
+def test_quant_command_quick_scope_writes_json(tmp_path, capsys):
+    import json
+
+    from minifer.bench import quant
+
+    path = tmp_path / "q.json"
+    assert bench_main(["quant", "--preset", "tiny", "--rounds", "1", "--group-size", "32",
+                       "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    labels = [r["label"] for r in json.loads(path.read_text())["rows"]]
+    assert labels == [v[0] for v in quant.QUICK_VARIANTS]
+    assert "b=1 tok/s" in text and "b=32" not in text
+
+
+@pytest.mark.parametrize("engine", ["minifer", "textbook", "int8"])
+def test_profile_splits_the_step(engine, tiny):
+    from minifer.bench.profile import format_summary, profile_decode
+
+    p = profile_decode(engine, "tiny", batch=2, prompt_tokens=8, steps=2, model=tiny)
+    assert p.wall_s > 0 and p.linear_s > 0 and p.outside_ops_s >= 0
+    assert "Self CPU" in p.table
+    text = format_summary(p)
+    assert "linear layers" in text and "outside torch ops" in text
+
+
+def test_profile_rejects_bad_arguments(tiny):
+    from minifer.bench.profile import profile_decode
+
+    with pytest.raises(ValueError, match="engine"):
+        profile_decode("fastest", "tiny", model=tiny)
+    with pytest.raises(ValueError, match="dtype"):
+        profile_decode("minifer", "tiny", dtype="fp8", model=tiny)
+    with pytest.raises(ValueError, match="steps"):
+        profile_decode("minifer", "tiny", steps=0, model=tiny)

@@ -184,16 +184,63 @@ def test_int4_quality_worse_than_int8(tiny):
     assert 0 < d8 < d4
 
 
-def test_tied_head_stays_shared():
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_tied_head_is_quantized_as_a_copy(precision):
+    """GPT-2's head reads the whole embedding matrix every step: it gets an integer copy, while
+    the embedding lookup keeps the float matrix."""
     cfg = mf.GPTConfig.preset("tiny").replace(tie_embeddings=True)
     model = mf.GPT.from_config(cfg)
-    q = quantize(model, "int8")
+    q = quantize(model, precision, group_size=32, impl="reference")
+    assert isinstance(q.lm_head, QuantizedLinear) and q.lm_head.bits == int(precision[3:])
+    wte = q.transformer.wte.weight
+    assert wte.dtype == torch.float32 and torch.equal(wte, model.transformer.wte.weight)
+    assert model.lm_head.weight is model.transformer.wte.weight  # the input keeps its tie
+    b = model_bytes(q)
+    assert b.embeddings == (257 + 128) * 32 * 4  # the float table, once
+    untied = quantize(mf.GPT.from_config(cfg.replace(tie_embeddings=False)), precision,
+                      group_size=32, impl="reference")
+    assert b.linear_weights == model_bytes(untied).linear_weights  # as an untied model's head
+    x = torch.randn(5, 32)  # the head alone, within the layer bounds above
+    with torch.inference_mode():
+        y, ref = q.lm_head(x), model.lm_head(x)
+    assert (y - ref).abs().max() <= {"int8": 0.02, "int4": 0.3}[precision] * ref.abs().max()
+
+
+def test_tied_head_kept_float_where_only_the_reference_path_takes_it(monkeypatch):
+    """Rebuilding an embedding-sized matrix at every step would be slower than the float head."""
+    from minifer import quantization as qm
+
+    cfg = mf.GPTConfig.preset("tiny").replace(tie_embeddings=True)
+    real = qm.fused_problem
+    monkeypatch.setattr(qm, "fused_problem", lambda bits, n, *a: "no" if n == 257 else real(
+        bits, n, *a))
+    q = quantize(mf.GPT.from_config(cfg), "int8")
+    assert isinstance(q.lm_head, nn.Linear) and q.lm_head.weight is q.transformer.wte.weight
+    assert isinstance(q.transformer.h[0].mlp.c_fc, QuantizedLinear)
+
+
+def test_tied_head_kept_float_and_shared_without_the_head():
+    cfg = mf.GPTConfig.preset("tiny").replace(tie_embeddings=True)
+    q = quantize(mf.GPT.from_config(cfg), "int8", include_lm_head=False)
     assert isinstance(q.lm_head, nn.Linear)
     assert q.lm_head.weight is q.transformer.wte.weight
-    b = model_bytes(q)
-    assert b.embeddings == (257 + 128) * 32 * 4  # the head counted once, as the embedding
+    assert model_bytes(q).embeddings == (257 + 128) * 32 * 4  # the head counted once
     no_head = quantize(mf.GPT.from_config("tiny"), "int8", include_lm_head=False)
     assert isinstance(no_head.lm_head, nn.Linear)
+
+
+def test_int8_tied_head_quality_on_reference_shape():
+    """QUANT-1's bounds hold with the tied head quantized too (the reference shape, tied)."""
+    tied = mf.GPT.from_config(mf.GPTConfig.preset("reference").replace(tie_embeddings=True),
+                              seed=0)
+    prompt = list(b"Once upon a time")
+    weight_only = quantize(tied, "int8", impl="reference")
+    assert isinstance(weight_only.lm_head, QuantizedLinear)
+    assert max_logit_diff(tied, weight_only, prompt) < 0.05  # every position
+    fused = quantize(tied, "int8")
+    assert max_logit_diff(tied, fused, prompt, last_only=True) < 0.05
+    for q in (weight_only, fused):
+        assert greedy_agreement(tied, q, prompt, n=8).identical
 
 
 def test_errors(tiny):

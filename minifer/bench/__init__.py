@@ -1,7 +1,7 @@
 """Measuring, honestly: timing (warm-up, device sync, medians, round-robin), probes of this
-machine, and the benchmarks behind ``python -m minifer.bench probe|decode|quant|spec``.
+machine, and the benchmarks behind ``python -m minifer.bench probe|decode|profile|quant|spec|serve``.
 
-`timing` and `probes` are imported here; the benchmark modules (`decode`, `quant`, `spec`) are
+`timing` and `probes` are imported here; the benchmark modules (`decode`, `quant`, `spec`, ...) are
 imported where they are used.
 """
 

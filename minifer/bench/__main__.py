@@ -15,7 +15,10 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "probe": ("minifer.bench.probes", "measure memory bandwidth and matmul FLOP/s of this machine"),
     "decode": ("minifer.bench.decode",
-               "prefill vs decode, batch sizes, KV cache vs none (reference model, fp32)"),
+               "prefill vs decode, batch sizes, KV cache vs none (reference model, fp32); "
+               "--table: minifer vs the textbook engine and transformers, floor, MBU"),
+    "profile": ("minifer.bench.profile", "where a decode step's time goes: torch.profiler's top "
+                "ops and the step split into matmuls, attention, other ops and Python"),
     "quant": ("minifer.bench.quant", "bytes and decode tokens/s per precision (fp32 ... int4)"),
     "spec": ("minifer.bench.spec", "plain vs speculative decoding (draft model, prompt lookup) on "
              "the shipped Shakespeare pair, greedy, batch 1"),

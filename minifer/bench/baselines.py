@@ -26,12 +26,43 @@ import torch.nn.functional as F
 from ..cache import StaticKVCache
 from ..generation import decode_step, prefill
 
-__all__ = ["TextbookEngine", "MinifierDecoder", "HFDecoder", "to_hf", "hf_available"]
+__all__ = ["TextbookEngine", "MinifierDecoder", "HFDecoder", "to_hf", "hf_available",
+           "random_past"]
+
+Past = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), [B, kv_heads, T, head_dim]
 
 
 def hf_available() -> bool:
     """Whether `transformers` can be imported (the `hf` extra)."""
     return importlib.util.find_spec("transformers") is not None
+
+
+def random_past(model: torch.nn.Module, batch: int, tokens: int, seed: int = 0) -> Past:
+    """A prompt's K/V for every layer without computing the prompt: random values, shaped
+    ``[batch, kv_heads, tokens, head_dim]`` in the model's dtype and device.
+
+    A decode step does the same work whatever values its cache holds, so a benchmark can start
+    every engine from the same random cache instead of paying a prefill per engine (for GPT-2
+    124M at batch 64 and 128 tokens that prefill is a few TFLOP: minutes on a 2-core CPU).
+    Given the same cache and the same last token, the engines must still agree token for token.
+    """
+    cfg = model.config
+    if not isinstance(tokens, int) or not 0 <= tokens < cfg.context_length:
+        raise ValueError(f"tokens must be an integer in [0, {cfg.context_length}) (the model's "
+                         f"context, less the token to decode), got {tokens!r}")
+    p = next(model.parameters())
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, cfg.kv_heads, tokens, cfg.head_dim)
+    return [tuple(torch.randn(shape, generator=gen).to(device=p.device, dtype=p.dtype)
+                  for _ in range(2)) for _ in range(cfg.n_layer)]
+
+
+def _check_past(past: Past, prompt: torch.Tensor) -> None:
+    B, T = prompt.shape
+    k = past[0][0]
+    if k.shape[0] != B or k.shape[2] != T - 1:
+        raise ValueError(f"past must hold the K/V of all but the prompt's last token "
+                         f"({B} rows, {T - 1} tokens), got {k.shape[0]} rows, {k.shape[2]} tokens")
 
 
 # ---- the textbook engine -------------------------------------------------------------------
@@ -80,12 +111,16 @@ class TextbookEngine:
             x = x + block.mlp.c_proj(F.gelu(block.mlp.c_fc(block.ln_2(x)), approximate="tanh"))
         return m.lm_head(m.transformer.ln_f(x)), new_past
 
-    def start(self, prompt: torch.Tensor, new_tokens: int = 0) -> None:
+    def start(self, prompt: torch.Tensor, new_tokens: int = 0, past: Past | None = None) -> None:
         """Run the prompt ``(B, T)`` once and keep its K/V (all but the last token) and the
-        token it predicts."""
-        with torch.inference_mode():
-            self.past = self.forward(prompt[:, :-1], None)[1] if prompt.shape[1] > 1 else None
-            self.prompt_last = prompt[:, -1:]
+        token it predicts; with `past` (e.g. `random_past`), take that as the prompt's K/V."""
+        if past is not None:
+            _check_past(past, prompt)
+            self.past = list(past) if prompt.shape[1] > 1 else None
+        else:
+            with torch.inference_mode():
+                self.past = self.forward(prompt[:, :-1], None)[1] if prompt.shape[1] > 1 else None
+        self.prompt_last = prompt[:, -1:]
 
     def decode(self, n: int) -> torch.Tensor:
         """Greedy ``n`` tokens per row from the prompt; the prompt's cache is kept as it was
@@ -114,12 +149,19 @@ class MinifierDecoder:
         self.step = compiled_decode(model) if compile else None
         self.name = "minifer compiled" if compile else "minifer"
 
-    def start(self, prompt: torch.Tensor, new_tokens: int) -> None:
+    def start(self, prompt: torch.Tensor, new_tokens: int, past: Past | None = None) -> None:
+        """Prefill all but the prompt's last token (or copy `past` into the cache)."""
         B, T = prompt.shape
         self.cache = StaticKVCache.for_model(self.model, B, T + new_tokens)
         with torch.inference_mode():
             self.cache.reset()
-            prefill(self.model, prompt[:, :-1], self.cache) if T > 1 else None
+            if past is not None:
+                _check_past(past, prompt)
+                for i, (k, v) in enumerate(past):
+                    self.cache.update(i, k, v)
+                self.cache.advance(T - 1)
+            elif T > 1:
+                prefill(self.model, prompt[:, :-1], self.cache)
         self.prompt_last = prompt[:, -1]
         self.pos0 = self.cache.pos
 
@@ -185,13 +227,17 @@ class HFDecoder:
         params = inspect.signature(self.hf.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
 
-    def start(self, prompt: torch.Tensor, new_tokens: int) -> None:
+    def start(self, prompt: torch.Tensor, new_tokens: int, past: Past | None = None) -> None:
         from transformers import DynamicCache
 
         self.prompt = prompt
         self.cache = DynamicCache()
         with torch.inference_mode():
-            if prompt.shape[1] > 1:
+            if past is not None:
+                _check_past(past, prompt)
+                for i, (k, v) in enumerate(past):
+                    self.cache.update(k, v, i)
+            elif prompt.shape[1] > 1:
                 self.hf(prompt[:, :-1], use_cache=True, **{self.cache_kw: self.cache})
         self.cached = prompt.shape[1] - 1
 

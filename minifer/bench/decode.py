@@ -256,13 +256,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt length of the prefill timing (default: 512)")
     parser.add_argument("--context", type=int, default=64,
                         help="cached tokens per sequence for the decode timings (default: 64)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64],
-                        help="decode batch sizes (default: 1 8 32 64)")
-    parser.add_argument("--new-tokens", type=int, nargs="*", default=[32, 128],
-                        help="generation lengths for cache vs no cache (default: 32 128)")
+    parser.add_argument("--full", action="store_true",
+                        help="the whole grid (report: cache vs none at 32 and 128 new tokens; "
+                        "table: batches 1 8 32 64, 16 new tokens); default: a quick scope "
+                        "that answers the same questions in a few minutes")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="decode batch sizes (default: 1 8 32 64 for the report; table: "
+                        "1 64, --full 1 8 32 64)")
+    parser.add_argument("--new-tokens", type=int, nargs="*", default=None,
+                        help="generation lengths for cache vs no cache (default: 32; "
+                        "--full: 32 128)")
     parser.add_argument("--prompt-tokens", type=int, default=64,
                         help="prompt length for cache vs no cache (default: 64)")
-    parser.add_argument("--repeats", type=int, default=3, help="counted runs (default: 3)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="counted runs (default: 3; table: round-robin rounds, 5 at batch "
+                        "<= 8 and 3 above, --full: 3)")
     table = parser.add_argument_group(
         "engine table (--table): minifer vs the textbook engine and transformers, the matmul "
         "floor, GB/s and MBU")
@@ -274,8 +282,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="precisions (default: fp32 bf16)")
     table.add_argument("--table-prompt-tokens", type=int, default=128,
                        help="prompt already in the cache (default: 128)")
-    table.add_argument("--table-new-tokens", type=int, default=16,
-                       help="decode steps per timed run (default: 16)")
+    table.add_argument("--table-new-tokens", type=int, default=None,
+                       help="decode steps per timed run (default: 8 at batch <= 8, 3 above; "
+                       "--full: 16)")
+    table.add_argument("--prefill", action="store_true",
+                       help="each engine prefills the prompt itself (default: every engine "
+                       "starts from the same random K/V, which costs no prefill)")
     table.add_argument("--compile", action="store_true",
                        help="compile minifer's decode step (torch.compile; slow to start)")
     table.add_argument("--no-baselines", action="store_true",
@@ -309,9 +321,12 @@ def run_command(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr, flush=True)
     if args.table:
         return _run_table(args)
+    batches = [1, 8, 32, 64] if args.batches is None else args.batches
+    new_tokens = ([32, 128] if args.full else [32]) if args.new_tokens is None else args.new_tokens
     result = run(args.preset, prefill_tokens=args.prefill_tokens, context=args.context,
-                 batches=args.batches, new_tokens=args.new_tokens,
-                 prompt_tokens=args.prompt_tokens, repeats=args.repeats, device=args.device)
+                 batches=batches, new_tokens=new_tokens,
+                 prompt_tokens=args.prompt_tokens,
+                 repeats=3 if args.repeats is None else args.repeats, device=args.device)
     print(format_report(result))
     return 0
 
@@ -319,13 +334,17 @@ def run_command(args: argparse.Namespace) -> int:
 def _run_table(args: argparse.Namespace) -> int:
     import json
 
-    from .engines import HEADER, format_table, run_table, to_json
+    from .engines import HEADER, format_table, quick_new_tokens, quick_repeats, run_table, to_json
 
+    batches = ([1, 8, 32, 64] if args.full else [1, 64]) if args.batches is None else args.batches
+    new_tokens = (16 if args.full else quick_new_tokens) if args.table_new_tokens is None \
+        else args.table_new_tokens
     print(HEADER, file=sys.stderr, flush=True)
-    result = run_table(args.presets, args.dtypes, args.batches,
-                       prompt_tokens=args.table_prompt_tokens, new_tokens=args.table_new_tokens,
-                       repeats=args.repeats, compile=args.compile,
-                       baselines=not args.no_baselines,
+    result = run_table(args.presets, args.dtypes, batches,
+                       prompt_tokens=args.table_prompt_tokens, new_tokens=new_tokens,
+                       repeats=(3 if args.full else quick_repeats) if args.repeats is None
+                       else args.repeats, compile=args.compile,
+                       baselines=not args.no_baselines, prefill=args.prefill,
                        progress=lambda line: print(line, file=sys.stderr, flush=True))
     result["command"] = "python -m minifer.bench " + " ".join(sys.argv[1:])
     print(format_table(result))

@@ -2,8 +2,10 @@
 ``python -m minifer.bench decode --table [--json PATH]``.
 
 For each model shape (random weights: timings do not depend on their values), precision and
-batch size, every engine continues the same prompt (already in its cache) by ``new_tokens``
-greedy tokens per row, timed round-robin (minifer, textbook, transformers, floor, minifer, …) so a
+batch size, every engine continues the same prompt by ``new_tokens`` greedy tokens per row from
+the same cache (by default random K/V, `baselines.random_past`: a step's work does not depend
+on the values it reads, and one prefill per engine of GPT-2 124M at batch 64 would take
+minutes on a small CPU; ``prefill=True`` lets each engine prefill the prompt itself), timed round-robin (minifer, textbook, transformers, floor, minifer, …) so a
 busy machine slows all of them alike. Reported per engine: ms per decode step and tokens/s; for
 minifer also
 
@@ -23,18 +25,20 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ..model import GPT
-from .baselines import HFDecoder, MinifierDecoder, TextbookEngine, hf_available
+from .baselines import HFDecoder, MinifierDecoder, TextbookEngine, hf_available, random_past
 from .decode import random_ids
 from .probes import measure_bandwidth
 from .timing import round_robin
 
 __all__ = ["EngineResult", "TableRow", "linear_floor", "measure_row", "run_table",
-           "format_table", "machine_info"]
+           "quick_new_tokens", "quick_repeats",
+           "format_table", "machine_info", "loadavg"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -59,6 +63,7 @@ class TableRow:
     bytes_per_step: int
     bandwidth: float  # this machine's measured bytes/s
     baselines: list[EngineResult] = field(default_factory=list)
+    rounds: int = 0  # round-robin rounds timed (after the checked warm-up run)
 
     @property
     def tokens_per_s(self) -> float:
@@ -121,9 +126,12 @@ def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def measure_row(model: torch.nn.Module, preset: str, dtype: str, batch: int, *,
                 prompt_tokens: int = 128, new_tokens: int = 16, repeats: int = 3,
-                bandwidth: float, compile: bool = False, baselines: bool = True) -> TableRow:
-    """One row of the table: minifer (and the baselines) decoding `new_tokens` after a prompt."""
+                bandwidth: float, compile: bool = False, baselines: bool = True,
+                prefill: bool = False) -> TableRow:
+    """One row of the table: minifer (and the baselines) decoding `new_tokens` after a prompt
+    of `prompt_tokens` (its K/V random unless `prefill`)."""
     prompt = random_ids(batch, prompt_tokens, model.config.vocab_size)
+    past = None if prefill else random_past(model, batch, prompt_tokens - 1)
     engines = [MinifierDecoder(model, compile=compile)]
     if baselines:
         engines.append(TextbookEngine(model))
@@ -132,7 +140,7 @@ def measure_row(model: torch.nn.Module, preset: str, dtype: str, batch: int, *,
     results, timed = [], []
     reference = None
     for e in engines:
-        e.start(prompt, new_tokens)
+        e.start(prompt, new_tokens, past)
         tokens = e.decode(new_tokens)  # also the warm-up run
         if reference is None:
             reference = tokens
@@ -153,15 +161,33 @@ def measure_row(model: torch.nn.Module, preset: str, dtype: str, batch: int, *,
         r.step_s = by_name.get(r.name)
     context = prompt_tokens + (new_tokens - 1) / 2  # mean cached tokens over the decode
     return TableRow(preset, dtype, batch, prompt_tokens, new_tokens, by_name[timed[0].name],
-                    medians[-1], step_bytes(model, batch, context), bandwidth, results)
+                    medians[-1], step_bytes(model, batch, context), bandwidth, results, repeats)
+
+
+def quick_new_tokens(batch: int) -> int:
+    """Decode steps per timed run in the quick table: 8 at batch <= 8, 3 above. A large batch's
+    step is long (GPT-2 124M at batch 64: about half a second on a 2-core CPU), so a call's
+    fixed cost (`transformers` sets up `generate` at every call) is under 1% of 3 steps."""
+    return 8 if batch <= 8 else 3
+
+
+def quick_repeats(batch: int) -> int:
+    """Round-robin rounds in the quick table: 5 at batch <= 8 (short steps, and the batch-1
+    ratio to the floor is the figure a noisy machine blurs most), 3 above."""
+    return 5 if batch <= 8 else 3
 
 
 def run_table(presets=("reference", "gpt2"), dtypes=("fp32", "bf16"), batches=(1, 8, 32, 64), *,
-              prompt_tokens: int = 128, new_tokens: int = 16, repeats: int = 3,
-              compile: bool = False, baselines: bool = True, progress=None) -> dict:
-    """The whole table plus the machine it ran on; a JSON-ready dict (`rows` hold `TableRow`s)."""
+              prompt_tokens: int = 128, new_tokens: int | Callable[[int], int] = 16,
+              repeats: int | Callable[[int], int] = 3,
+              compile: bool = False, baselines: bool = True, prefill: bool = False,
+              progress=None) -> dict:
+    """The whole table plus the machine it ran on; a JSON-ready dict (`rows` hold `TableRow`s).
+
+    `new_tokens` (decode steps per timed run) and `repeats` (round-robin rounds): a number, or
+    a function of the batch size (`quick_new_tokens`, `quick_repeats`)."""
     bandwidth = measure_bandwidth()
-    load_before = _loadavg()
+    load_before = loadavg()
     t0 = time.perf_counter()
     rows = []
     for preset in presets:
@@ -169,17 +195,21 @@ def run_table(presets=("reference", "gpt2"), dtypes=("fp32", "bf16"), batches=(1
             model = GPT.from_config(preset, seed=0, dtype=DTYPES[dtype])
             for b in batches:
                 row = measure_row(model, preset, dtype, b, prompt_tokens=prompt_tokens,
-                                  new_tokens=new_tokens, repeats=repeats, bandwidth=bandwidth,
-                                  compile=compile, baselines=baselines)
+                                  new_tokens=new_tokens if isinstance(new_tokens, int)
+                                  else new_tokens(b),
+                                  repeats=repeats if isinstance(repeats, int) else repeats(b),
+                                  bandwidth=bandwidth,
+                                  compile=compile, baselines=baselines, prefill=prefill)
                 rows.append(row)
                 if progress:
                     progress(format_row(row))
     return {"machine": machine_info(), "bandwidth_gbps": bandwidth / 1e9,
-            "loadavg_before": load_before, "loadavg_after": _loadavg(),
-            "seconds": time.perf_counter() - t0, "compile": compile, "rows": rows}
+            "loadavg_before": load_before, "loadavg_after": loadavg(),
+            "seconds": time.perf_counter() - t0, "compile": compile, "prefill": prefill,
+            "rows": rows}
 
 
-def _loadavg() -> list[float] | None:
+def loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except (OSError, AttributeError):
@@ -202,7 +232,7 @@ def machine_info() -> dict:
 
 
 HEADER = (f"{'model':<10}{'dtype':<6}{'batch':>5}{'ms/step':>9}{'tok/s':>9}{'floor ms':>9}"
-          f"{'x floor':>8}{'GB/s':>7}{'MBU':>6}  vs textbook  vs transformers")
+          f"{'x floor':>8}{'GB/s':>7}{'MBU':>6}  {'vs textbook':<17} vs transformers")
 
 
 def format_row(r: TableRow) -> str:
@@ -217,7 +247,18 @@ def format_row(r: TableRow) -> str:
 
     return (f"{r.preset:<10}{r.dtype:<6}{r.batch:>5}{r.step_s * 1e3:>9.2f}{r.tokens_per_s:>9.0f}"
             f"{r.floor_s * 1e3:>9.2f}{r.floor_ratio:>8.2f}{r.gbps:>7.1f}{r.mbu:>6.0%}  "
-            f"{vs('textbook'):<12}{vs('transformers')}")
+            f"{vs('textbook'):<17} {vs('transformers')}")
+
+
+def _per_batch(rows: list[TableRow], attr: str) -> str:
+    """``"8"`` when every row has the same value, else e.g. ``"8 at batch 1, 3 at batch 64"``."""
+    by_value: dict[int, list[int]] = {}
+    for r in rows:
+        by_value.setdefault(getattr(r, attr), []).append(r.batch)
+    if len(by_value) == 1:
+        return str(next(iter(by_value)))
+    return ", ".join(f"{v} at batch {'/'.join(map(str, sorted(set(b))))}"
+                     for v, b in by_value.items())
 
 
 def format_table(result: dict) -> str:
@@ -228,8 +269,10 @@ def format_table(result: dict) -> str:
              f"load average {result['loadavg_before']} before, {result['loadavg_after']} after"]
     if rows:
         r = rows[0]
-        lines.append(f"greedy, {r.prompt_tokens}-token prompt in the cache, {r.new_tokens} new "
-                     f"tokens per row; medians of round-robin runs"
+        kv = "its K/V computed" if result.get("prefill") else "random K/V"
+        lines.append(f"greedy, {r.prompt_tokens}-token prompt in the cache ({kv}); new tokens "
+                     f"per row and timed run: {_per_batch(rows, 'new_tokens')}; round-robin "
+                     f"rounds: {_per_batch(rows, 'rounds')}; medians"
                      + ("; minifer's step compiled" if result.get("compile") else ""))
     lines.append(HEADER)
     lines += [format_row(r) for r in rows]

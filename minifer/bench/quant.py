@@ -1,28 +1,35 @@
 """Bytes and decode speed per precision, measured: ``python -m minifer.bench quant``.
 
-For the reference model (random weights; timings do not depend on their values) in each
-precision: the bytes it stores and the decode tokens/s at batch 1 and 32, each as a ratio to
-fp32 measured in the same run (median step after warm-up, the variants timed round-robin). int8 and int4 appear
-twice: with torch's fused kernels (which read the integers directly) and with the reference
-dequantize-then-matmul path (which rebuilds a float weight at every call — honest, and slow).
+For a model shape (random weights; timings do not depend on their values) in each precision:
+the bytes it stores and the decode tokens/s per batch size, each as a ratio to fp32 measured in
+the same run (median step after warm-up, the variants timed round-robin).
+
+By default a quick scope answers the issue's question — GPT-2 124M's shape at batch 1 in fp32,
+bf16 and int8/int4 on torch's fused kernels (which read the integers directly). ``--full`` adds
+fp16, batch 32 and the reference dequantize-then-matmul paths (which rebuild a float weight at
+every call — honest, and slow).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ..cache import StaticKVCache
-from ..generation import decode_step, prefill
+from ..generation import decode_step
 from ..model import GPT
 from ..quantization import model_bytes, quantize
+from .baselines import random_past
 from .decode import random_ids
 from .timing import round_robin
 
-__all__ = ["VARIANTS", "QuantRow", "variant_model", "time_variants", "run", "format_report"]
+__all__ = ["VARIANTS", "QUICK_VARIANTS", "QuantRow", "variant_model", "time_variants", "run",
+           "format_report"]
 
 # (label, precision, impl) — impl None for the float precisions
 VARIANTS: tuple[tuple[str, str, str | None], ...] = (
@@ -34,6 +41,7 @@ VARIANTS: tuple[tuple[str, str, str | None], ...] = (
     ("int4 fused", "int4", "auto"),
     ("int4 dequant", "int4", "reference"),
 )
+QUICK_VARIANTS = tuple(v for v in VARIANTS if v[0] in ("fp32", "bf16", "int8 fused", "int4 fused"))
 
 
 @dataclass(frozen=True)
@@ -56,11 +64,18 @@ def variant_model(model: torch.nn.Module, precision: str, impl: str | None,
 
 
 def _stepper(model: torch.nn.Module, batch: int, context: int):
-    """A function that runs one decode step at ``context`` cached tokens (then rolls it back)."""
-    ids = random_ids(batch, context, model.config.vocab_size)
+    """A function that runs one decode step at ``context`` cached tokens (then rolls it back).
+
+    The cache holds random K/V (`baselines.random_past`) rather than a prefilled prompt: the
+    step's work is the same, and a prefill of a big model at a big batch would take longer than
+    the timing itself.
+    """
+    tokens = random_ids(1, batch, model.config.vocab_size)[0]
     cache = StaticKVCache.for_model(model, batch, context + 1)
     with torch.inference_mode():
-        tokens = prefill(model, ids, cache).argmax(-1)
+        for i, (k, v) in enumerate(random_past(model, batch, context)):
+            cache.update(i, k, v)
+        cache.advance(context)
 
     def step() -> None:
         with torch.inference_mode():
@@ -81,8 +96,10 @@ def time_variants(models: dict[str, torch.nn.Module], batch: int, context: int =
     return dict(zip(steppers, medians))
 
 
-def run(preset: str = "reference", batches: tuple[int, ...] = (1, 32), context: int = 64,
-        rounds: int = 5, variants=VARIANTS, group_size: int = 128) -> list[QuantRow]:
+def run(preset: str = "gpt2", batches: tuple[int, ...] = (1,), context: int = 64,
+        rounds: int = 5, variants=QUICK_VARIANTS, group_size: int = 128) -> list[QuantRow]:
+    """Each variant of `preset` (random weights): its bytes, and its decode step timed
+    round-robin with the others at every batch size."""
     base = GPT.from_config(preset, seed=0)
     models = {label: variant_model(base, p, impl, group_size) for label, p, impl in variants}
     per_batch = {b: time_variants(models, b, context, rounds) for b in batches}
@@ -114,24 +131,50 @@ def format_report(rows: list[QuantRow]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="reference", help="model preset (default: reference)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32],
-                        help="decode batch sizes (default: 1 32)")
+    parser.add_argument("--preset", default="gpt2",
+                        help="model preset (default: gpt2, GPT-2 124M's shape)")
+    parser.add_argument("--full", action="store_true",
+                        help="every variant (fp16, the dequantize-then-matmul paths) at batch 1 "
+                        "and 32; default: fp32, bf16, int8 and int4 fused at batch 1")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="decode batch sizes (default: 1; --full: 1 32)")
     parser.add_argument("--context", type=int, default=64,
                         help="cached tokens per sequence (default: 64)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="round-robin rounds of 3 steps per variant (default: 5)")
     parser.add_argument("--group-size", type=int, default=128, help="int4 group (default: 128)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the rows as JSON to PATH")
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from .decode import busy_warning
+    from .engines import loadavg, machine_info
+
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"reference decode per precision, {torch.get_num_threads()} threads, "
-          f"context {args.context}, torch {torch.__version__}")
-    rows = run(args.preset, tuple(args.batches), args.context, args.rounds,
+    if warning := busy_warning(torch.get_num_threads()):
+        print(warning, file=sys.stderr, flush=True)
+    batches = ([1, 32] if args.full else [1]) if args.batches is None else args.batches
+    variants = VARIANTS if args.full else QUICK_VARIANTS
+    load = loadavg()
+    print(f"{args.preset} decode per precision, {torch.get_num_threads()} threads, "
+          f"context {args.context}, torch {torch.__version__}, load average {load}")
+    rows = run(args.preset, tuple(batches), args.context, args.rounds, variants=variants,
                group_size=args.group_size)
     print(format_report(rows))
+    print(f"load average after: {loadavg()}")
+    if args.json:
+        out = {"command": "python -m minifer.bench " + " ".join(sys.argv[1:]),
+               "machine": machine_info(), "preset": args.preset, "context": args.context,
+               "loadavg_before": load, "loadavg_after": loadavg(),
+               "rows": [{"label": r.label, "total_bytes": r.total_bytes,
+                         "linear_bytes": r.linear_bytes,
+                         "ms_per_step": r.ms_per_step,
+                         "tokens_per_s": r.batch_tokens_per_s} for r in rows]}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
     return 0
 

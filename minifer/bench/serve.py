@@ -263,15 +263,18 @@ def format_report(reports: Sequence[ModelReport], header: str = "") -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", nargs="+", default=["reference", "shakespeare"],
+    parser.add_argument("--full", action="store_true",
+                        help="both models, 64 + 24 requests; default: a short run on the "
+                        "shipped Shakespeare target, 32 + 12 requests")
+    parser.add_argument("--models", nargs="+", default=None,
                         help="presets with random weights, or 'shakespeare' for the shipped "
-                        "target (default: reference shakespeare)")
-    parser.add_argument("--requests", type=int, default=64,
-                        help="requests in the mixed workload (default: 64)")
+                        "target (default: shakespeare; --full: reference shakespeare)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests in the mixed workload (default: 32; --full: 64)")
     parser.add_argument("--rate", type=float, default=16.0,
                         help="Poisson arrival rate, requests/s (default: 16; inf: all at once)")
-    parser.add_argument("--prefix-requests", type=int, default=24,
-                        help="requests sharing the system prompt (default: 24)")
+    parser.add_argument("--prefix-requests", type=int, default=None,
+                        help="requests sharing the system prompt (default: 12; --full: 24)")
     parser.add_argument("--system-prompt", type=int, default=200,
                         help="shared system prompt tokens (default: 200)")
     parser.add_argument("--max-num-seqs", type=int, default=16,
@@ -292,6 +295,13 @@ def run_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.device == "cpu" and (warning := busy_warning(torch.get_num_threads())):
         print(warning, file=sys.stderr, flush=True)
+    full = args.full
+    if args.models is None:
+        args.models = ["reference", "shakespeare"] if full else ["shakespeare"]
+    if args.requests is None:
+        args.requests = 64 if full else 32
+    if args.prefix_requests is None:
+        args.prefix_requests = 24 if full else 12
     reports = run(args.models, requests=args.requests, rate=args.rate,
                   prefix_requests=args.prefix_requests, system_prompt=args.system_prompt,
                   max_num_seqs=args.max_num_seqs, block_size=args.block_size, seed=args.seed,

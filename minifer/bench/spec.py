@@ -158,10 +158,14 @@ def format_report(r: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=4, help="draft tokens per target pass (default 4)")
-    parser.add_argument("--ks", type=int, nargs="*", default=[1, 2, 3, 4],
-                        help="k values of the draft-model sweep (default: 1 2 3 4)")
+    parser.add_argument("--full", action="store_true",
+                        help="add the draft-model sweep over k = 1..4 and time 5 runs; default: "
+                        "k only (draft model and prompt lookup), 3 runs")
+    parser.add_argument("--ks", type=int, nargs="*", default=None,
+                        help="k values of the draft-model sweep (default: none; --full: 1 2 3 4)")
     parser.add_argument("--new-tokens", type=int, default=80, help="tokens generated (default 80)")
-    parser.add_argument("--repeats", type=int, default=5, help="counted runs (default 5)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="counted runs (default 3; --full: 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--prompt", default=PROMPT, help="the prompt (default: Romeo)")
 
@@ -169,7 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_command(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    print(format_report(run(k=args.k, ks=args.ks, new_tokens=args.new_tokens,
-                            repeats=args.repeats, prompt=args.prompt)))
+    ks = ([1, 2, 3, 4] if args.full else []) if args.ks is None else args.ks
+    repeats = (5 if args.full else 3) if args.repeats is None else args.repeats
+    print(format_report(run(k=args.k, ks=ks, new_tokens=args.new_tokens,
+                            repeats=repeats, prompt=args.prompt)))
     return 0
 

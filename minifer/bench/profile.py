@@ -1,0 +1,151 @@
+"""Where a decode step's time goes: ``python -m minifer.bench profile``.
+
+Runs a few greedy decode steps of one engine (minifer eager or compiled, the textbook engine,
+`transformers`, or minifer on int8/int4 weights) under `torch.profiler` and prints
+
+* the top torch ops by their own CPU time (the profiler's table);
+* a summary: the step's wall time split into the linear layers (every matmul kernel), attention,
+  the other torch ops, and what is left outside any torch op: Python, module calls, dispatch.
+
+This is how BENCHMARKS.md explains a target that is missed (what takes the time between a step
+and its matmul floor). The profiler adds a few microseconds per op, so the "outside torch ops"
+share is an upper bound; the timings themselves belong to ``decode --table``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..model import GPT
+from .decode import random_ids
+
+__all__ = ["ENGINES", "LINEAR_OPS", "ATTENTION_OPS", "StepProfile", "profile_decode",
+           "format_summary"]
+
+ENGINES = ("minifer", "compiled", "textbook", "transformers", "int8", "int4")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# torch ops that are the linear layers' matmuls (eager, oneDNN/MKL, quantized, inductor): the
+# weights are 2-D, so a linear layer is an (add)mm; batched matmuls are attention's (the
+# textbook engine's QKᵀ and PV)
+LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::_weight_int8pack_mm",
+              "aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+              "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::_scaled_dot_product_attention_math",
+                 "aten::_scaled_dot_product_flash_attention", "aten::bmm", "aten::_softmax",
+                 "aten::softmax")
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    engine: str
+    steps: int
+    wall_s: float  # the profiled steps, wall clock (with the profiler's overhead)
+    linear_s: float  # self CPU time of the matmul ops
+    attention_s: float
+    other_ops_s: float
+    table: str  # the profiler's top-ops table
+
+    @property
+    def outside_ops_s(self) -> float:
+        """Wall time in no torch op: Python, module calls, dispatch (and profiler overhead)."""
+        return max(0.0, self.wall_s - self.linear_s - self.attention_s - self.other_ops_s)
+
+
+def _engine(name: str, model: torch.nn.Module):
+    from ..quantization import quantize
+    from .baselines import HFDecoder, MinifierDecoder, TextbookEngine
+
+    if name in ("minifer", "compiled"):
+        return MinifierDecoder(model, compile=name == "compiled")
+    if name == "textbook":
+        return TextbookEngine(model)
+    if name == "transformers":
+        return HFDecoder(model)
+    if name in ("int8", "int4"):
+        return MinifierDecoder(quantize(model, name))
+    raise ValueError(f"engine must be one of {list(ENGINES)}, got {name!r}")
+
+
+def profile_decode(engine: str, preset: str = "gpt2", dtype: str = "fp32", batch: int = 1, *,
+                   prompt_tokens: int = 128, steps: int = 4, rows: int = 12,
+                   model: torch.nn.Module | None = None) -> StepProfile:
+    """Profile `steps` greedy decode steps of `engine` on `preset` (random weights) after a
+    prompt of `prompt_tokens` whose K/V are random (`baselines.random_past`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .baselines import random_past
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if model is None:
+        model = GPT.from_config(preset, seed=0, dtype=DTYPES[dtype])
+    e = _engine(engine, model)
+    prompt = random_ids(batch, prompt_tokens, model.config.vocab_size)
+    e.start(prompt, steps, random_past(model, batch, prompt_tokens - 1))
+    e.decode(steps)  # warm-up (and compilation)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        e.decode(steps)
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    linear = attention = other = 0.0
+    for a in averages:
+        s = a.self_cpu_time_total / 1e6
+        if a.key in LINEAR_OPS:
+            linear += s
+        elif a.key in ATTENTION_OPS:
+            attention += s
+        else:  # every other op, inductor's compiled kernels included
+            other += s
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=rows,
+                           max_name_column_width=48)
+    return StepProfile(engine, steps, wall, linear, attention, other, table)
+
+
+def format_summary(p: StepProfile) -> str:
+    per = 1e3 / p.steps
+    parts = [("linear layers (matmul ops)", p.linear_s), ("attention", p.attention_s),
+             ("other torch ops", p.other_ops_s),
+             ("outside torch ops (Python, dispatch, profiler)", p.outside_ops_s)]
+    lines = [f"{p.engine}: {p.wall_s * per:.2f} ms per step under the profiler ({p.steps} steps)"]
+    for name, s in parts:
+        lines.append(f"  {name:<48}{s * per:9.2f} ms  {s / p.wall_s:6.1%}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", nargs="+", default=["minifer"], choices=ENGINES,
+                        help="engines to profile (default: minifer)")
+    parser.add_argument("--preset", default="gpt2", help="model shape (default: gpt2)")
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES),
+                        help="precision (default: fp32)")
+    parser.add_argument("--batch", type=int, default=1, help="decode batch (default: 1)")
+    parser.add_argument("--prompt-tokens", type=int, default=128,
+                        help="cached tokens before the first step (default: 128)")
+    parser.add_argument("--steps", type=int, default=4, help="profiled steps (default: 4)")
+    parser.add_argument("--rows", type=int, default=12, help="rows of the op table (default: 12)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model = GPT.from_config(args.preset, seed=0, dtype=DTYPES[args.dtype])
+    print(f"profile: {args.preset} {args.dtype} batch {args.batch}, {args.prompt_tokens} cached "
+          f"tokens, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
+    for name in args.engines:
+        p = profile_decode(name, args.preset, args.dtype, args.batch,
+                           prompt_tokens=args.prompt_tokens, steps=args.steps, rows=args.rows,
+                           model=model)
+        print(p.table)
+        print(format_summary(p))
+        sys.stdout.flush()
+    return 0
