@@ -67,8 +67,11 @@ test-matrix: test-kernels
 	$(MAKE) test-torch TORCH=$(TORCH_LOW)
 	$(MAKE) test-torch TORCH=$(TORCH_HIGH)
 
+# Re-execute every lesson in place (the outputs the tests compare), add a static PNG beside each
+# figure for GitHub/nbviewer (kaleido + Debian's chromium), and write each notebook's time, peak
+# memory and size to notebooks/RUNTIMES.md (and .json).
 notebooks: $(STAMP)
-	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py $(notdir $(NOTEBOOKS))
+	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py --report RUNTIMES.md $(notdir $(NOTEBOOKS))
 
 # The CPU benchmark suite (a few minutes; BENCHMARKS.md records its latest tables). On a machine
 # that other programs keep busy, pin the thread count: `make bench THREADS=1`.
