@@ -8,9 +8,12 @@ import importlib.util
 import json
 import pathlib
 import shutil
+import struct
 import sys
+import zlib
 
 import nbformat
+import numpy as np
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
@@ -145,8 +148,77 @@ def test_runner_saves_the_panels_default_view_and_reports_costs(tmp_path):
     assert row["static_pngs"] == 2 and row["kernel_peak_rss_mb"] > 0
     assert row["tree_peak_rss_mb"] > 0
     assert row["size_kb"] >= 0 and row["cells_s"] <= row["with_kernel_start_s"]
+    assert row["kernel_cpu_s"] > 0
 
     report = tmp_path / "RUNTIMES.md"
     run.write_report(report, [row])
     assert "| tiny.ipynb |" in report.read_text()
     assert json.loads(report.with_suffix(".json").read_text())["notebooks"][0]["notebook"] == "tiny.ipynb"
+
+
+def encode_png(img, kind):
+    """A minimal PNG encoder (RGBA, every row filtered with ``kind``), to test the decoder."""
+    h, w, bpp = img.shape
+    raw = img.reshape(h, w * bpp).astype(int)
+    rows = b""
+    for y in range(h):
+        prev = raw[y - 1] if y else [0] * (w * bpp)
+        out = []
+        for x in range(w * bpp):
+            a = raw[y][x - bpp] if x >= bpp else 0
+            b, c = prev[x], (prev[x - bpp] if x >= bpp else 0)
+            p = a + b - c
+            paeth = a if abs(p - a) <= abs(p - b) and abs(p - a) <= abs(p - c) else (
+                b if abs(p - b) <= abs(p - c) else c)
+            pred = [0, a, b, (a + b) // 2, paeth][kind]
+            out.append((raw[y][x] - pred) % 256)
+        rows += bytes([kind] + out)
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 6, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + sf._chunk(b"IHDR", ihdr)
+            + sf._chunk(b"IDAT", zlib.compress(rows)) + sf._chunk(b"IEND", b""))
+
+
+def decode_palette_png(png):
+    pos, chunks = 8, {}
+    while pos < len(png):
+        (n,) = struct.unpack(">I", png[pos:pos + 4])
+        chunks.setdefault(png[pos + 4:pos + 8], b"")
+        chunks[png[pos + 4:pos + 8]] += png[pos + 8:pos + 8 + n]
+        pos += 12 + n
+    w, h, _, ctype = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert ctype == 3
+    palette = np.frombuffer(chunks[b"PLTE"], np.uint8).reshape(-1, 3)
+    rows = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(h, w + 1)
+    assert (rows[:, 0] == 0).all()
+    return palette[rows[:, 1:]]
+
+
+@pytest.mark.parametrize("kind", range(5))
+def test_png_decoder_undoes_every_row_filter(kind):
+    rng = np.random.default_rng(kind)
+    img = rng.integers(0, 256, (5, 7, 4), dtype=np.uint8)
+    img[..., 3] = 255
+    assert (sf._pixels(encode_png(img, kind)) == img[..., :3]).all()
+
+
+def test_shrink_keeps_a_few_colour_figure_exact_and_leaves_other_pngs_alone():
+    img = np.full((40, 60, 4), 255, np.uint8)
+    img[10:20, 5:50, :3] = (31, 119, 180)  # a plotly-blue bar on white
+    img[25, :, :3] = 0  # an axis line
+    png = encode_png(img, 2)
+    small = sf.shrink_png(png)
+    assert len(small) < len(png)
+    assert (decode_palette_png(small) == img[..., :3]).all()  # <= 256 colours: lossless
+    translucent = img.copy()
+    translucent[0, 0, 3] = 0
+    assert sf.shrink_png(encode_png(translucent, 0)) == encode_png(translucent, 0)
+
+
+def test_shrink_of_a_many_colour_picture_is_lossless():
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (30, 30, 4), dtype=np.uint8)
+    img[..., 3] = 255
+    png = encode_png(img, 0)
+    small = sf.shrink_png(png)
+    if small != png:  # lossless RGB, when it is smaller
+        assert (sf._pixels(small) == img[..., :3]).all()
