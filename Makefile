@@ -69,8 +69,11 @@ test-matrix: test-kernels
 	$(MAKE) test-torch TORCH=$(TORCH_LOW)
 	$(MAKE) test-torch TORCH=$(TORCH_HIGH)
 
+# Re-execute every lesson in place (the outputs the tests compare), add a static PNG beside each
+# figure for GitHub/nbviewer (kaleido + Debian's chromium), and write each notebook's time, peak
+# memory and size to notebooks/RUNTIMES.md (and .json).
 notebooks: $(STAMP)
-	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py $(notdir $(NOTEBOOKS)) $(SOLUTIONS:notebooks/%=%)
+	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py --report RUNTIMES.md $(notdir $(NOTEBOOKS)) $(SOLUTIONS:notebooks/%=%)
 
 # The CPU benchmark suite: each command's quick scope, a few minutes on 2 cores (BENCHMARKS.md
 # records its latest tables). Each command prints how long it took and the load average.
