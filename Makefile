@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.minifer-installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 
-.PHONY: install lab test test-kernels test-torch test-matrix lint notebooks bench train clean
+.PHONY: install lab test test-kernels test-torch test-matrix lint notebooks browser-test bench train clean
 
 install: $(STAMP)
 
@@ -70,6 +70,12 @@ test-matrix: test-kernels
 notebooks: $(STAMP)
 	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py $(notdir $(NOTEBOOKS))
 
+# Every lesson in JupyterLab, driven by headless Chromium (Debian's `chromium`; playwright never
+# downloads a browser): Run All, no error output, figures drawn, every slider and dropdown of
+# every panel moved and its figure changed, no text drawn over text. Screenshots in screenshots/.
+browser-test: $(STAMP)
+	$(BIN)/python tools/browser_test.py $(NOTEBOOKS)
+
 # The CPU benchmark suite (a few minutes; BENCHMARKS.md records its latest tables). On a machine
 # that other programs keep busy, pin the thread count: `make bench THREADS=1`.
 THREADS ?=
@@ -88,4 +94,4 @@ train: $(STAMP)
 	$(BIN)/python -m minifer.training
 
 clean:
-	rm -rf $(VENV) .venv-torch-* build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-torch-* build dist *.egg-info .pytest_cache .ruff_cache screenshots
