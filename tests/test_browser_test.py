@@ -52,6 +52,13 @@ def test_only_the_checked_kinds_are_compared():
     assert bt.overlapping([title, lab1, lab2]) == [(title, lab1), (title, lab2), (lab1, lab2)]
 
 
+def test_lines_of_one_text_are_not_compared_with_each_other():
+    line1 = Box("annotation", "two\nlines", 0, 0, 50, 10, group=3)
+    line2 = Box("annotation", "two\nlines", 0, 9, 50, 20, group=3)
+    other = Box("annotation", "another", 10, 15, 60, 25, group=4)
+    assert bt.overlapping([line1, line2, other]) == [(line2, other)]
+
+
 def test_cut_off_finds_text_beyond_the_figure():
     frame = (0, 0, 720, 360)
     inside = Box("legend", "l", 600, 10, 719, 30)
@@ -59,6 +66,9 @@ def test_cut_off_finds_text_beyond_the_figure():
     label = Box("label", "x", 700, 10, 760, 30)  # trace labels are clipped by plotly itself
     assert bt.cut_off([inside, right, label], frame) == [right]
     assert bt.cut_off([Box("title", "t", -2, 0, 100, 20)], frame, tol=2) == []
+    area = (60, 50, 700, 310)  # a label the plot area cuts off (cliponaxis), and one inside it
+    top = Box("label", "int4", 80, 40, 100, 52, clip=area)
+    assert bt.cut_off([top, Box("label", "int8", 80, 60, 100, 72, clip=area)], frame) == [top]
 
 
 def test_stderr_is_an_error_only_with_a_traceback_or_an_exception():

@@ -60,7 +60,12 @@ FRAMED = frozenset({"title", "legend", "annotation"})
 
 @dataclass(frozen=True)
 class Box:
-    """A piece of text drawn in a figure: its kind, its text and its box in page pixels."""
+    """A piece of text drawn in a figure: its kind, its text and its box in page pixels.
+
+    The lines of one text (or a legend entry's text and symbol) share a ``group`` and are not
+    compared with each other; -1 means a group of its own. ``clip`` is the plot area that cuts
+    the text off (a trace's labels with plotly's ``cliponaxis``), if any.
+    """
 
     kind: str
     text: str
@@ -68,6 +73,8 @@ class Box:
     y0: float
     x1: float
     y1: float
+    group: int = -1
+    clip: tuple[float, float, float, float] | None = None
 
 
 def overlap(a: Box, b: Box) -> tuple[float, float]:
@@ -78,14 +85,17 @@ def overlap(a: Box, b: Box) -> tuple[float, float]:
 
 
 def overlapping(boxes: list[Box], tol: float = 1.0) -> list[tuple[Box, Box]]:
-    """Pairs of boxes whose kinds are checked against each other (:data:`CHECKED_PAIRS`) and
-    that intersect by more than ``tol`` pixels both across and down (touching edges pass)."""
+    """Pairs of boxes whose kinds are checked against each other (:data:`CHECKED_PAIRS`), from
+    different texts, that intersect by more than ``tol`` pixels both across and down (touching
+    edges pass)."""
     if tol < 0:
         raise ValueError(f"tol must be >= 0 pixels, got {tol}")
     found = []
     for i, a in enumerate(boxes):
         for b in boxes[i + 1:]:
             if (a.kind, b.kind) not in CHECKED_PAIRS and (b.kind, a.kind) not in CHECKED_PAIRS:
+                continue
+            if a.group == b.group != -1:
                 continue
             w, h = overlap(a, b)
             if w > tol and h > tol:
@@ -95,13 +105,17 @@ def overlapping(boxes: list[Box], tol: float = 1.0) -> list[tuple[Box, Box]]:
 
 def cut_off(boxes: list[Box], frame: tuple[float, float, float, float],
             tol: float = 2.0) -> list[Box]:
-    """Titles, legends and annotations reaching more than ``tol`` pixels beyond ``frame``
-    (x0, y0, x1, y1: the figure's drawing), where the browser cuts them off."""
+    """Texts the browser cuts off: titles, legends and annotations reaching more than ``tol``
+    pixels beyond ``frame`` (x0, y0, x1, y1: the figure's drawing), and texts reaching beyond
+    their own ``clip`` (a trace's labels outside the plot area)."""
     if tol < 0:
         raise ValueError(f"tol must be >= 0 pixels, got {tol}")
-    x0, y0, x1, y1 = frame
-    return [b for b in boxes if b.kind in FRAMED and
-            (b.x0 < x0 - tol or b.y0 < y0 - tol or b.x1 > x1 + tol or b.y1 > y1 + tol)]
+
+    def beyond(b: Box, r) -> bool:
+        return b.x0 < r[0] - tol or b.y0 < r[1] - tol or b.x1 > r[2] + tol or b.y1 > r[3] + tol
+
+    return [b for b in boxes if (b.kind in FRAMED and beyond(b, frame))
+            or (b.clip is not None and beyond(b, b.clip))]
 
 
 def classify_stderr(text: str) -> str:
@@ -226,12 +240,13 @@ class Lab:
 # Everything plotly draws as text that may collide, in page pixels, for one figure div.
 JS_BOXES = """gd => {
   const r = e => { const b = e.getBoundingClientRect(); return [b.left, b.top, b.right, b.bottom]; };
+  const union = bs => bs.length ? [Math.min(...bs.map(b => b[0])), Math.min(...bs.map(b => b[1])),
+      Math.max(...bs.map(b => b[2])), Math.max(...bs.map(b => b[3]))] : null;
   // A text's box as the browser lays it out spans the font's whole ascent and descent; the
   // glyphs (the ink) are shorter. Trim each line to its ink with the canvas's text metrics.
   const ctx = document.createElement('canvas').getContext('2d');
-  const ink = el => {
-    const lines = el.querySelectorAll('tspan.line');
-    let box = null;
+  const ink = el => {  // one box per line of text
+    const lines = el.querySelectorAll('tspan.line'), boxes = [];
     for (const part of (lines.length ? [...lines] : [el])) {
       const b = part.getBoundingClientRect(), text = part.textContent;
       if (!text.trim() || b.width <= 0 || b.height <= 0) continue;
@@ -245,26 +260,49 @@ JS_BOXES = """gd => {
         top += Math.max(0, m.fontBoundingBoxAscent - m.actualBoundingBoxAscent) * k;
         bottom -= Math.max(0, m.fontBoundingBoxDescent - m.actualBoundingBoxDescent) * k;
       }
-      box = box ? [Math.min(box[0], b.left), Math.min(box[1], top), Math.max(box[2], b.right),
-                   Math.max(box[3], bottom)] : [b.left, top, b.right, bottom];
+      boxes.push([b.left, top, b.right, bottom]);
     }
-    return box;
+    return boxes;
   };
   const svg = gd.querySelector('.main-svg');
   const out = {frame: svg ? r(svg) : r(gd), boxes: []};
-  const add = (kind, b, text) => {
-    if (b && b[2] - b[0] > 0 && b[3] - b[1] > 0 && text.trim()) out.boxes.push([kind, text, ...b]);
+  let group = 0;
+  const add = (kind, boxes, text) => {  // the lines of one text share a group
+    group += 1;
+    for (const b of boxes) if (b && b[2] - b[0] > 0 && b[3] - b[1] > 0 && text.trim())
+      out.boxes.push([kind, text, ...b, group]);
   };
   const visible = e => getComputedStyle(e).opacity !== '0' && getComputedStyle(e).visibility !== 'hidden';
   gd.querySelectorAll('.gtitle').forEach(e => add('title', ink(e), e.textContent));
-  // a legend is a box (plotly fills it with the paper colour): what it covers is hidden
-  gd.querySelectorAll('.legend').forEach(l => add('legend', r(l.querySelector('.bg') || l),
-      [...l.querySelectorAll('.legendtext')].map(t => t.textContent).join(', ') || 'legend'));
+  // each legend entry: its text and its symbol (not the legend's padding around them)
+  gd.querySelectorAll('.legend .traces').forEach(e => {
+    const t = e.querySelector('.legendtext'), sym = e.querySelector('.legendsymbols');
+    const parts = t ? ink(t) : [];
+    if (sym) { const sb = r(sym); if (sb[2] > sb[0] && sb[3] > sb[1]) parts.push(sb); }
+    if (visible(e)) add('legend', [union(parts)], t ? t.textContent : 'legend entry');
+  });
+  gd.querySelectorAll('.legendtitletext').forEach(t => add('legend', ink(t), t.textContent));
   gd.querySelectorAll('.annotation').forEach(a => {
       const t = a.querySelector('.annotation-text');
       if (t && visible(a)) add('annotation', ink(t), t.textContent); });
-  gd.querySelectorAll('.textpoint text').forEach(t => {
-      if (visible(t)) add('label', ink(t), t.textContent); });
+  // a trace's text labels; with cliponaxis (plotly's default) the plot area cuts them off
+  const fl = gd._fullLayout || {}, s0 = svg ? svg.getBoundingClientRect() : {left: 0, top: 0};
+  gd.querySelectorAll('.cartesianlayer .subplot').forEach(sub => {
+    const m = /^x(\\d*)y(\\d*)$/.exec([...sub.classList].find(c => /^x\\d*y\\d*$/.test(c)) || '');
+    const xa = m && fl['xaxis' + m[1]], ya = m && fl['yaxis' + m[2]];
+    const area = xa && ya ? [s0.left + xa._offset, s0.top + ya._offset,
+                             s0.left + xa._offset + xa._length, s0.top + ya._offset + ya._length]
+                          : null;
+    sub.querySelectorAll('.trace').forEach(tr => {
+      const cd = tr.__data__, trace = cd && cd[0] && cd[0].trace;
+      const clip = trace && trace.cliponaxis === false ? null : area;
+      tr.querySelectorAll('.textpoint text, text.bartext').forEach(t => {
+        if (!visible(t)) return;
+        group += 1;
+        for (const b of ink(t)) out.boxes.push(['label', t.textContent, ...b, group, clip]);
+      });
+    });
+  });
   return out;
 }"""
 
@@ -363,7 +401,7 @@ class NotebookRun:
         self.page = context.new_page()
         self.js_errors: list[str] = []
         self.page.on("pageerror", lambda e: self.js_errors.append(str(e)))
-        self.seen_overlaps: set[str] = set()
+        self.seen_overlaps: set[tuple] = set()
 
     # --- helpers
     def dialogs(self) -> list[str]:
@@ -385,18 +423,24 @@ class NotebookRun:
             elif msg not in self.res.notes:
                 self.res.notes.append(f"stderr in {msg}")
 
-    def check_text(self, gd, label: str) -> None:
+    def check_text(self, gd, cell: int, label: str) -> None:
+        """Report texts of figure ``gd`` drawn over each other or cut off, each problem once
+        per cell (a panel's title changes with its controls: numbers are not told apart)."""
         raw = gd.evaluate(JS_BOXES)
-        boxes = [Box(*b) for b in raw["boxes"]]
-        problems = [f"{a.kind} '{short(a.text, 40)}' overlaps {b.kind} '{short(b.text, 40)}' "
-                    "({:.0f}x{:.0f} px)".format(*overlap(a, b))
+        boxes = [Box(*b[:7], clip=tuple(b[7]) if len(b) > 7 and b[7] else None)
+                 for b in raw["boxes"]]
+        problems = [((a.kind, a.text), (b.kind, b.text),
+                     f"{a.kind} '{short(a.text, 40)}' overlaps {b.kind} '{short(b.text, 40)}' "
+                     "({:.0f}x{:.0f} px)".format(*overlap(a, b)))
                     for a, b in overlapping(boxes, self.args.tol)]
-        problems += [f"{b.kind} '{short(b.text, 40)}' is cut off at the figure's edge"
+        problems += [((b.kind, b.text), ("edge", ""), f"{b.kind} '{short(b.text, 40)}' is cut off "
+                      + ("by the plot area" if b.clip else "at the figure's edge"))
                      for b in cut_off(boxes, tuple(raw["frame"]), self.args.tol + 1)]
-        for p in problems:
-            msg = f"{label}: {p}"
-            if msg not in self.seen_overlaps:
-                self.seen_overlaps.add(msg)
+        for a, b, text in problems:
+            key = (cell, *sorted((k, re.sub(r"[\d.,]+", "#", t)) for k, t in (a, b)))
+            if key not in self.seen_overlaps:
+                self.seen_overlaps.add(key)
+                msg = f"{label}: {text}"
                 self.res.overlaps.append(msg)
                 print(f"  OVERLAP {msg}", flush=True)
 
@@ -473,7 +517,8 @@ class NotebookRun:
         gds = self.page.locator(".jp-NotebookPanel .js-plotly-plot")
         for i, f in enumerate(figs):
             if f["visible"] and f["drawn"]:
-                self.check_text(gds.nth(i), f"cell {f['cell']} figure '{short(f['title'], 40)}'")
+                self.check_text(gds.nth(i), f["cell"],
+                                f"cell {f['cell']} figure '{short(f['title'], 40)}'")
         self.screenshot_notebook(self.out / "notebook.png")
 
     def drive_panels(self) -> None:
@@ -494,10 +539,12 @@ class NotebookRun:
             controls += [("dropdown", s) for s in panel.locator("select").all()]
             for j, (kind, el) in enumerate(controls, 1):
                 self.res.controls += 1
-                self.move(panel, i + 1, where, j, kind, el)
+                self.move(panel, i + 1, cells[i], j, kind, el)
 
-    def move(self, panel, i: int, where: str, j: int, kind: str, el) -> None:
-        """Move control ``j`` of panel ``i`` one step and wait for the panel's figure to change."""
+    def move(self, panel, i: int, cell: int, j: int, kind: str, el) -> None:
+        """Move control ``j`` of panel ``i`` (in ``cell``) one step and wait for the panel's
+        figure to change."""
+        where = f"panel {i} (cell {cell})"
         info = el.evaluate(JS_CONTROL)
         name = f"{where} {kind} '{info['label']}'"
         before = panel.evaluate(JS_FIG)
@@ -540,7 +587,8 @@ class NotebookRun:
         self.check_stderr(panel, moved)
         gd = panel.locator(".js-plotly-plot").first
         if gd.count():
-            self.check_text(gd, f"{where} figure after {kind} '{info['label']}' -> {after_value}")
+            self.check_text(gd, cell,
+                            f"{where} figure after {kind} '{info['label']}' -> {after_value}")
 
     def close(self) -> None:
         for d in self.dialogs():
@@ -620,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         ap.error("playwright is missing: pip install -e '.[dev]'")
 
+    # a SIGTERM (CI's timeout) unwinds like ^C: JupyterLab and the browser are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     originals = {p: p.read_bytes() for p in notebooks}
     t_start = time.monotonic()
     results: list[Result] = []
