@@ -12,9 +12,10 @@ playwright (it never downloads a browser), and for each notebook:
    selects another option in every dropdown, and fails unless the panel's figure changed (its
    plotly `data`/`layout`, compared as JSON) within ``--answer-timeout`` seconds; each control's
    answer time is measured and reported;
-4. checks each visible figure for text drawn over text (title, legend, annotations such as
-   subplot titles, text labels of traces) and for a title, legend or annotation cut off at the
-   figure's edge;
+4. checks each visible figure (after the run, and each panel's after each move) for text drawn
+   over text (title, legend entries, annotations such as subplot titles, trace labels; glyph
+   boxes, so text that merely comes close passes) and for text cut off (a title, legend or
+   annotation beyond the figure's edge, a trace label beyond its plot area);
 5. saves screenshots under ``<out>/<notebook>/``: the whole notebook after the run, and each
    panel before and after each move.
 
@@ -603,7 +604,7 @@ class NotebookRun:
             self.res.notes.append(f"could not stop the kernel: {e}")
 
 
-def test_notebook(lab: Lab, context, name: str, out: Path, args) -> Result:
+def check_notebook(lab: Lab, context, name: str, out: Path, args) -> Result:
     print(f"== {name}", flush=True)
     run = NotebookRun(lab, context, name, out, args)
     try:
@@ -685,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
                           "--disable-dev-shm-usage"])
                 context = browser.new_context(viewport={"width": 1280, "height": 1000})
                 for nb in notebooks:
-                    results.append(test_notebook(lab, context, nb.name, args.out, args))
+                    results.append(check_notebook(lab, context, nb.name, args.out, args))
                 browser.close()
         finally:
             lab.stop()
