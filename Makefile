@@ -7,6 +7,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.minifer-installed
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
+# One solutions notebook per lesson (answers asserted): checked, tested and re-run like the lessons.
+SOLUTIONS := $(sort $(wildcard notebooks/solutions/*.ipynb))
 
 .PHONY: install lab test test-kernels test-torch test-matrix lint notebooks browser-test bench train clean
 
@@ -31,7 +33,7 @@ lint: $(STAMP)
 PYTEST = pytest --nbval $(PYTEST_ARGS) || { rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests" >&2; exit $$rc; }
 
 test: $(STAMP) lint
-	$(BIN)/python tools/check_executed.py $(NOTEBOOKS)
+	$(BIN)/python tools/check_executed.py $(NOTEBOOKS) $(SOLUTIONS)
 	$(BIN)/python -m $(PYTEST)
 
 # The notebooks as another CPU runs them: the kernels of an AVX2-only x86 CPU (ATen's vectorized
@@ -68,7 +70,7 @@ test-matrix: test-kernels
 	$(MAKE) test-torch TORCH=$(TORCH_HIGH)
 
 notebooks: $(STAMP)
-	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py $(notdir $(NOTEBOOKS))
+	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py $(notdir $(NOTEBOOKS)) $(SOLUTIONS:notebooks/%=%)
 
 # Every lesson in JupyterLab, driven by headless Chromium (Debian's `chromium`; playwright never
 # downloads a browser): Run All, no error output, figures drawn, every slider and dropdown of

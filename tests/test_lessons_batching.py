@@ -244,3 +244,19 @@ def test_fastest_steps():
     c = B.Trace("x", steps=[{"r": "prefill"}], step_s=[0.5])
     with pytest.raises(ValueError, match="different schedules"):
         B.fastest_steps_s(a, c)
+
+
+def test_load_figure_one_color_per_batch_limit():
+    fig = B.load_figure(B.REFERENCE_COSTS, max_num_seqs=16, rate=8, rates=(1, 8, 20))
+    colors: dict[str, set] = {}
+    for t in fig.data:
+        if t.name and t.name.startswith("max "):
+            colors.setdefault(t.name, set()).add(t.line.color)
+    assert len(colors) == 3 and all(len(c) == 1 for c in colors.values())  # same in every panel
+    assert len({next(iter(c)) for c in colors.values()}) == 3  # and different between limits
+    assert fig.layout.yaxis2.type == "log" and fig.layout.yaxis2.ticktext  # labelled log ticks
+    # the curves are drawn at the rates they were computed for, and the marker sits on them
+    curve = next(t for t in fig.data if t.name == "max 16 seqs")
+    assert list(curve.x) == [1, 8, 20]
+    marker = next(t for t in fig.data if t.mode == "markers" and t.xaxis == "x")
+    assert marker.y[0] == curve.y[1]

@@ -66,3 +66,116 @@ def test_lessons_build_panels_and_round_through_common(path):
     defs = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     assert "_r" not in defs, f"{path.name}: round with common.sig, not a local copy"
     assert "update_layout" not in " ".join(calls) or "style" in calls, path.name
+
+
+# ---------------------------------------------------------------- the one figure style
+
+def _two_traces(**layout) -> go.Figure:
+    fig = go.Figure([go.Scatter(x=[1, 2], y=[1, 2], name="first"),
+                     go.Scatter(x=[1, 2], y=[2, 1], name="second")])
+    return fig.update_layout(**layout)
+
+
+def test_reference_lines_are_drawn():
+    assert common.TEMPLATE.layout.shapedefaults.line.width >= 1  # simple_white's is 0
+    fig = common.reference_line(go.Figure(go.Scatter(x=[0, 1], y=[0, 1])), y=0.5, text="limit")
+    (line,) = fig.layout.shapes
+    assert line.line.width == 2 and fig.layout.annotations[0].text == "limit"
+    common.reference_line(fig, x=0.2, text="TTFT")
+    assert fig.layout.shapes[1].x0 == 0.2
+    with pytest.raises(ValueError, match="exactly one"):
+        common.reference_line(fig, x=1, y=1)
+
+
+def test_legend_sits_between_title_and_plot():
+    fig = common.style(_two_traces(), "A title", "x", "y", height=360)
+    top, h = fig.layout.margin.t, fig.layout.height
+    title_y = (1 - fig.layout.title.y) * h  # px from the top, both container-referenced
+    legend_y = (1 - fig.layout.legend.y) * h
+    assert fig.layout.title.yref == fig.layout.legend.yref == "container"
+    assert title_y < legend_y < top  # title, then the legend, then the plot
+    assert legend_y - title_y >= common.TITLE_SIZE  # a whole title line above the legend
+    assert top - legend_y >= 20  # one legend row
+    assert h - top - fig.layout.margin.b == 360 - 50 - 50  # the plot keeps its planned height
+
+
+def test_long_legends_and_subplot_titles_get_room():
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("left", "right"))
+    for i in range(12):
+        fig.add_trace(go.Scatter(x=[1], y=[i], name=f"a rather long legend entry {i}"), 1, 1)
+    one_row = common.style(_two_traces(), "t").layout.margin.t
+    fig = common.style(fig, "t", width=900)
+    assert common.legend_rows([t.name for t in fig.data], 900 - 80) > 1
+    assert fig.layout.margin.t >= one_row + common.LEGEND_ROW + 20  # more rows + subplot titles
+    assert all(a.font.size == common.SUBPLOT_TITLE_SIZE for a in fig.layout.annotations)
+
+
+def test_figures_fit_the_notebook_and_titles_fit_the_figure():
+    fig = common.style(_two_traces(), "word " * 60, width=1400)
+    assert fig.layout.width == common.MAX_WIDTH
+    lines = fig.layout.title.text.split("<br>")
+    assert len(lines) > 1 and fig.layout.title.font.size >= common.SMALL
+    room = common.MAX_WIDTH - 80
+    assert all(common.text_width(line, fig.layout.title.font.size) <= room for line in lines)
+    short = common.style(_two_traces(), "short")
+    assert short.layout.title.text == "short" and short.layout.title.font.size == common.TITLE_SIZE
+
+
+def test_log_axes_label_decades_or_1_2_5_steps():
+    wide = _two_traces().update_traces(x=[0.1, 1e5])
+    wide.update_xaxes(type="log")
+    common.style(wide, "t")
+    assert wide.layout.xaxis.dtick == 1 and wide.layout.xaxis.minor.dtick == "D1"
+    narrow = _two_traces().update_traces(x=[16, 1000])
+    narrow.update_xaxes(type="log")
+    common.style(narrow, "t")
+    assert narrow.layout.xaxis.tickvals == (20, 50, 100, 200, 500, 1000)
+    assert narrow.layout.xaxis.ticktext[-1] == "1k"
+    chosen = common.log_axis(_two_traces(), "xaxis", values=[128, 256, 512, 1024])
+    assert chosen.layout.xaxis.ticktext == ("128", "256", "512", "1,024")
+    assert chosen.layout.xaxis.type == "log"
+    with pytest.raises(ValueError, match="labels"):
+        common.log_axis(_two_traces(), "xaxis", values=[1, 2], labels=["one"])
+
+
+def test_token_label():
+    assert common.token_label("\n") == "⏎" and common.token_label(" the") == "␣the"
+    assert common.token_label("\\xff") == "<0xFF>" and common.token_label("\x13") == "<0x13>"
+    assert common.token_label("\t") == "⇥" and common.token_label("") == "(nothing)"
+    assert common.token_label("ROMEO") == "ROMEO" and common.token_label("é") == "é"
+
+
+def test_precision_options_run_from_32_to_4_bits():
+    opts = common.precision_options(["int4", "bf16", "fp32", "int8", "fp16"])
+    assert [v for _, v in opts] == ["fp32", "bf16", "fp16", "int8", "int4"]
+    assert opts[0][0] == "fp32 · 32 bit" and opts[-1][0] == "int4 · 4 bit"
+    s = common.control("select", "weights", options=opts, value="int8")
+    assert s.value == "int8" and s.label == "int8 · 8 bit"
+    with pytest.raises(ValueError, match="precision"):
+        common.precision_options(["fp64"])
+
+
+def test_setup_uses_colab_renderer_only_on_colab(monkeypatch):
+    import sys
+    import types
+
+    import plotly.io as pio
+
+    from minifer.lessons import common
+
+    common.setup()
+    assert pio.renderers.default == "plotly_mimetype"
+    calls = []
+    colab = types.ModuleType("google.colab")
+    colab.output = types.SimpleNamespace(enable_custom_widget_manager=lambda: calls.append(1))
+    monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    try:
+        common.setup()
+        assert pio.renderers.default == "colab" and calls == [1]
+    finally:
+        monkeypatch.delitem(sys.modules, "google.colab")
+        common.setup()
+    assert pio.renderers.default == "plotly_mimetype"

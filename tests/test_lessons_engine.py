@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import minifer as mf
@@ -41,11 +42,38 @@ def test_pass_counter_counts_tokens(tiny):
 
 
 def test_generation_panel_drives_timeline(tiny):
-    ui = gen.panel(tiny, [1, 2, 3])
+    ui = gen.panel(tiny, [1, 2, 3], max_tokens=20)
     assert len(ui.result.data[0].y) == 16
+    end = ui.result.layout.xaxis.range[1]
     ui.children[0].value = 6
-    assert len(ui.result.data[0].y) == 6
-    assert list(ui.result.data[0].x) == [1, 2, 3, 4, 5, 6]
+    arrivals = ui.result.data[0]
+    assert list(arrivals.y) == [1, 2, 3, 4, 5, 6]  # tokens received, one per arrival
+    assert list(arrivals.x) == sorted(arrivals.x) and arrivals.x[0] > 0
+    assert ui.result.layout.xaxis.range == (0, end)  # one time scale for every slider value
+
+
+def test_timeline_starts_at_zero_and_marks_the_ttft():
+    c = mf.Completion(index=0, prompt_token_ids=[1] * 5, token_ids=[7, 8, 9],
+                      token_times=[0.5, 0.6, 0.7])
+    fig = gen.timeline_figure(c)
+    assert fig.layout.xaxis.range[0] == 0 and fig.layout.yaxis.range[0] == 0
+    line = next(s for s in fig.layout.shapes if s.type == "line")
+    assert line.x0 == line.x1 == 500.0 and line.line.width > 0  # the TTFT, drawn
+    assert "TTFT 500.0 ms" in fig.layout.annotations[0].text
+    steps = fig.data[1]
+    assert steps.x[:2] == (0.0, 500.0) and steps.y[:2] == (0, 1)  # nothing until the TTFT
+    first = gen.first_tokens(c, 2)
+    assert first.token_times == [0.5, 0.6] and first.completion_tokens == 2
+    with pytest.raises(ValueError, match="n must be"):
+        gen.first_tokens(c, 4)
+
+
+def test_token_labels_are_readable(tok):
+    assert gen.show_token(tok, 10) == "⏎" and gen.show_token(tok, 32) == "␣"
+    assert gen.show_token(tok, 255) == "<0xFF>" and gen.show_token(tok, 19) == "<0x13>"
+    assert gen.show_token(tok, 69) == "E"
+    rows = gen.top_tokens(torch.arange(tok.vocab_size, dtype=torch.float), tok, k=2)
+    assert [r["token"] for r in rows] == ["<|endoftext|>", "<0xFF>"]
 
 
 def test_keys_never_change(tiny):
@@ -67,12 +95,21 @@ def test_compare_uses_prefix_of_the_run():
     assert row["cache ms/token"] == 1.0 and row["no-cache ms/token"] == 3.0 and row["ratio"] == 3.0
 
 
-def test_kv_panel_measures_both_paths(tiny):
-    ui = kv.panel(tiny, new_tokens=4)
+def test_kv_panel_measures_once_then_redraws(tiny):
+    measured = kv.measure_contexts(tiny, contexts=(8, 32), new_tokens=4)
+    assert sorted(measured) == [8, 32]
+    assert all(len(c) == len(r) == 4 for c, r in measured.values())
+    ui = kv.panel(measured)
+    top = ui.result.layout.yaxis.range
     ui.children[0].value = 32
     no_cache, cached = ui.result.data
     assert len(no_cache.y) == len(cached.y) == 3
     assert "prompt of 32 tokens" in ui.result.layout.title.text
+    assert ui.result.layout.yaxis.range == top and top[0] == 0  # one scale for every context
+    with pytest.raises(ValueError, match="contexts"):
+        kv.measure_contexts(tiny, contexts=(200,), new_tokens=4)
+    with pytest.raises(ValueError, match="measured"):
+        kv.panel({})
 
 
 def test_table_formats():

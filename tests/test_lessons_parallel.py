@@ -3,6 +3,8 @@ and the measured tables read `run_local`'s reports faithfully."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from minifer import roofline as rl
@@ -59,6 +61,13 @@ def test_tp_figure_title_and_traces():
     assert list(trace(fig, "weights").y) == [140.0, 70.0, 35.0, 17.5]
     assert trace(fig, "all-reduce").y[0] == 0
     assert "does NOT fit" in P.tp_figure(degree=1).layout.title.text
+    # the TP labels sit at their curves' first points: on a log axis that is log10 of the value
+    curves = {t.name: t for t in fig.data if t.xaxis == "x3"}
+    for a in (a for a in fig.layout.annotations if a.text.startswith("TP")):
+        first = curves[f"degree {a.text[2:]}"]
+        assert a.x == pytest.approx(math.log10(first.x[0]), rel=1e-5)
+        assert a.y == pytest.approx(math.log10(first.y[0]), rel=1e-5)
+    assert fig.layout.xaxis3.type == "log" and len(fig.layout.xaxis3.tickvals) >= 2
     with pytest.raises(ValueError, match="degree must be one of"):
         P.tp_figure(degree=3)
     with pytest.raises(ValueError, match="bandwidth_gbs"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipywidgets as widgets
 import plotly.graph_objects as go
 import pytest
 import torch
@@ -57,12 +58,38 @@ def test_panel_callback(rows, models):
     assert list(speed.x) == list(models) and len(fig.data) == len(rows) + 1
     ui = Q.panel(qp, "int4", 1)
     assert isinstance(ui.result, go.Figure) and ui.result.layout.title.text.startswith("int4:")
-    ui.children[1].value = 4  # the batch slider
-    assert "at batch 4" in ui.result.layout.title.text
+    ui.children[1].value = 8  # the batch slider
+    assert "at batch 8" in ui.result.layout.title.text
+    precision = ui.children[0]  # an ordered slider, many bits to few
+    assert isinstance(precision, widgets.SelectionSlider)
+    assert [v for _, v in precision.options] == ["fp32", "bf16", "fp16", "int8", "int4"]
+    assert precision.label == "4 bits · int4"
+    precision.value = "fp16"
+    assert ui.result.layout.title.text.startswith("fp16:")
     with pytest.raises(ValueError, match="precision"):
         qp.result("int3", 1)
     with pytest.raises(ValueError, match="precision"):
         qp.figure("int3", 1)
+
+
+def test_panel_measures_up_front(rows, models):
+    qp = Q.QuantPanel(rows, {k: models[k] for k in ("fp32", "int8")}, context=8, rounds=1,
+                      steps=1, batches=(1, 2))
+    grid = qp.measure()
+    assert list(grid) == [1, 2] and all(v > 0 for ms in grid.values() for v in ms.values())
+    assert qp.ms(2) is grid[2]  # the panel reads what was measured, it does not measure again
+    ui = Q.panel(qp, "int8", 1)
+    assert ui.children[1].options == (1, 2)
+
+
+def test_quality_figure_separates_coinciding_labels():
+    rows = [Q.PrecisionRow(p, mb, mb, 10.0, 1.0, 8, 0.0)
+            for p, mb in (("fp32", 35.0), ("bf16", 17.6), ("fp16", 17.6), ("int8", 11.0))]
+    fig = Q.quality_figure(rows)
+    spots = {t.name: t.textposition for t in fig.data}
+    sizes = {t.name: t.marker.size for t in fig.data}
+    assert spots["bf16"] != spots["fp16"] and spots["int8"] == "top center"
+    assert sizes["bf16"] > sizes["fp16"]  # the hidden point shows as a ring around the other
 
 
 def test_roofline_rows_quant2():
@@ -81,3 +108,20 @@ def test_outlier_rows():
     assert out["per-channel"] > 2 * clean["per-channel"]
     assert out["per-channel + outliers in float"] < out["per-channel"]
     assert len(Q.outlier_figure([clean, out]).data) == 3
+
+
+def test_speed_notes_follow_the_numbers():
+    ms = {"fp32": 20.0, "bf16": 21.0, "fp16": 60.0, "int8": 15.0, "int4": 10.0,
+          "int8 dequant": 16.0, "int4 dequant": 40.0}
+    notes = Q.speed_notes(ms)
+    assert "fp16 takes 3.0× fp32's time: this CPU has no native fp16" in notes
+    assert "bf16 takes about fp32's time" in notes
+    assert "dequantizing at every call: 16.0 ms, about as fast as the fused kernel" in notes
+    assert "dequantizing at every call: 40.0 ms, much slower than the fused kernel" in notes
+    assert "fp16 is faster" in Q.speed_notes({**ms, "fp16": 10.0})
+
+
+def test_greedy_note(rows):
+    note = Q.greedy_note(rows)
+    assert note.startswith("Greedy tokens identical to fp32's from the prompt, of 8:")
+    assert "int4" in note and "fp32 " not in note

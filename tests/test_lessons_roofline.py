@@ -227,3 +227,42 @@ def test_attention_memory_rows_and_figure():
     assert rows[1]["one score matrix MiB"] == round(4 * 64 * 64 * 4 / 2**20, 2)
     fig = kv_memory.attention_memory_figure(rows)
     assert len(fig.data) == 3 and fig.data[0].x == (16, 64)
+
+
+# ---------------------------------------------------------------- figures that teach
+
+def test_precision_controls_are_sliders_from_32_to_4_bits():
+    for ui, names in ((roofline.panel(), ("weights",)), (kv_memory.panel(), ("cache", "weights"))):
+        c = controls(ui)
+        for name in names:
+            values = [v for _, v in c[name].options]
+            assert values == ["fp32", "bf16", "fp16", "int8", "int4"], (name, values)
+            assert type(c[name]).__name__ == "SelectionSlider"
+
+
+def test_device_memory_line_is_drawn_and_red_when_the_cache_does_not_fit():
+    fits = kv_memory.kv_figure(context=4096, batch=32)
+    (line,) = [s for s in fits.layout.shapes if s.type == "line"]
+    assert line.y0 == line.y1 == 74.5058 and line.line.width == 2  # 80 GB in GiB, drawn
+    assert "device memory" in fits.layout.annotations[-1].text
+    over = kv_memory.kv_figure(context=16384, batch=64)
+    (line,) = [s for s in over.layout.shapes if s.type == "line"]
+    assert line.line.color == "#D62728" and "does not fit" in over.layout.annotations[-1].text
+    assert "only 29 sequences of 16,384 tokens fit" in over.layout.title.text
+    assert over.layout.yaxis.range[1] > 128 + 14.9  # the whole overflowing bar is in view
+
+
+def test_measured_lengths_and_contexts_are_labelled():
+    rows = [{"tokens": t, "math MiB": t / 10, "sdpa MiB": t / 20, "one score matrix MiB": t / 40}
+            for t in (128, 256, 512, 1024)]
+    fig = kv_memory.attention_memory_figure(rows)
+    assert fig.layout.xaxis.ticktext == ("128", "256", "512", "1,024")
+    fig = kv_memory.kv_figure()
+    assert fig.layout.xaxis2.ticktext[:3] == ("512", "1K", "2K")  # K = 1,024 tokens
+
+
+def test_mbu_sentence_follows_the_measurement():
+    assert "MBU 67%: close to the roofline" in roofline.mbu_sentence(0.67)
+    assert "within about 3×" in roofline.mbu_sentence(0.42)
+    assert "overheads" in roofline.mbu_sentence(0.12)
+    assert "caches" in roofline.mbu_sentence(1.3)

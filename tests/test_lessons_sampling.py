@@ -44,11 +44,24 @@ def test_next_token_logits_marks_prompt_tokens(tiny, tok):
     assert logits.shape == (257,) and seen.sum() == 2 and seen[ord("a")] and seen[ord("b")]
 
 
+def test_readable_token(tok):
+    from minifer.tokenizer import ByteTokenizer
+
+    bt = ByteTokenizer()
+    shown = [S.readable_token(bt, i) for i in (10, 32, 9, 7, 0xFF, ord("a"))]
+    assert shown == ["⏎", "␣", "→", "<0x07>", "<0xFF>", "a"]
+    rows = S.top_tokens(LOGITS, tok, k=3)
+    assert [r["rank"] for r in rows] == [1, 2, 3] and all("\\" not in r["token"] for r in rows)
+
+
 def test_figure_and_panel(tok):
     fig = S.distribution_figure(LOGITS, tok, top_k=5, show=10)
-    before, after = fig.data
+    before, after = fig.data[:2]
     assert len(before.y) == len(after.y) == 10
     assert sum(1 for y in after.y if y > 0) == 5
+    # the 5 cut tokens keep their bar, drawn in red, at the model's probability
+    assert list(before.marker.color).count(S.CUT_COLOR) == 5 and all(y > 0 for y in before.y)
+    assert len(set(before.x)) == 10  # one bar per token, even if two tokens look alike
     ui = S.panel(LOGITS, tok)
     assert ui.result.layout.title.text.endswith("257 of 257 tokens can be drawn")
     ui.children[1].value = 4

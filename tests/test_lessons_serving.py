@@ -38,6 +38,11 @@ def test_rate_figure_and_slider_follow_the_sweep():
     assert rows[1]["TTFT p50 ms"] == pytest.approx(900)
     fig = S.latency_figure(sweep, 10)
     assert "10 requests/s (2× capacity): 4 done, 0 within the chat SLO" in fig.layout.title.text
+    # the SLO labels sit at the SLO lines: log10 of the value on these log axes, not 10**value
+    labels = {a.text: a.y for a in fig.layout.annotations if "SLO" in a.text}
+    assert labels == {"TTFT SLO 500 ms": pytest.approx(math.log10(500)),
+                      "TPOT SLO 50 ms": pytest.approx(math.log10(50))}
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis.ticktext
     ui = S.rate_panel(sweep, rate=1)
     assert [label for label, _ in ui.children[0].options] == ["0.2× capacity", "2× capacity"]
     assert "1 requests/s (0.2× capacity): 4 done, 4 within" in ui.result.layout.title.text

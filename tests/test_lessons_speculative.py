@@ -39,12 +39,17 @@ def test_measure_sweep_and_figures(pair):
         assert p.cost_ratio > 0 and p.expected_speedup > 0
     verify = L.verify_cost(target, [1, 2, 3], ks=(1, 3), repeats=1)
     assert set(verify) == {1, 3} and all(v > 0 for v in verify.values())
+    notes = L.sweep_notes(points, verify, size_ratio=23)
+    assert notes.startswith("α (drafts accepted): ") and "1/23 ≈ 0.04" in notes
+    assert f"at k = 1 and {verify[3]:.2f}× at k = 3" in notes
     fig = L.speedup_figure(points, verify, k_max=6)
     assert len(fig.data[0].y) == 6 and len(fig.data) == 5
     lookup = measure(target, [PromptLookupDrafter()], [1, 2, 1, 2], k=2, new_tokens=8, repeats=1)[0]
     assert lookup.cost_ratio == 0.0 and lookup.stats.draft_passes == 0
     fig = L.acceptance_figure([L.stats_row("a", lookup.stats), L.stats_row("b", points[0].stats)])
     assert list(fig.data[0].x) == ["a", "b"]
+    fig = L.acceptance_figure([L.stats_row("loop · lookup", lookup.stats), L.stats_row("loop · draft", points[0].stats)])
+    assert list(fig.data[0].x) == ["loop<br>lookup", "loop<br>draft"] and len(set(fig.data[0].marker.color)) == 2
 
 
 def test_panel_callback(pair):
@@ -55,6 +60,26 @@ def test_panel_callback(pair):
     fig = ui.result
     assert len(fig.data[0].y) == 4 and 0 <= fig.data[0].y[0] <= 1 and fig.data[0].y[1] >= 1
     assert "k=3, T=1" in fig.layout.annotations[0].text
+    ui.children[1].value = 0.0
+    ui.children[1].value = 1.0  # back to a setting already measured: the same run, not a new one
+    assert ui.result.layout.title.text == fig.layout.title.text
+
+
+def test_panel_uses_known_points(pair):
+    target, draft = pair
+    points = L.sweep(target, draft, [1, 2, 3], ks=(2,), new_tokens=10, repeats=1)
+    ui = L.panel(target, draft, [1, 2, 3], new_tokens=10, known=points)
+    ui.children[0].value = 2
+    p = points[0]
+    assert ui.result.layout.title.text.endswith(f"{p.stats.accepted}/{p.stats.proposed} drafts accepted")
+
+
+def test_legends_stay_below_the_titles(pair):
+    target, draft = pair
+    points = L.sweep(target, draft, [1, 2, 3], ks=(1,), new_tokens=8, repeats=1)
+    for fig in (L.speedup_figure(points), L.point_figure(points[0])):
+        assert fig.layout.legend.y < 0 and fig.layout.legend.yanchor == "top"
+        assert fig.layout.legend.yref == "paper"  # below the plot whatever style() chose
 
 
 def test_distribution_check_separates_right_from_wrong_rule():

@@ -38,13 +38,15 @@ from ..bench.decode import REFERENCE, time_decode_step, time_prefill
 from ..serve.metrics import RequestMetrics, summarize
 from ..serve.workload import LogNormal, Request
 from .common import control, panel, sig, style, table
+from .ticks import log_axis
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 POLICIES = ("static", "continuous")
 
 
 def _layout(fig: go.Figure, title: str, *, width: int = 1000, height: int = 380) -> go.Figure:
-    return style(fig, title, width=width, height=height, title_size=13, top=70, legend=False)
+    # top=90: a two-line title clear of the subplot titles under it
+    return style(fig, title, width=width, height=height + 20, title_size=13, top=90, legend=False)
 
 
 # =============================================================================================
@@ -147,8 +149,11 @@ def batch_figure(sweep: BatchSweep, batch: int = 8,
                                                   sig(sweep.per_user(batch), 4)],
                              mode="markers", showlegend=False,
                              marker=dict(size=13, color="crimson")), 1, 2)
-    fig.update_xaxes(type="log", title_text="batch (sequences per step)")
-    fig.update_yaxes(type="log")
+    fig.update_xaxes(type="log", title_text="batch (sequences per step)", tickvals=x,
+                     ticktext=[str(b) for b in x], minor=dict(ticks=""))
+    for col in (1, 2):
+        log_axis(fig, [y for t in fig.data if t.xaxis == ("x" if col == 1 else "x2") for y in t.y],
+                 "y", row=1, col=col)
     fig.update_yaxes(title_text="ms", row=1, col=1)
     fig.update_yaxes(title_text="tokens/s", row=1, col=2)
     title = (f"batch {batch}: one step {sweep.step(batch) * 1e3:.1f} ms "
@@ -258,8 +263,10 @@ def paging_figure(context: int = 2048, block_size: int = 16, model: str = "llama
                                                   p["fit_ideal"])],
                          textposition="outside", showlegend=False,
                          marker_color=["indianred", "seagreen", "lightgray"]), 1, 3)
-    fig.update_yaxes(title_text="% of allocated KV memory", range=[0, 100], row=1, col=1)
-    fig.update_xaxes(type="log", title_text="block size (tokens)", row=1, col=2)
+    fig.update_yaxes(title_text="% of allocated KV memory", range=[0, 106],
+                     tickvals=[0, 20, 40, 60, 80, 100], row=1, col=1)  # room for the subplot title
+    fig.update_xaxes(type="log", title_text="block size (tokens)", tickvals=list(BLOCK_SIZES),
+                     ticktext=[str(b) for b in BLOCK_SIZES], minor=dict(ticks=""), row=1, col=2)
     fig.update_yaxes(title_text="% wasted", row=1, col=2)
     fig.update_yaxes(title_text="sequences", row=1, col=3)
     title = (f"{p['model']} ({precision} cache) on {p['hardware']}, sequences of ~"
@@ -488,6 +495,7 @@ def simulate(requests: Sequence[Request], costs: StepCosts, policy: str = "conti
 
 RATES = (0.5, 1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 20)  # requests/s
 SEQ_LIMITS = (1, 4, 8, 16, 32, 64)
+LIMIT_COLORS = ("#17becf", "#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#ff7f0e")  # by SEQ_LIMITS
 
 
 @functools.lru_cache(maxsize=16)
@@ -557,33 +565,38 @@ def load_figure(costs: StepCosts, max_num_seqs: int = 16, rate: float = 8.0,
     (median and p99) with the part spent queueing; right, TPOT. One line per batch limit in
     ``limits`` plus ``max_num_seqs`` (bold), at each of ``rates``; ``rate`` marked."""
     limits = sorted(set(limits) | {max_num_seqs})
-    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08, subplot_titles=(
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.1, subplot_titles=(
         "server output tokens/s", "TTFT (dotted: queue time), median", "TPOT, median"))
     for m in limits:
         pts = [load_point(costs, r, m) for r in rates]
         width = 4 if m == max_num_seqs else 1.5
         name = f"max {m} seqs"
-        fig.add_trace(go.Scatter(x=list(RATES), y=[sig(p["output_throughput"], 4) for p in pts],
-                                 mode="lines", name=name, legendgroup=name,
-                                 line=dict(width=width)), 1, 1)
-        fig.add_trace(go.Scatter(x=list(RATES), y=[sig(p["ttft_p50"] * 1e3, 4) for p in pts],
+        # one color per batch limit in all three panels, so the legend reads for each of them
+        color = LIMIT_COLORS[SEQ_LIMITS.index(m) % len(LIMIT_COLORS)] if m in SEQ_LIMITS \
+            else "#7f7f7f"
+        line = dict(width=width, color=color)
+        fig.add_trace(go.Scatter(x=list(rates), y=[sig(p["output_throughput"], 4) for p in pts],
+                                 mode="lines", name=name, legendgroup=name, line=line), 1, 1)
+        fig.add_trace(go.Scatter(x=list(rates), y=[sig(p["ttft_p50"] * 1e3, 4) for p in pts],
                                  mode="lines", name=name, legendgroup=name, showlegend=False,
-                                 line=dict(width=width)), 1, 2)
+                                 line=line), 1, 2)
         if m == max_num_seqs:
-            fig.add_trace(go.Scatter(x=list(RATES), y=[sig(p["queue_p50"] * 1e3, 4) for p in pts],
-                                     mode="lines", name="queue time", line=dict(dash="dot",
-                                                                                width=width)),
-                          1, 2)
-        fig.add_trace(go.Scatter(x=list(RATES), y=[sig(p["tpot_p50"] * 1e3, 4) for p in pts],
+            fig.add_trace(go.Scatter(x=list(rates), y=[sig(p["queue_p50"] * 1e3, 4) for p in pts],
+                                     mode="lines", name=f"queue time, max {m} seqs",
+                                     line=dict(dash="dot", width=2.5, color=color)), 1, 2)
+        fig.add_trace(go.Scatter(x=list(rates), y=[sig(p["tpot_p50"] * 1e3, 4) for p in pts],
                                  mode="lines", name=name, legendgroup=name, showlegend=False,
-                                 line=dict(width=width)), 1, 3)
+                                 line=line), 1, 3)
     p = load_point(costs, rate, max_num_seqs)
     for col, y in ((1, p["output_throughput"]), (2, p["ttft_p50"] * 1e3),
                    (3, p["tpot_p50"] * 1e3)):
         fig.add_trace(go.Scatter(x=[rate], y=[sig(y, 4)], mode="markers", showlegend=False,
                                  marker=dict(size=12, color="crimson")), 1, col)
-    fig.update_xaxes(title_text="offered load (requests/s)")
-    fig.update_yaxes(type="log", title_text="ms", row=1, col=2)
+    fig.update_xaxes(title_text="offered load (requests/s)", rangemode="tozero")
+    fig.update_yaxes(rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(rangemode="tozero", row=1, col=3)
+    log_axis(fig, [y for t in fig.data if t.xaxis == "x2" for y in t.y], "y", row=1, col=2)
+    fig.update_yaxes(title_text="ms", row=1, col=2)
     fig.update_yaxes(title_text="ms", row=1, col=3)
     title = (f"{costs.label}, at most {max_num_seqs} sequences per step, {rate:g} requests/s: "
              f"{p['output_throughput']:,.0f} output tok/s, TTFT p50 "

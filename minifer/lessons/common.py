@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Sequence
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
 import plotly.io as pio
 import torch
-
-TEMPLATE = "simple_white"
 
 
 def setup(threads: int | None = None, seed: int = 0) -> torch.device:
@@ -22,14 +21,29 @@ def setup(threads: int | None = None, seed: int = 0) -> torch.device:
     - plotly's `plotly_mimetype` renderer stores figures as JSON only (no random div ids), so a
       re-run compares equal;
     - torch uses at most `threads` CPU threads (default: all cores torch sees) and a fixed seed.
+
+    On Google Colab, whose front end renders neither plotly's mimetype nor ipywidgets 8 by
+    itself, figures use plotly's ``colab`` renderer and Colab's widget manager is switched on.
     """
-    pio.renderers.default = "plotly_mimetype"
+    if _on_colab():
+        from google.colab import output  # only importable on Colab
+
+        output.enable_custom_widget_manager()
+        pio.renderers.default = "colab"
+    else:
+        pio.renderers.default = "plotly_mimetype"
     if threads is not None:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     from ..device import default_device
 
     return default_device()
+
+
+def _on_colab() -> bool:
+    import sys
+
+    return "google.colab" in sys.modules
 
 
 def on_device(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
@@ -57,26 +71,304 @@ def sig(x: float, digits: int = 6) -> float:
     return float(f"{x:.{digits}g}")
 
 
+# --------------------------------------------------------------------------------------------
+# The course's one figure style
+# --------------------------------------------------------------------------------------------
+
+INK = "rgb(36,36,36)"
+GRID = "rgb(232,232,232)"
+REFERENCE = "rgb(90,90,90)"  # reference lines (TTFT, device memory, ...) unless a colour is given
+FONT = "Arial, 'Liberation Sans', Helvetica, sans-serif"  # metric-compatible on every OS
+FONT_SIZE = 13  # text, axis titles, annotations
+SMALL = 12  # tick labels and legend entries: the smallest text a figure shows
+TITLE_SIZE = 15  # a figure's title, shrunk (to SMALL at least) if it would not fit the width
+SUBPLOT_TITLE_SIZE = 14
+MAX_WIDTH = 900  # fits JupyterLab's output area beside an open file browser
+_MARGIN = dict(l=60, r=20, b=50)
+_PAD = 8  # px above the title, and between the top slots
+LEGEND_ROW = 22  # px per row of a horizontal legend at SMALL size
+_SUBPLOT_TITLE_ROOM = 24
+
+
+def _axis(**extra) -> dict:
+    return dict(showline=True, linecolor=INK, ticks="outside", tickcolor=INK, ticklen=5,
+                tickfont=dict(size=SMALL), title=dict(standoff=10, font=dict(size=FONT_SIZE)),
+                zeroline=False, gridcolor=GRID, automargin=True, **extra)
+
+
+TEMPLATE = go.layout.Template(
+    layout=dict(
+        font=dict(family=FONT, size=FONT_SIZE, color=INK),
+        title=dict(font=dict(size=TITLE_SIZE)),
+        colorway=["#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2",
+                  "#7F7F7F", "#BCBD22", "#17BECF"],
+        paper_bgcolor="white", plot_bgcolor="white", hovermode="closest",
+        xaxis=_axis(showgrid=False), yaxis=_axis(showgrid=True),
+        legend=dict(font=dict(size=SMALL), bgcolor="rgba(255,255,255,0)"),
+        # plotly's simple_white draws shapes with a line width of 0: reference lines vanished
+        shapedefaults=dict(line=dict(color=REFERENCE, width=2), fillcolor="rgba(0,0,0,0.08)",
+                           opacity=1),
+        annotationdefaults=dict(font=dict(size=SMALL)),
+    ),
+    data=dict(
+        bar=[go.Bar(marker=dict(line=dict(color="white", width=0.5)))],
+        table=[go.Table(header=dict(fill=dict(color="rgb(232,232,232)"), line=dict(color="white"),
+                                    font=dict(size=SMALL)),
+                        cells=dict(fill=dict(color="rgb(246,246,246)"), line=dict(color="white"),
+                                   font=dict(size=SMALL)))],
+    ),
+)
+"""The course's plotly template: a small one (a few hundred bytes in each stored figure, where
+plotly's ``simple_white`` stores ~9 KB), light, with reference lines that are drawn."""
+
+
+# Average advance of a character in Arial-like fonts, in em: enough to keep text inside a figure.
+_NARROW, _WIDE = set(" .,:;!|'()[]-ijlrtfI1"), set("mwMW%@")
+
+
+def text_width(text: str, size: float) -> float:
+    """Estimated width in px of ``text`` (plotly's ``<br>`` ends a line: the widest line counts)."""
+    def line(s: str) -> float:
+        em = sum(0.3 if c in _NARROW else 0.85 if c in _WIDE else 0.68 if c.isupper()
+                 else 0.56 for c in s)
+        return em * size
+    return max((line(part) for part in _plain(text).split("\n")), default=0.0)
+
+
+def _plain(text: str) -> str:
+    for tag in ("<b>", "</b>", "<i>", "</i>", "<sup>", "</sup>", "<sub>", "</sub>"):
+        text = text.replace(tag, "")
+    return text.replace("<br>", "\n").replace("<br />", "\n")
+
+
+def _fit_title(title: str, room: float, size: int | None) -> tuple[str, int]:
+    """Shrink the title's font until it fits ``room`` px (not below :data:`SMALL`); a title that
+    still does not fit is wrapped at the last space, comma or semicolon before the edge."""
+    size = size or TITLE_SIZE
+    while size > SMALL and text_width(title, size) > room:
+        size -= 1
+    lines = []
+    for line in title.split("<br>"):
+        while text_width(line, size) > room and " " in line:
+            cut = len(line)
+            while cut > 0 and text_width(line[:cut], size) > room:
+                cut = line.rfind(" ", 0, cut)
+            if cut <= 0:
+                break
+            lines.append(line[:cut].rstrip())
+            line = line[cut:].lstrip()
+        lines.append(line)
+    return "<br>".join(lines), size
+
+
+def _legend_items(fig: go.Figure) -> list[str]:
+    """Names the legend will show (plotly shows it for two or more entries, or when asked)."""
+    names = [t.name if t.name is not None else f"trace {i}" for i, t in enumerate(fig.data)
+             if getattr(t, "showlegend", False) is not False
+             and getattr(t, "visible", True) is not False]
+    if fig.layout.showlegend is False or (fig.layout.showlegend is None and len(names) < 2):
+        return []
+    return names
+
+
+def legend_rows(names: Sequence[str], room: float) -> int:
+    """Rows a horizontal legend of ``names`` needs in ``room`` px (entries wrap like words)."""
+    rows, used = 0, room
+    for name in names:
+        w = 46 + text_width(name, SMALL)  # symbol, gaps and text
+        if used + w > room:
+            rows, used = rows + 1, 0.0
+        used += w
+    return rows
+
+
+def _subplot_titles(fig: go.Figure) -> list:
+    """make_subplots' titles: paper-referenced annotations sitting on top of a subplot."""
+    return [a for a in fig.layout.annotations
+            if a.yref == "paper" and a.yanchor == "bottom" and a.showarrow is False and a.text]
+
+
+_NUMBER = (int, float)
+
+
+def _axis_values(fig: go.Figure, axis: str) -> list[float]:
+    """Positive numbers plotted on ``axis`` ("xaxis", "yaxis2", ...): traces and shapes."""
+    letter, suffix = axis[0], axis[5:]
+    ref = letter + suffix  # "x", "y2"
+    values: list[float] = []
+    for t in fig.data:
+        if (getattr(t, f"{letter}axis", None) or letter) != ref:
+            continue
+        v = getattr(t, letter, None)
+        if v is not None:
+            values += [float(u) for u in v if isinstance(u, _NUMBER) and not isinstance(u, bool)]
+    for sh in fig.layout.shapes:
+        if getattr(sh, f"{letter}ref", None) == ref:
+            values += [float(u) for u in (getattr(sh, f"{letter}0"), getattr(sh, f"{letter}1"))
+                       if isinstance(u, _NUMBER)]
+    return [v for v in values if v > 0 and math.isfinite(v)]
+
+
+def tick_text(v: float) -> str:
+    """A tick label: 20, 500, 2k, 50k, 1M, 0.05, 1,024 (round thousands shortened, other
+    numbers written out: no exponent notation, no "2 3 … 9")."""
+    for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= scale and (v / scale * 10) == int(v / scale * 10):
+            return f"{v / scale:g}{unit}"
+    return f"{v:,.0f}" if v == int(v) else f"{v:g}"
+
+
+def log_axis(fig: go.Figure, axis: str = "xaxis", values: Iterable[float] | None = None,
+             labels: Sequence[str] | None = None, **update) -> go.Figure:
+    """Make ``axis`` ("xaxis", "yaxis2", ...) logarithmic with readable labels.
+
+    With ``values`` (e.g. the lengths 128, 256, 512, 1024 that were measured) exactly those are
+    labelled, as ``labels`` (default: :func:`tick_text`, e.g. "2k"). Otherwise the data decide: across three or more powers of ten every decade is
+    labelled (1, 10, 100, 1k, ...) with small unlabelled ticks between; across fewer, the
+    1-2-5 steps are (20, 50, 100, 200, 500). ``update`` goes to the axis (e.g. ``title_text``).
+    """
+    ax = fig.layout[axis]
+    ax.update(type="log", showgrid=True, **update)
+    if values is not None:
+        vals = [float(v) for v in values]
+        if labels is not None and len(labels) != len(vals):
+            raise ValueError(f"labels must name each of the {len(vals)} values, got {len(labels)}")
+        text = list(labels) if labels is not None else [tick_text(v) for v in vals]
+        return fig.update_layout({axis: dict(tickmode="array", tickvals=vals, ticktext=text)})
+    data = _axis_values(fig, axis)
+    if not data:
+        return fig.update_layout({axis: dict(dtick=1)})
+    lo, hi = min(data), max(data)
+    first, last = math.ceil(math.log10(lo) - 1e-9), math.floor(math.log10(hi) + 1e-9)
+    if last - first + 1 >= 3:
+        return fig.update_layout({axis: dict(
+            dtick=1, tickformat=None,
+            minor=dict(ticks="outside", ticklen=3, dtick="D1", showgrid=False))})
+    steps = [m * 10.0 ** e for e in range(first - 1, last + 2) for m in (1, 2, 5)]
+    vals = [sig(v) for v in steps if lo / 1.25 <= v <= hi * 1.25] or [sig(lo), sig(hi)]
+    return fig.update_layout({axis: dict(tickmode="array", tickvals=vals,
+                                         ticktext=[tick_text(v) for v in vals])})
+
+
+def reference_line(fig: go.Figure, *, x: float | None = None, y: float | None = None,
+                   text: str = "", row: int | None = None, col: int | None = None,
+                   color: str = REFERENCE, dash: str = "dash", position: str | None = None
+                   ) -> go.Figure:
+    """A labelled horizontal (``y=``) or vertical (``x=``) reference line: a deadline, a
+    capacity, a measured TTFT. Drawn 2 px wide in ``color`` with its label in the same colour
+    (``position``: plotly's annotation position, default "top left" / "top right")."""
+    if (x is None) == (y is None):
+        raise ValueError("reference_line needs exactly one of x= or y=")
+    kw = dict(line=dict(color=color, width=2, dash=dash), annotation_text=text or None,
+              annotation_font=dict(size=SMALL, color=color),
+              annotation_bgcolor="rgba(255,255,255,0.85)")  # readable over bars and curves
+    if row is not None or col is not None:
+        kw.update(row=row, col=col)
+    if y is not None:
+        return fig.add_hline(y=y, annotation_position=position or "top left", **kw)
+    return fig.add_vline(x=x, annotation_position=position or "top right", **kw)
+
+
 def style(fig: go.Figure, title: str, x: str | None = None, y: str | None = None, *,
           height: int = 360, width: int = 720, title_size: int | None = None, top: int = 50,
           legend: bool = True) -> go.Figure:
-    """The course's figure style: light template, titled axes, compact margins, the legend in a
-    row above the plot (``legend=False`` keeps plotly's, beside it, for crowded subplots).
+    """The course's figure style. Text never overlaps and nothing is cut off:
+
+    - the title sits at the top, left-aligned with the plot, shrunk (not below 12 px) or
+      wrapped to fit; the legend gets its own rows under it, above any subplot titles and
+      the plot, and the top margin is sized for all three, so a legend never covers a title;
+    - the figure is at most :data:`MAX_WIDTH` px wide (JupyterLab's output area), and the plot
+      keeps the height it would have with a one-line title (``height``/``top`` as before);
+    - log axes get readable labels (:func:`log_axis`): decades, or 1-2-5 steps on short ranges;
+    - :data:`TEMPLATE`: readable fonts, and reference lines that are drawn.
 
     ``x``/``y`` title the (first) axes; figures with subplots title each axis themselves.
-    ``title_size`` shrinks a long title; ``top`` makes room for a two-line one.
+    ``title_size`` caps the title's font size. ``legend`` is kept for old callers: every legend
+    sits in the same slot.
     """
-    fig.update_layout(
-        title=dict(text=title, font=dict(size=title_size)) if title_size else title,
-        template=TEMPLATE, height=height, width=width, margin=dict(l=60, r=20, t=top, b=50))
+    del legend  # one slot for every legend
+    width = min(width, MAX_WIDTH)
     if x is not None:
         fig.update_layout(xaxis_title=x)
     if y is not None:
         fig.update_layout(yaxis_title=y)
-    if legend:
-        fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right",
-                                      x=1.0))
+    room = width - _MARGIN["l"] - _MARGIN["r"]
+    text, size = _fit_title(title or "", room, title_size)
+    used = _PAD
+    if text:
+        used += round(size * 1.3 * (text.count("<br>") + 1))
+    rows = legend_rows(_legend_items(fig), room)
+    legend_y = used + (_PAD // 2 if text else 0)
+    if rows:
+        used = legend_y + rows * LEGEND_ROW
+    subplot_titles = _subplot_titles(fig)
+    for a in subplot_titles:
+        a.font.size = SUBPLOT_TITLE_SIZE
+    if any(a.y >= 0.99 for a in subplot_titles):
+        used += _SUBPLOT_TITLE_ROOM
+    t = max(used + _PAD, 20)
+    total = max(height - top, 120) + t  # the plot's height as the caller planned it, + the slots
+    # plotly.js shifts a one-line title down by its cap height (0.7 em) under yanchor="top" but
+    # sets a multi-line title's first baseline at y itself: shift that one by hand.
+    first = _PAD + (0 if "<br>" not in text else 0.7 * size)
+    title_layout = dict(text=text, font=dict(size=size), x=0, xref="paper", xanchor="left",
+                        y=1 - first / total, yref="container", yanchor="top",
+                        pad=dict(t=0, b=0)) if text else dict(text="")
+    fig.update_layout(
+        template=TEMPLATE, width=width, height=total, title=title_layout,
+        margin=dict(t=t, **_MARGIN),
+        legend=dict(orientation="h", x=0, xref="paper", xanchor="left",
+                    y=1 - legend_y / total, yref="container", yanchor="top", traceorder="normal"))
+    for axis in [k for k in fig.layout.to_plotly_json() if k.startswith(("xaxis", "yaxis"))]:
+        ax = fig.layout[axis]
+        if ax.type == "log" and ax.tickvals is None and ax.dtick is None:
+            log_axis(fig, axis)
     return fig
+
+
+def token_label(text: str) -> str:
+    """A token's (or any short) text, readable in a table or on an axis: ``⏎`` for a newline,
+    ``␣`` for a space, ``⇥`` for a tab, ``<0xFF>`` for a lone byte or a control character,
+    ``(nothing)`` for the empty string. Printable text is shown as it is, without quotes."""
+    if text == "":
+        return "(nothing)"
+    out = []
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if text.startswith("\\x", i) and len(text) >= i + 4 and all(
+                h in "0123456789abcdefABCDEF" for h in text[i + 2:i + 4]):
+            out.append(f"<0x{text[i + 2:i + 4].upper()}>")  # a byte the tokenizer shows escaped
+            i += 4
+            continue
+        if c == "\n":
+            out.append("⏎")
+        elif c == " ":
+            out.append("␣")
+        elif c == "\t":
+            out.append("⇥")
+        elif c == "\r":
+            out.append("<0x0D>")
+        elif not c.isprintable():
+            out.append(f"<0x{ord(c):02X}>" if ord(c) < 256 else f"<U+{ord(c):04X}>")
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+PRECISION_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
+
+
+def precision_options(names: Iterable[str]) -> list[tuple[str, str]]:
+    """Options for a precision slider, ``control("select", ..., options=...)``: ordered from 32
+    to 4 bits, each labelled with its bits ("bf16 · 16 bit"); the values stay the names."""
+    names = list(names)
+    unknown = [n for n in names if n not in PRECISION_BITS]
+    if unknown:
+        raise ValueError(f"precision must be one of {list(PRECISION_BITS)}, got {unknown}")
+    ordered = sorted(names, key=lambda n: (-PRECISION_BITS[n], list(PRECISION_BITS).index(n)))
+    return [(f"{n} · {PRECISION_BITS[n]} bit", n) for n in ordered]
 
 
 _CONTROLS = {"int": widgets.IntSlider, "float": widgets.FloatSlider,

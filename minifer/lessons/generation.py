@@ -3,6 +3,7 @@ forward passes counted, and a streaming timeline driven by a slider."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,13 +15,14 @@ import torch
 from ..cache import StaticKVCache
 from ..generation import Completion, decode_step, generate, prefill
 from ..sampling import SamplingParams
-from .common import control, style
+from .common import control, reference_line, style, token_label
 from .common import panel as _panel
 
 
 def show_token(tokenizer, token_id: int) -> str:
-    """A token as readable text for tables (control characters and partial bytes escaped)."""
-    return tokenizer.token_to_text(token_id).encode("unicode_escape").decode("ascii")
+    """A token as readable text for tables and axes: ``⏎`` for a newline, ``␣`` for a space,
+    ``<0xFF>`` for a lone byte (see :func:`minifer.lessons.common.token_label`)."""
+    return token_label(tokenizer.token_to_text(int(token_id)))
 
 
 def top_tokens(logits: torch.Tensor, tokenizer, k: int = 10) -> list[dict]:
@@ -28,7 +30,7 @@ def top_tokens(logits: torch.Tensor, tokenizer, k: int = 10) -> list[dict]:
     probs = logits.float().softmax(-1)
     p, ids = probs.topk(k)
     return [
-        {"rank": r + 1, "id": int(i), "token": repr(show_token(tokenizer, int(i))), "prob": round(float(q), 4)}
+        {"rank": r + 1, "id": int(i), "token": show_token(tokenizer, int(i)), "prob": round(float(q), 4)}
         for r, (q, i) in enumerate(zip(p, ids))
     ]
 
@@ -36,10 +38,13 @@ def top_tokens(logits: torch.Tensor, tokenizer, k: int = 10) -> list[dict]:
 def next_token_figure(logits: torch.Tensor, tokenizer, k: int = 20, title: str | None = None) -> go.Figure:
     """Bar chart of the k most likely next tokens: the model's output is a whole distribution."""
     rows = top_tokens(logits, tokenizer, k)
-    fig = go.Figure(go.Bar(x=[r["token"] for r in rows], y=[r["prob"] for r in rows],
+    labels = [r["token"] for r in rows]
+    labels = [f"{t} ({r['id']})" if labels.count(t) > 1 else t for t, r in zip(labels, rows)]
+    fig = go.Figure(go.Bar(x=labels, y=[r["prob"] for r in rows],
                            hovertext=[f"id {r['id']}" for r in rows]))
+    fig.update_xaxes(tickangle=0 if k <= 12 else -45)
     return style(fig, title or f"Top {k} of {logits.shape[-1]:,} next-token probabilities",
-                 "token", "probability")
+                 "token (⏎ newline, ␣ space, <0x..> a lone byte)", "probability")
 
 
 @dataclass
@@ -115,20 +120,52 @@ def timeline(model, prompt_ids: list[int], new_tokens: int, repeats: int = 3) ->
     return min((generate(model, [prompt_ids], params)[0] for _ in range(repeats)), key=lambda c: c.e2e)
 
 
-def timeline_figure(c: Completion, title: str | None = None) -> go.Figure:
-    """When each token arrived: a first step that waits for prefill, then a steady decode beat."""
+def timeline_figure(c: Completion, title: str | None = None,
+                    x_max_ms: float | None = None) -> go.Figure:
+    """When each token arrived, on a clock that starts when the request was sent: nothing for
+    the whole prefill (the TTFT, marked), then one token per decode step at a steady beat.
+
+    Time runs along the x axis from 0, so the wait for the first token is the empty stretch
+    before the TTFT line. ``x_max_ms`` fixes the axis (a slider keeps one scale).
+    """
     ms = [round(t * 1e3, 2) for t in c.token_times]
-    fig = go.Figure(go.Scatter(x=list(range(1, len(ms) + 1)), y=ms, mode="markers+lines", name="arrival"))
-    fig.add_hline(y=ms[0], line_dash="dot", annotation_text=f"TTFT {ms[0]:.1f} ms")
-    title = title or (f"{len(ms)} tokens: TTFT {c.ttft * 1e3:.1f} ms, then "
-                      f"{c.tpot * 1e3:.1f} ms per token (prompt {c.prompt_tokens} tokens)")
-    return style(fig, title, "token number", "arrival time since request (ms)")
+    n = list(range(1, len(ms) + 1))
+    fig = go.Figure(go.Scatter(x=ms, y=n, mode="markers", name="a token arrives",
+                               marker=dict(size=6, color="#1F77B4"), showlegend=False))
+    fig.add_trace(go.Scatter(x=[0.0, *ms], y=[0, *n], mode="lines", line_shape="hv",
+                             name="tokens received", showlegend=False,
+                             line=dict(color="#1F77B4", width=1)))
+    reference_line(fig, x=ms[0], text=f"first token: TTFT {ms[0]:.1f} ms", color="#D62728")
+    fig.add_vrect(x0=0, x1=ms[0], line_width=0, fillcolor="rgba(214,39,40,0.08)")
+    fig.update_xaxes(range=[0, (x_max_ms or ms[-1]) * 1.04], rangemode="tozero")
+    fig.update_yaxes(range=[0, len(ms) * 1.08], rangemode="tozero")
+    title = title or (f"{len(ms)} tokens: the first after {c.ttft * 1e3:.1f} ms (TTFT), then "
+                      f"one every {c.tpot * 1e3:.1f} ms (prompt {c.prompt_tokens} tokens)")
+    return style(fig, title, "time since the request was sent (ms)", "tokens received")
 
 
-def panel(model, prompt_ids: list[int]) -> widgets.interactive:
-    """Slider: how many tokens to generate → a measured arrival timeline."""
+def first_tokens(c: Completion, n: int) -> Completion:
+    """The first ``n`` tokens of a completion, with their times: what a run asked for ``n``
+    tokens would have produced (greedy decoding of ``n`` tokens is a prefix of a longer run)."""
+    if not 1 <= n <= c.completion_tokens:
+        raise ValueError(f"n must be in 1..{c.completion_tokens}, got {n}")
+    return dataclasses.replace(c, token_ids=c.token_ids[:n], token_times=c.token_times[:n],
+                               text=None, finish_reason="length")
 
-    def figure(new_tokens: int = 16) -> go.Figure:
-        return timeline_figure(timeline(model, prompt_ids, new_tokens, repeats=1))
 
-    return _panel(figure, new_tokens=control("int", "new tokens", value=16, min=2, max=128, step=2))
+def panel(model, prompt_ids: list[int], max_tokens: int = 128, value: int = 16
+          ) -> widgets.interactive:
+    """Slider: how many tokens to generate → their arrival timeline.
+
+    The panel times one greedy run of ``max_tokens`` tokens when it is built (about a second)
+    and the slider shows its first N tokens, so every move answers at once; the time axis
+    stays that of the whole run, so a longer answer visibly takes longer.
+    """
+    full = timeline(model, prompt_ids, max_tokens, repeats=1)
+    end_ms = full.token_times[-1] * 1e3
+
+    def figure(new_tokens: int = value) -> go.Figure:
+        return timeline_figure(first_tokens(full, new_tokens), x_max_ms=end_ms)
+
+    return _panel(figure, new_tokens=control("int", "new tokens", value=value, min=2,
+                                             max=max_tokens, step=2))

@@ -119,24 +119,55 @@ def compare(cached_ms: list[float], recompute_ms: list[float], new_tokens: int) 
             "no-cache ms/token": round(recompute, 2), "ratio": round(recompute / cached, 1)}
 
 
-def step_time_figure(cached_ms: list[float], recompute_ms: list[float], prompt_tokens: int) -> go.Figure:
-    """Time of each decode step: flat with the cache, growing with the sequence without it."""
+def step_time_figure(cached_ms: list[float], recompute_ms: list[float], prompt_tokens: int,
+                     y_max_ms: float | None = None) -> go.Figure:
+    """Time of each decode step: flat with the cache, growing with the sequence without it.
+
+    The y axis starts at 0 (``y_max_ms`` fixes its top, so a slider compares like with like).
+    """
     fig = go.Figure()
     for ms, name in ((recompute_ms, "no cache (recompute)"), (cached_ms, "KV cache")):
         fig.add_trace(go.Scatter(x=list(range(1, len(ms))), y=[round(m, 2) for m in ms[1:]],
                                  name=name, mode="lines+markers"))
+    top = y_max_ms or max(max(recompute_ms[1:]), max(cached_ms[1:]))
+    fig.update_yaxes(range=[0, top * 1.05])
+    fig.update_xaxes(range=[0, len(cached_ms) - 0.5])
     return style(fig, f"Decode step time, prompt of {prompt_tokens} tokens "
                       f"({ms_per_token(cached_ms):.1f} vs {ms_per_token(recompute_ms):.1f} ms/token)",
                  "decode step", "ms")
 
 
-def panel(model, new_tokens: int = 32, repeats: int = 1) -> widgets.interactive:
-    """Slider: context (prompt) length → measured step times with and without the cache."""
+CONTEXTS = (32, 128, 256, 512)  # the panel's context lengths (prompt tokens)
 
-    def figure(context: int = 64) -> go.Figure:
-        ids = list(range(1, context + 1))
-        cached, recomputed = step_times_pair(model, ids, new_tokens, repeats)
-        return step_time_figure(cached, recomputed, context)
 
-    return _panel(figure, context=control("int", "context", value=64, min=16, step=16,
-                                          max=model.config.context_length - new_tokens))
+def measure_contexts(model, contexts: tuple[int, ...] = CONTEXTS, new_tokens: int = 8,
+                     repeats: int = 1) -> dict[int, tuple[list[float], list[float]]]:
+    """Per-token times (ms) with and without the cache for a prompt of each length in
+    ``contexts``: ``{context: (cached_ms, recompute_ms)}``, for :func:`panel`.
+
+    Measured once, up front (a few seconds: the recomputed steps of a 512-token prompt are
+    512-token prefills), so that moving the slider only redraws.
+    """
+    limit = model.config.context_length - new_tokens
+    if not contexts or any(not 1 <= c <= limit for c in contexts):
+        raise ValueError(f"contexts must be non-empty, each in 1..{limit}, got {contexts}")
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be >= 2 (one decode step at least), got {new_tokens}")
+    return {c: step_times_pair(model, list(range(1, c + 1)), new_tokens, repeats)
+            for c in contexts}
+
+
+def panel(measured: dict[int, tuple[list[float], list[float]]]) -> widgets.interactive:
+    """Slider over the context lengths of :func:`measure_contexts`: the measured step times with
+    and without the cache, on one y scale for all contexts (the answer is immediate)."""
+    if not measured:
+        raise ValueError("measured must hold at least one context (see measure_contexts)")
+    contexts = sorted(measured)
+    top = max(max(max(c[1:]), max(r[1:])) for c, r in measured.values())
+
+    def figure(context: int = contexts[0]) -> go.Figure:
+        cached, recomputed = measured[context]
+        return step_time_figure(cached, recomputed, context, y_max_ms=top)
+
+    return _panel(figure, context=control("select", "context", options=contexts,
+                                          value=contexts[0]))

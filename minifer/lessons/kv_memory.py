@@ -21,7 +21,7 @@ from .. import roofline as rl
 from ..bench.decode import random_ids
 from ..cache import StaticKVCache
 from ..generation import prefill
-from .common import control, sig, style, table
+from .common import control, log_axis, precision_options, reference_line, sig, style, table
 from .common import panel as _panel
 
 MODEL_CHOICES = ["llama-3-8b", "llama-7b", "llama-2-70b", "llama-2-70b-mha", "80L-8kv",
@@ -37,6 +37,14 @@ def _unit(unit: str) -> float:
     if unit not in UNITS:
         raise ValueError(f"unit must be one of {list(UNITS)}, got {unit!r}")
     return UNITS[unit]
+
+
+_WEIGHTS, _CACHE = "#1F77B4", "#FF7F0E"
+
+
+def _tokens_label(n: int) -> str:
+    """512, 1K, 32K, 128K: contexts are powers of two, K = 1,024 tokens."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
 
 
 def per_token_label(nbytes: float) -> str:
@@ -61,34 +69,44 @@ def kv_figure(context: int = 4096, batch: int = 1, precision: str = "fp16",
     cache = rl.kv_cache_bytes(spec, context, batch, precision)
     fits = rl.max_batch(spec, hw, context, weight_precision, kv_precision=precision)
 
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.3, 0.7], horizontal_spacing=0.12,
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.34, 0.66], horizontal_spacing=0.1,
                         subplot_titles=(f"{hw.name}", f"cache of {batch:,} sequence(s)"))
-    fig.add_trace(go.Bar(x=["memory"], y=[sig(weights / scale)], name="weights"), 1, 1)
-    fig.add_trace(go.Bar(x=["memory"], y=[sig(cache / scale)], name="KV cache"), 1, 1)
-    fig.add_hline(y=sig(hw.memory_bytes / scale), line_dash="dash", row=1, col=1,
-                  annotation_text="device memory")
+    memory = sig(hw.memory_bytes / scale)
+    fig.add_trace(go.Bar(x=["memory"], y=[sig(weights / scale)], name="weights",
+                         legendgroup="weights", marker_color=_WEIGHTS), 1, 1)
+    fig.add_trace(go.Bar(x=["memory"], y=[sig(cache / scale)], name="KV cache",
+                         legendgroup="cache", marker_color=_CACHE), 1, 1)
+    over = weights + cache > hw.memory_bytes
+    reference_line(fig, y=memory, row=1, col=1, color="#D62728" if over else "rgb(90,90,90)",
+                   text=f"device memory {memory:,.4g} {unit}"
+                   + ("<br>the cache does not fit" if over else ""))
     fig.update_layout(barmode="stack")
+    fig.update_yaxes(range=[0, max(memory, (weights + cache) / scale) * 1.12], row=1, col=1)
 
     sizes = [rl.kv_cache_bytes(spec, c, batch, precision) / scale for c in CONTEXTS]
     fig.add_trace(go.Scatter(x=CONTEXTS, y=[sig(y) for y in sizes], mode="lines+markers",
-                             name="KV cache by context"), 1, 2)
+                             name="KV cache by context", legendgroup="cache", showlegend=False,
+                             line=dict(color=_CACHE)), 1, 2)
     fig.add_trace(go.Scatter(x=CONTEXTS, y=[sig(weights / scale)] * len(CONTEXTS), mode="lines",
-                             name="weights (size)", line=dict(dash="dot")), 1, 2)
+                             name="weights (size)", legendgroup="weights", showlegend=False,
+                             line=dict(dash="dot", color=_WEIGHTS)), 1, 2)
     fig.add_trace(go.Scatter(x=CONTEXTS, y=[sig((hw.memory_bytes - weights) / scale)]
                              * len(CONTEXTS), mode="lines", name="room after weights",
-                             line=dict(dash="dash")), 1, 2)
+                             line=dict(dash="dash", color="rgb(90,90,90)")), 1, 2)
     fig.add_trace(go.Scatter(x=[context], y=[sig(cache / scale)], mode="markers",
                              showlegend=False, marker=dict(size=12, color="crimson")), 1, 2)
-    fig.update_xaxes(type="log", title_text="context (tokens per sequence)", row=1, col=2)
+    log_axis(fig, "xaxis2", values=CONTEXTS, labels=[_tokens_label(c) for c in CONTEXTS],
+             title_text="context (tokens per sequence)")
     fig.update_yaxes(type="log", title_text=unit, row=1, col=2)
     fig.update_yaxes(title_text=unit, row=1, col=1)
 
     title = (f"{spec.name}, cache in {precision}: {per_token_label(per_token)} per token × "
              f"{context:,} tokens × {batch:,} = {cache / scale:,.2f} {unit}<br>"
              f"weights ({weight_precision}) {weights / scale:,.2f} {unit}; "
-             f"{fits:,} sequences of {context:,} tokens fit beside them in "
+             f"{'only ' if fits < batch else ''}{fits:,} sequences of {context:,} tokens fit "
+             f"beside them in "
              f"{hw.memory_bytes / scale:,.1f} {unit}")
-    return style(fig, title, width=1000, height=380, title_size=12, top=70, legend=False)
+    return style(fig, title, width=900, height=380)
 
 
 def gqa_figure(precision: str = "fp16",
@@ -102,7 +120,7 @@ def gqa_figure(precision: str = "fp16",
     fig = go.Figure(go.Bar(x=labels, y=kib, text=[f"{k:,.0f}" for k in kib],
                            textposition="outside"))
     style(fig, f"KV cache per token ({precision}, KiB = 1,024 bytes)", y="KiB per token",
-          width=720, height=380, legend=False)
+          width=720, height=380)
     fig.update_layout(margin=dict(b=80))  # two-line bar labels
     return fig
 
@@ -132,10 +150,11 @@ def panel(context: int = 4096, batch: int = 1, precision: str = "fp16",
         kv_figure,
         context=control("select", "context", options=CONTEXTS, value=context),
         batch=control("select", "batch", options=BATCHES, value=batch),
-        precision=control("dropdown", "cache", options=PRECISIONS, value=precision),
+        precision=control("select", "cache", options=precision_options(PRECISIONS),
+                          value=precision),
         model=control("dropdown", "model", options=MODEL_CHOICES, value=model),
         hardware=control("dropdown", "hardware", options=HARDWARE_CHOICES, value=hardware),
-        weight_precision=control("dropdown", "weights", options=PRECISIONS,
+        weight_precision=control("select", "weights", options=precision_options(PRECISIONS),
                                  value=weight_precision),
         unit=control("dropdown", "unit", options=list(UNITS), value=unit),
     )
@@ -255,7 +274,7 @@ def attention_memory_figure(rows: list[dict]) -> go.Figure:
                             ("one layer's T×T score matrix", "one score matrix MiB", "dot")):
         fig.add_trace(go.Scatter(x=x, y=[sig(r[key]) for r in rows], mode="lines+markers",
                                  name=name, line=dict(dash=dash)))
-    fig.update_xaxes(type="log", title_text="prompt tokens T")
+    log_axis(fig, "xaxis", values=x, title_text="prompt tokens T")
     fig.update_yaxes(type="log", title_text="peak extra memory during prefill (MiB)")
     return style(fig, "Prefill peak memory: O(T²) with the score matrix, O(T) fused",
-                 width=720, height=380, legend=False)
+                 width=720, height=380)

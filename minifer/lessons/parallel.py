@@ -8,6 +8,8 @@ TP-degree slider and an interconnect-bandwidth slider (:func:`panel`).
 
 from __future__ import annotations
 
+import math
+
 import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -15,6 +17,7 @@ from plotly.subplots import make_subplots
 from .. import roofline as rl
 from .common import control, sig, style, table
 from .common import panel as _panel
+from .ticks import log_axis
 
 DEGREES = [1, 2, 4, 8]
 BANDWIDTHS_GBS = [8, 16, 32, 64, 128, 256, 450, 900]  # per direction, GB/s
@@ -136,8 +139,9 @@ def tp_figure(degree: int = 8, bandwidth_gbs: float = 450, batch: int = 1,
                          name="weights", marker_color="steelblue"), 1, 1)
     fig.add_trace(go.Bar(x=names, y=[sig(t.kv_bytes_per_device / rl.GB) for t in runs],
                          name="KV cache", marker_color="lightsteelblue"), 1, 1)
-    fig.add_hline(y=sig(hw.memory_bytes / rl.GB), line_dash="dash", row=1, col=1,
-                  annotation_text=f"{hw.memory_bytes / rl.GB:.0f} GB")
+    fig.add_hline(y=sig(hw.memory_bytes / rl.GB), line=dict(dash="dash", width=1.5, color="black"),
+                  row=1, col=1, annotation_text=f"{hw.memory_bytes / rl.GB:.0f} GB per device",
+                  annotation_position="top right")
     fig.add_trace(go.Bar(x=names, y=[sig(max(t.read_s, t.compute_s) * 1e3) for t in runs],
                          name="read/compute share", marker_color="seagreen"), 1, 2)
     fig.add_trace(go.Bar(x=names, y=[sig(t.comm_s * 1e3) for t in runs], name="all-reduce",
@@ -149,22 +153,27 @@ def tp_figure(degree: int = 8, bandwidth_gbs: float = 450, batch: int = 1,
             x=[sig(p.tpot_ms) for p in pts], y=[sig(p.tokens_per_s_per_device) for p in pts],
             mode="lines+markers", name=f"degree {d}", line=dict(color=c, width=3 if d == degree else 1),
             text=[f"batch {p.batch}" for p in pts], showlegend=False), 1, 3)
-        if pts:
-            fig.add_annotation(x=sig(pts[0].tpot_ms), y=sig(pts[0].tokens_per_s_per_device),
-                               text=f"TP{d}", showarrow=False, yshift=10, row=1, col=3)
+        if pts:  # on log axes an annotation's position is log10 of the value
+            fig.add_annotation(x=sig(math.log10(pts[0].tpot_ms)),
+                               y=sig(math.log10(pts[0].tokens_per_s_per_device)),
+                               text=f"TP{d}", showarrow=False, xshift=-16, row=1, col=3)
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="TP degree", row=1, col=1)
     fig.update_xaxes(title_text="TP degree", row=1, col=2)
-    fig.update_xaxes(title_text="ms per token (latency)", type="log", row=1, col=3)
-    fig.update_yaxes(title_text="tokens/s per device", type="log", row=1, col=3)
+    fig.update_xaxes(title_text="ms per token (latency)", row=1, col=3)
+    fig.update_yaxes(title_text="tokens/s per device", row=1, col=3)
+    curves = [t for t in fig.data if t.xaxis == "x3"]
+    log_axis(fig, [x for t in curves for x in t.x], "x", row=1, col=3)
+    log_axis(fig, [y for t in curves for y in t.y], "y", row=1, col=3)
     fit = "fits" if sel.fits else "does NOT fit"
     title = (f"{sel.model} on {hw.name} × {degree}, link {lk.name}, batch {batch}, "
              f"{context:,}-token context<br>degree {degree}: {sel.memory_per_device / rl.GB:.1f} "
              f"GB per device ({fit}), {sel.tpot_ms:.2f} ms/token of which all-reduce "
              f"{sel.comm_s * 1e3:.2f} ms ({sel.comm_fraction:.0%}), "
              f"{sel.tokens_per_s_per_device:,.1f} tok/s per device")
-    style(fig, title, width=1050, height=400, title_size=12, top=80, legend=False)
-    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=-0.35, x=0))  # below: 3 panels
+    style(fig, title, width=1050, height=420, title_size=12, top=100, legend=False)
+    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=-0.35, yref="paper",
+                                  x=0))  # below: 3 panels
     return fig
 
 

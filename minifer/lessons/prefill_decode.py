@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 
 from .. import roofline as rl
 from ..bench.decode import REFERENCE, time_decode_step, time_prefill
-from .common import control, sig, style
+from .common import control, log_axis, sig, style
 from .common import panel as _panel
 
 LENGTHS = (16, 64, 128, 256, 512, 1000)  # prompt tokens = cached tokens for decode (≤ 1023)
@@ -124,8 +124,8 @@ def phase_rows(model: str | rl.ModelSpec = "reference", prompt_tokens: int = 512
              "FLOP/byte": round(d.arithmetic_intensity, 2)}]
 
 
-def sweep_figure(sweep: Sweep, context: int | None = None,
-                 reference: bool = True) -> go.Figure:
+def sweep_figure(sweep: Sweep, context: int | None = None, reference: bool = True,
+                 title: str = "") -> go.Figure:
     """Left: prefill time grows with the prompt (PD-1) while one decode step barely changes
     with the context (PD-2). Right: tokens per second of each phase (PD-3)."""
     x = list(sweep.lengths)
@@ -158,11 +158,10 @@ def sweep_figure(sweep: Sweep, context: int | None = None,
                                  y=[sig(sweep.prefill_s[i] * 1e3, 4), sig(sweep.decode_s[i] * 1e3, 4)],
                                  mode="markers", name=f"{context} tokens", showlegend=False,
                                  marker=dict(size=13, color="black", symbol="circle-open")), 1, 1)
-    fig.update_xaxes(type="log", title_text="tokens (prompt, or already cached)")
+    for axis in ("xaxis", "xaxis2"):  # label exactly the lengths that were measured
+        log_axis(fig, axis, values=x, title_text="tokens (prompt, or already cached)")
     fig.update_yaxes(type="log")
-    style(fig, "", width=980, height=380, top=60, legend=False)
-    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.08, x=0))  # above the subplot titles
-    return fig
+    return style(fig, title, width=900, height=380)
 
 
 def request(sweep: Sweep, context: int, output_tokens: int) -> dict:
@@ -178,12 +177,10 @@ def request(sweep: Sweep, context: int, output_tokens: int) -> dict:
 def request_figure(sweep: Sweep, context: int = 512, output_tokens: int = 100) -> go.Figure:
     """:func:`sweep_figure` marked at ``context``, titled with the request it describes."""
     r = request(sweep, context, output_tokens)
-    fig = sweep_figure(sweep, context=context)
-    fig.update_layout(title=dict(font=dict(size=13), text=(
+    return sweep_figure(sweep, context=context, title=(
         f"prompt of {context:,} tokens: TTFT {r['ttft_s'] * 1e3:,.1f} ms, then "
         f"{r['tpot_s'] * 1e3:,.1f} ms per token → {output_tokens:,} tokens take "
-        f"{r['e2e_s']:,.2f} s ({r['decode_share']:.0%} of it decoding)")))
-    return fig
+        f"{r['e2e_s']:,.2f} s ({r['decode_share']:.0%} of it decoding)"))
 
 
 def panel(sweep: Sweep, context: int = 512, output_tokens: int = 100) -> widgets.interactive:

@@ -24,9 +24,11 @@ from .common import panel as _panel
 
 __all__ = ["PrecisionRow", "quantized_models", "precision_rows", "rows_table", "quality_figure",
            "measure_speed", "speed_figure", "roofline_rows", "roofline_figure", "outlier_rows",
-           "outlier_figure", "panel_figure", "QuantPanel", "panel", "BATCHES"]
+           "outlier_figure", "panel_figure", "QuantPanel", "panel", "precision_control",
+           "precision_label", "speed_notes", "greedy_note", "BATCHES", "BITS"]
 
-BATCHES = (1, 4, 16, 32, 64)
+BATCHES = (1, 8, 32)  # the panel's batch slider: each measured once, before the panel
+BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
 COLORS = {"fp32": "#1f77b4", "bf16": "#2ca02c", "fp16": "#98df8a", "int8": "#ff7f0e",
           "int4": "#d62728", "int8 dequant": "#ffbb78", "int4 dequant": "#ff9896"}
 
@@ -112,6 +114,9 @@ def rows_table(rows: list[PrecisionRow], detail: bool = False) -> str:
                   for r in rows])
 
 
+_LABEL_SPOTS = ("top left", "top right", "bottom left", "bottom right")
+
+
 def quality_figure(rows: list[PrecisionRow], highlight: str | None = None) -> go.Figure:
     """Perplexity's rise over fp32 (lower is better) against megabytes stored: cost and gain.
 
@@ -119,13 +124,18 @@ def quality_figure(rows: list[PrecisionRow], highlight: str | None = None) -> go
     CPU's kernels (and bf16/fp16/int8 within ±0.05 of fp32 are equally good); sizes in whole
     MB, as int4's exact bytes depend on the kernel's packing (see :func:`rows_table`)."""
     base = next(r for r in rows if r.precision == "fp32").perplexity
+    points = {r.precision: (round(r.total_mb), round(r.perplexity - base, 1) + 0.0) for r in rows}
     fig = go.Figure()
     for r in rows:
+        x, y = points[r.precision]
+        same = [p for p, xy in points.items() if xy == (x, y)]  # bf16 and fp16 coincide
         fig.add_trace(go.Scatter(
-            x=[round(r.total_mb)], y=[round(r.perplexity - base, 1) + 0.0], mode="markers+text",
-            name=r.precision,
-            text=[r.precision], textposition="top center",
-            marker=dict(size=16 if r.precision == highlight else 11,
+            x=[x], y=[y], mode="markers+text", name=r.precision, text=[r.precision],
+            textposition=_LABEL_SPOTS[same.index(r.precision) % len(_LABEL_SPOTS)] if len(same) > 1
+            else "top center", cliponaxis=False,
+            # a point hidden under another grows a ring around it (bf16 under fp16)
+            marker=dict(size=16 if r.precision == highlight
+                        else 11 + 5 * (len(same) - 1 - same.index(r.precision)),
                         color=COLORS.get(r.precision, "#7f7f7f"),
                         line=dict(width=2 if r.precision == highlight else 0, color="black"))))
     style(fig, "Quality vs size (held-out Shakespeare)", "model size (MB, 10⁶ bytes)",
@@ -135,9 +145,10 @@ def quality_figure(rows: list[PrecisionRow], highlight: str | None = None) -> go
 
 
 def measure_speed(models: dict[str, torch.nn.Module], batch: int = 1, context: int = 64,
-                  rounds: int = 3) -> dict[str, float]:
-    """Measured decode ms per step of each model at ``batch`` (round-robin, medians)."""
-    return {k: s * 1e3 for k, s in time_variants(models, batch, context, rounds).items()}
+                  rounds: int = 3, steps: int = 3) -> dict[str, float]:
+    """Measured decode ms per step of each model at ``batch`` (round-robin, medians of
+    ``rounds`` rounds of ``steps`` steps each)."""
+    return {k: s * 1e3 for k, s in time_variants(models, batch, context, rounds, steps).items()}
 
 
 def speed_figure(ms: dict[str, float], batch: int, highlight: str | None = None) -> go.Figure:
@@ -151,6 +162,61 @@ def speed_figure(ms: dict[str, float], batch: int, highlight: str | None = None)
     style(fig, f"Measured decode step at batch {batch} on this machine", "precision",
           "ms per decode step")
     return fig
+
+
+def speed_notes(ms: dict[str, float], batch: int = 1) -> str:
+    """What this machine's decode steps (``{precision: ms}``, from :func:`measure_speed`) say,
+    in sentences: the fused kernels against fp32, dequantize-per-call against the fused
+    kernels, and the 16-bit floats against fp32 (with why a CPU without native fp16 arithmetic
+    is slower in fp16). Generated from the numbers, so the text never contradicts them."""
+    fp32 = ms["fp32"]
+    out = [f"At batch {batch} on this machine, fp32 takes {fp32:.1f} ms per decode step."]
+    for bits in (8, 4):
+        fused, slow = ms.get(f"int{bits}"), ms.get(f"int{bits} dequant")
+        if fused is None:
+            continue
+        speed = fp32 / fused
+        vs = ("faster than" if speed >= 1.1 else "slower than" if speed <= 0.9
+              else "about as fast as")
+        line = f"int{bits} with the fused kernel: {fused:.1f} ms, {vs} fp32 ({speed:.2f}× its speed)"
+        if slow is not None:
+            r = slow / fused
+            how = ("much slower than" if r >= 1.5 else "slower than" if r >= 1.1
+                   else "about as fast as")
+            line += (f"; dequantizing at every call: {slow:.1f} ms, {how} the fused kernel "
+                     f"({r:.1f}× its time)")
+        out.append(line + ".")
+    for p in ("bf16", "fp16"):
+        if p not in ms:
+            continue
+        r = ms[p] / fp32
+        if r >= 1.5:
+            why = (f"{p} takes {r:.1f}× fp32's time: this CPU has no native {p} matrix multiply, "
+                   "so torch converts the 16-bit weights to fp32 for the arithmetic — half the "
+                   "bytes to read, but more work")
+        elif r >= 1.15:
+            why = (f"{p} is somewhat slower than fp32 ({r:.2f}× its time): half the bytes, but "
+                   "this CPU's 16-bit matrix multiply is slower per number than its fp32 one, "
+                   "and this small model's weights sit largely in the CPU's caches anyway")
+        elif r <= 0.87:
+            why = f"{p} is faster than fp32 ({r:.2f}× its time): half the bytes, read faster"
+        else:
+            why = (f"{p} takes about fp32's time ({r:.2f}×): this CPU's 16-bit matrix multiply is "
+                   "not faster per byte than its fp32 one, and this small model's weights sit "
+                   "largely in the CPU's caches")
+        out.append(why + ".")
+    return "\n".join(out)
+
+
+def greedy_note(rows: list[PrecisionRow]) -> str:
+    """One sentence on how long each precision's free-running greedy text stayed fp32's,
+    beside how much its perplexity moved: this machine's run, in words."""
+    base = next(r for r in rows if r.precision == "fp32")
+    parts = [f"{r.precision} {r.same_greedy} (perplexity "
+             f"{round(r.perplexity - base.perplexity, 2) + 0.0:+.2f})"
+             for r in rows if r.precision != "fp32"]
+    return (f"Greedy tokens identical to fp32's from the prompt, of {base.same_greedy}: "
+            + ", ".join(parts) + ".")
 
 
 # ---- roofline view (QUANT-2) ---------------------------------------------------------------
@@ -252,27 +318,38 @@ def panel_figure(rows: list[PrecisionRow], ms: dict[str, float], batch: int,
     title = (f"{precision}: {r.total_mb:.2f} MB, perplexity {r.perplexity:.1f}, top-1 agreement "
              f"{r.agreement:.0%}; decode {ms[precision]:.2f} ms/step at batch {batch} "
              f"({batch * 1e3 / ms[precision]:,.0f} tokens/s)")
-    return style(fig, title, width=1000, height=400, title_size=13, top=70, legend=False)
+    style(fig, title, width=1000, height=400, title_size=13, top=70, legend=False)
+    fig.update_layout(showlegend=False)  # every point and bar is labelled where it is
+    return fig
 
 
 class QuantPanel:
-    """Precision dropdown + batch slider over measured rows and models.
+    """Precision and batch sliders over measured rows and models.
 
     :meth:`figure` is the panel's plain callback (precision, batch → figure); :meth:`result`
-    gives the same numbers as a dict for asserts; decode steps are measured once per batch.
+    gives the same numbers as a dict for asserts. Decode steps are measured once per batch and
+    kept: :meth:`measure` measures every batch of the slider up front, so that moving it only
+    redraws (a batch not measured yet is measured when first chosen, which takes seconds).
     """
 
     def __init__(self, rows: list[PrecisionRow], models: dict[str, torch.nn.Module],
-                 context: int = 64, rounds: int = 3) -> None:
+                 context: int = 64, rounds: int = 3, steps: int = 2,
+                 batches: tuple[int, ...] = BATCHES) -> None:
         self.rows = {r.precision: r for r in rows}
-        self.models, self.context, self.rounds = models, context, rounds
+        self.models, self.context, self.rounds, self.steps = models, context, rounds, steps
+        self.batches = tuple(batches)
         self._ms: dict[int, dict[str, float]] = {}
 
     def ms(self, batch: int) -> dict[str, float]:
         """Measured ms per decode step of every precision at `batch` (measured once, kept)."""
         if batch not in self._ms:
-            self._ms[batch] = measure_speed(self.models, batch, self.context, self.rounds)
+            self._ms[batch] = measure_speed(self.models, batch, self.context, self.rounds,
+                                            self.steps)
         return self._ms[batch]
+
+    def measure(self) -> dict[int, dict[str, float]]:
+        """Measure every batch of the slider now (the panel then answers at once)."""
+        return {b: self.ms(b) for b in self.batches}
 
     def _check(self, precision: str) -> None:
         if precision not in self.rows:
@@ -291,8 +368,21 @@ class QuantPanel:
         return panel_figure(list(self.rows.values()), self.ms(batch), batch, precision)
 
 
+def precision_label(precision: str) -> str:
+    """A precision as the slider shows it: its bits first, since that is what orders them."""
+    bits = BITS.get(precision)
+    return precision if bits is None else f"{bits} bits · {precision}"
+
+
+def precision_control(precisions, value: str) -> widgets.SelectionSlider:
+    """The course's precision control: a slider from many bits to few (32 → 16 → 8 → 4)."""
+    ordered = sorted(precisions, key=lambda p: -BITS.get(p, 0))  # stable: bf16 before fp16
+    return control("select", "precision", options=[(precision_label(p), p) for p in ordered],
+                   value=value)
+
+
 def panel(qp: QuantPanel, precision: str = "int8", batch: int = 1) -> widgets.interactive:
-    """Controls for :meth:`QuantPanel.figure`: precision and batch."""
-    return _panel(qp.figure,
-                  precision=control("dropdown", "precision", options=list(qp.rows), value=precision),
-                  batch=control("select", "batch", options=BATCHES, value=batch))
+    """Controls for :meth:`QuantPanel.figure`: a precision slider (32 → 4 bits) and a batch
+    slider over ``qp.batches``."""
+    return _panel(qp.figure, precision=precision_control(qp.rows, precision),
+                  batch=control("select", "batch", options=qp.batches, value=batch))

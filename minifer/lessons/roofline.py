@@ -13,7 +13,7 @@ from plotly.subplots import make_subplots
 
 from .. import roofline as rl
 from ..bench.probes import this_machine
-from .common import control, sig, style, table
+from .common import control, log_axis, precision_options, sig, style, table
 from .common import panel as _panel
 
 MODEL_CHOICES = ["llama-3-8b", "llama-7b", "6.74b", "llama-2-70b", "reference"]
@@ -90,11 +90,11 @@ def decode_figure(model: str = "llama-3-8b", precision: str = "bf16", batch: int
     fig.update_yaxes(type="log")
     fig.update_xaxes(title_text="FLOP per byte", row=1, col=1)
     fig.update_yaxes(title_text="TFLOP/s", row=1, col=1)
-    fig.update_xaxes(title_text="batch", row=1, col=2)
+    for axis in ("xaxis2", "xaxis3"):  # batches are powers of two: label some of them
+        log_axis(fig, axis, values=BATCHES[::2], title_text="batch")
     fig.update_yaxes(title_text="ms", row=1, col=2)
-    fig.update_xaxes(title_text="batch", row=1, col=3)
     fig.update_yaxes(title_text="tokens/s", row=1, col=3)
-    return style(fig, _title(this), width=1000, height=380, title_size=13, top=70, legend=False)
+    return style(fig, _title(this), width=900, height=400)
 
 
 def prefill_figure(model: str = "llama-3-8b", precision: str = "bf16",
@@ -116,7 +116,7 @@ def prefill_figure(model: str = "llama-3-8b", precision: str = "bf16",
     fig.update_yaxes(type="log", title_text="ms")
     title = (f"{p.model}, {precision}: prefill of {prompt_tokens:,} tokens = "
              f"{p.flops / 1e12:,.3g} TFLOP, TTFT {p.ttft_s * 1e3:,.2f} ms, {p.bound}-bound")
-    return style(fig, title, width=720, height=360, title_size=13, top=60, legend=False)
+    return style(fig, title, width=720, height=360)
 
 
 def pd8_rows(model: str = "llama-3-8b", hardware: str = "illustrative", precision: str = "bf16",
@@ -152,7 +152,7 @@ def pd8_table_figure(**kwargs) -> go.Figure:
     cells = [[f"{r[c]:,}" if isinstance(r[c], (int, float)) else r[c] for r in rows]
              for c in cols]
     fig = go.Figure(go.Table(header=dict(values=cols), cells=dict(values=cells)))
-    style(fig, "", width=720, height=60 + 30 * len(rows), top=10, legend=False)
+    style(fig, "", width=720, height=60 + 30 * len(rows), top=10)
     fig.update_layout(margin=dict(l=10, r=10, b=10))  # a table needs no room for axes
     return fig
 
@@ -168,7 +168,8 @@ def panel(model: str = "llama-3-8b", precision: str = "bf16", batch: int = 1,
     return _panel(
         decode_figure,
         model=control("dropdown", "model", options=MODEL_CHOICES, value=model),
-        precision=control("dropdown", "weights", options=PRECISIONS, value=precision),
+        precision=control("select", "weights", options=precision_options(PRECISIONS),
+                          value=precision),
         batch=control("select", "batch", options=BATCHES, value=batch),
         hardware=control("dropdown", "hardware", options=hardware_options, value=hardware),
         context=control("select", "context", options=CONTEXTS, value=context),
@@ -181,7 +182,8 @@ def prefill_panel(model: str = "llama-3-8b", precision: str = "bf16", prompt_tok
     return _panel(
         prefill_figure,
         model=control("dropdown", "model", options=MODEL_CHOICES, value=model),
-        precision=control("dropdown", "weights", options=PRECISIONS, value=precision),
+        precision=control("select", "weights", options=precision_options(PRECISIONS),
+                          value=precision),
         prompt_tokens=control("select", "prompt", options=PROMPTS, value=prompt_tokens),
         hardware=control("dropdown", "hardware", options=HARDWARE_CHOICES, value=hardware),
     )
@@ -274,14 +276,31 @@ def measured_figure(hw: rl.Hardware, spec: rl.ModelSpec | str, batches, step_s,
     fig.add_trace(go.Scatter(x=[sig(s.arithmetic_intensity) for s in measured],
                              y=[sig(s.flops / t / 1e9) for s, t in zip(measured, step_s)],
                              mode="markers+text", text=[f"batch {b}" for b in batches],
-                             textposition="top left", name="measured (achieved)",
+                             textposition=["top left" if i % 2 == 0 else "bottom right"
+                                           for i in range(len(batches))],
+                             name="measured (achieved)",
                              showlegend=False, marker=dict(size=10, color="crimson")), 1, 2)
     fig.update_xaxes(type="log")
     fig.update_yaxes(type="log")
-    fig.update_xaxes(title_text="batch (sequences per step)", row=1, col=1)
+    log_axis(fig, "xaxis", values=MEASURED_BATCHES, title_text="batch (sequences per step)")
     fig.update_yaxes(title_text="ms", row=1, col=1)
     fig.update_xaxes(title_text="FLOP per byte", row=1, col=2)
     fig.update_yaxes(title_text="GFLOP/s", row=1, col=2)
     title = (f"{spec.name}, {precision}, {context} tokens cached, on {hw.name}: "
              f"{hw.bandwidth / 1e9:,.1f} GB/s, {peak / 1e9:,.0f} GFLOP/s")
-    return style(fig, title, width=1000, height=400, title_size=13, top=70, legend=False)
+    return style(fig, title, width=900, height=400)
+
+
+def mbu_sentence(mbu: float, batch: int = 1) -> str:
+    """What a measured MBU says, in words for the reader of this run (no fixed numbers in prose)."""
+    if mbu > 1:
+        verdict = ("faster than the roofline allows: the CPU's caches held part of the model, so "
+                   "fewer bytes came from memory than the roofline counts")
+    elif mbu >= 0.6:
+        verdict = "close to the roofline, so its time went to reading the weights"
+    elif mbu >= 0.3:
+        verdict = "within about 3× of the roofline: reading weights, plus overheads"
+    else:
+        verdict = ("well above the roofline's time: overheads (small kernels, threads, a busy "
+                   "machine) cost more than the reading")
+    return f"At batch {batch} this machine's step reached MBU {mbu:.0%}: {verdict}."

@@ -3,6 +3,8 @@ top-k, top-p and the repetition penalty, with the kept set highlighted."""
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from dataclasses import dataclass
 
 import ipywidgets as widgets
@@ -13,7 +15,48 @@ from ..generation import generate
 from ..sampling import SamplingParams, process_logits
 from .common import control, style
 from .common import panel as _panel
-from .generation import show_token
+
+_VISIBLE = {"\n": "⏎", "\t": "→", " ": "␣", "\r": "␍"}
+CUT_COLOR = "#d62728"  # tokens the processors cut: they can no longer be drawn
+
+
+def readable_token(tokenizer, token_id: int) -> str:
+    """How a token looks in a table or on an axis, with nothing escaped twice: a newline is
+    ``⏎``, a tab ``→``, spaces ``␣`` (so ``" the"`` reads ``␣the``), a lone byte of a longer
+    UTF-8 character ``<0xE2>``, other control characters ``<0x07>``, the empty string ``∅``."""
+    text = tokenizer.token_to_text(token_id)
+    raw = re.fullmatch(r"\\x([0-9a-fA-F]{2})", text)  # ByteTokenizer's escaped high bytes
+    if raw:
+        return f"<0x{raw.group(1).upper()}>"
+    if not text:
+        return "∅"
+    out = []
+    for ch in text:
+        if ch in _VISIBLE:
+            out.append(_VISIBLE[ch])
+        elif unicodedata.category(ch) in ("Cc", "Cf"):
+            out.append(f"<0x{ord(ch):02X}>")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def top_tokens(logits: torch.Tensor, tokenizer, k: int = 10) -> list[dict]:
+    """The ``k`` most likely next tokens of a ``(V,)`` logit vector as table rows: rank, id,
+    the token as :func:`readable_token` shows it, and its probability to 4 decimals."""
+    p, ids = logits.float().softmax(-1).topk(k)
+    return [{"rank": r + 1, "id": int(i), "token": readable_token(tokenizer, int(i)),
+             "prob": round(float(q), 4)} for r, (q, i) in enumerate(zip(p, ids))]
+
+
+def _unique(labels: list[str]) -> list[str]:
+    """Category labels must differ, or plotly stacks two tokens on one bar."""
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label} ({seen[label]})")
+    return out
 
 
 def next_token_logits(model, tokenizer, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,23 +99,34 @@ def reshape(logits: torch.Tensor, seen: torch.Tensor | None = None, temperature:
 def distribution_figure(logits: torch.Tensor, tokenizer, seen: torch.Tensor | None = None, *,
                         temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                         repetition_penalty: float = 1.0, show: int = 25) -> go.Figure:
-    """The `show` most likely tokens (by the raw distribution): before (grey) and after (bars),
-    kept tokens in blue, dropped ones in light red, tokens already in the prompt outlined."""
+    """The `show` most likely tokens (by the raw distribution), two bars each: the model's
+    probability (grey, or red once the processors cut the token, so a cut token stays visible
+    at its old height) and the probability it is drawn with now (blue; none for a cut token).
+    Tokens already in the prompt are outlined."""
     d = reshape(logits, seen, temperature, top_k, top_p, repetition_penalty)
     order = d.before.argsort(descending=True)[:show].tolist()
-    labels = [f"{show_token(tokenizer, i)!r}" for i in order]
-    colors = ["#1f77b4" if d.kept[i] else "#f4a6a6" for i in order]
+    labels = _unique([readable_token(tokenizer, i) for i in order])
+    cut = [not bool(d.kept[i]) for i in order]
     outline = [2 if seen is not None and seen[i] else 0 for i in order]
     fig = go.Figure([
-        go.Bar(x=labels, y=[round(float(d.before[i]), 4) for i in order], name="model (T=1, nothing cut)",
-               marker_color="#cccccc"),
-        go.Bar(x=labels, y=[round(float(d.after[i]), 4) for i in order], name="sampled from",
-               marker=dict(color=colors, line=dict(width=outline, color="black"))),
+        go.Bar(x=labels, y=[round(float(d.before[i]), 4) for i in order],
+               name="model's probability (T=1, nothing cut)",
+               marker=dict(color=[CUT_COLOR if c else "#bbbbbb" for c in cut])),
+        go.Bar(x=labels, y=[round(float(d.after[i]), 4) for i in order], name="drawn with now",
+               marker=dict(color="#1f77b4", line=dict(width=outline, color="black"))),
+        # a legend entry only: the red bars are the model's probability of a cut token
+        go.Scatter(x=[None], y=[None], mode="markers", name="red: cut, never drawn now",
+                   marker=dict(color=CUT_COLOR, symbol="square", size=10)),
     ])
-    fig.update_layout(barmode="group")
+    if seen is not None:
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name="outlined: in the prompt",
+                                 marker=dict(color="white", symbol="square", size=10,
+                                             line=dict(width=2, color="black"))))
+    fig.update_layout(barmode="group", bargap=0.15, bargroupgap=0.0)
     title = (f"T={temperature:g}, top-k={top_k or 'off'}, top-p={top_p:g}, penalty={repetition_penalty:g}: "
              f"{d.n_kept:,} of {logits.shape[-1]:,} tokens can be drawn")
-    return style(fig, title, "token (most likely first)", "probability", width=820)
+    return style(fig, title, "token (most likely first; ⏎ newline, ␣ space)", "probability",
+                 width=820)
 
 
 def panel(logits: torch.Tensor, tokenizer, seen: torch.Tensor | None = None) -> widgets.interactive:

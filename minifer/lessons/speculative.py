@@ -26,9 +26,18 @@ from .common import control, sig, style
 from .common import panel as _panel
 
 __all__ = ["reference_rows", "stats_row", "sweep", "verify_cost", "speedup_figure",
-           "point_figure", "panel", "acceptance_figure", "accept_hist_figure", "toy_pair",
+           "point_figure", "panel", "sweep_notes", "acceptance_figure", "accept_hist_figure", "toy_pair",
            "exact_last_token", "target_counts", "spec_counts", "always_accept",
            "distribution_figure", "tv_distance"]
+
+
+def _legend_below(fig: go.Figure, height: int) -> go.Figure:
+    """Put the legend in rows under the x-axis titles, where it cannot cover the figure's title
+    or the subplot titles (plotly's place above the plot is where subplot titles sit)."""
+    fig.update_layout(height=height, margin=dict(b=120),
+                      legend=dict(orientation="h", yanchor="top", y=-0.24, yref="paper",
+                                  xanchor="left", x=0))
+    return fig
 
 
 # ---- SPEC-3: the reference run beside ours ------------------------------------------------------
@@ -62,6 +71,34 @@ def sweep(target, draft, prompt_ids: list[int], ks: Sequence[int] = (1, 2, 3, 4,
         out += measure(target, [ModelDrafter(draft)], prompt_ids, k=k, new_tokens=new_tokens,
                        temperature=temperature, repeats=repeats)
     return out
+
+
+def sweep_notes(points: Sequence[SpecPoint], verify: dict[int, float] | None = None,
+                size_ratio: float | None = None) -> str:
+    """What a k sweep measured, in sentences written from its numbers (so the text matches
+    the reader's run): ranges of α, c and the speed-up, Leviathan's expectation beside the
+    measurement, the cost of verification, and c against the parameter-count ratio."""
+    def span(values, fmt):
+        lo, hi = min(values), max(values)
+        return f"{lo:{fmt}}" if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}}–{hi:{fmt}}"
+
+    best = max(points, key=lambda p: p.speedup)
+    c = [p.cost_ratio for p in points]
+    lines = [f"α (drafts accepted): {span([p.alpha for p in points], '.2f')}; "
+             f"c (a draft step / a target step): {span(c, '.2f')}"
+             + (f" — by parameter count alone it would be 1/{size_ratio:.0f} ≈ {1 / size_ratio:.2f}"
+                if size_ratio else "") + ".",
+             f"Measured speed-up: {span([p.speedup for p in points], '.2f')}× (best {best.speedup:.2f}× at "
+             f"k = {best.k}); Leviathan's formula with each k's α and c expected "
+             f"{span([p.expected_speedup for p in points], '.2f')}×."]
+    if verify:
+        ks = sorted(verify)
+        lines.append(f"Checking k + 1 tokens in one target pass cost {verify[ks[0]]:.2f}× a one-token "
+                     f"step at k = {ks[0]} and {verify[ks[-1]]:.2f}× at k = {ks[-1]} "
+                     "(the formula assumes 1×).")
+    if best.speedup < 1:
+        lines.append("Here no k beat plain decoding.")
+    return "\n".join(lines)
 
 
 def verify_cost(target, prompt_ids: list[int], ks: Sequence[int], repeats: int = 7) -> dict[int, float]:
@@ -112,16 +149,17 @@ def speedup_figure(points: Sequence[SpecPoint], verify: dict[int, float] | None 
                              name="measured speed-up"), 1, 2)
     fig.add_hline(y=1.0, line=dict(color="gray", width=1), row=1, col=2)
     style(fig, "Speculative decoding: expectation vs measurement", "k (draft tokens per pass)", "",
-          height=380, width=860)
-    fig.update_xaxes(title_text="k")
-    return fig
+          height=380, width=860, top=80, legend=False)
+    fig.update_xaxes(title_text="k (draft tokens per pass)")
+    return _legend_below(fig, 450)
 
 
 def point_figure(p: SpecPoint, k_max: int = 8) -> go.Figure:
     """One panel setting: α, tokens/pass and measured speed-up; the analytic curve over k."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
         f"k={p.k}, T={p.temperature:g}", "speed-up: Leviathan vs measured"))
-    names = ["α (accept prob.)", "tokens / target pass", "measured speed-up", "expected speed-up"]
+    names = ["α<br>(accept prob.)", "tokens per<br>target pass", "measured<br>speed-up",
+             "expected<br>speed-up"]  # two short lines each: no slanted labels under the bars
     vals = [p.alpha, p.stats.tokens_per_pass, p.speedup, p.expected_speedup]
     fig.add_trace(go.Bar(x=names, y=[round(v, 3) for v in vals], showlegend=False), 1, 1)
     ks = list(range(1, k_max + 1))
@@ -130,17 +168,29 @@ def point_figure(p: SpecPoint, k_max: int = 8) -> go.Figure:
     fig.add_trace(go.Scatter(x=[p.k], y=[round(p.speedup, 3)], mode="markers",
                              marker=dict(size=12, symbol="diamond"), name="measured"), 1, 2)
     fig.add_hline(y=1.0, line=dict(color="gray", width=1), row=1, col=2)
-    return style(fig, f"{p.drafter}: {p.stats.accepted}/{p.stats.proposed} drafts accepted",
-                 "", "", height=360, width=860)
+    fig.update_xaxes(title_text="k (draft tokens per pass)", row=1, col=2)
+    style(fig, f"{p.drafter}: {p.stats.accepted}/{p.stats.proposed} drafts accepted",
+          "", "", height=360, width=860, top=80, legend=False)
+    return _legend_below(fig, 430)
 
 
-def panel(target, draft, prompt_ids: list[int], new_tokens: int = 48) -> widgets.interactive:
-    """Sliders k and temperature → a measured run (plain vs speculative) and its figure."""
+def panel(target, draft, prompt_ids: list[int], new_tokens: int = 48,
+          known: Sequence[SpecPoint] = ()) -> widgets.interactive:
+    """Sliders k and temperature → a measured run (plain vs speculative) and its figure.
+
+    Each setting is measured once, when first chosen (about a second on a CPU), and kept, so
+    going back to it redraws at once; ``known`` points (e.g. :func:`sweep`'s, same prompt and
+    length) are used as they are, so those settings never wait.
+    """
+    measured = {(p.k, float(p.temperature)): p for p in known}
 
     def figure(k: int = 4, temperature: float = 0.0) -> go.Figure:
-        p = measure(target, [ModelDrafter(draft)], prompt_ids, k=k, new_tokens=new_tokens,
-                    temperature=temperature, warmup=0, repeats=1)[0]
-        return point_figure(p)
+        key = (k, float(temperature))
+        if key not in measured:
+            measured[key] = measure(target, [ModelDrafter(draft)], prompt_ids, k=k,
+                                    new_tokens=new_tokens, temperature=temperature, warmup=0,
+                                    repeats=1)[0]
+        return point_figure(measured[key])
 
     return _panel(figure, k=control("int", "k", value=4, min=1, max=8),
                   temperature=control("float", "temperature", value=0.0, min=0.0, max=1.5,
@@ -148,13 +198,20 @@ def panel(target, draft, prompt_ids: list[int], new_tokens: int = 48) -> widgets
 
 
 # ---- predictable vs creative text -----------------------------------------------------------
+DRAFTER_COLORS = {"draft": "#1f77b4", "lookup": "#ff7f0e"}
+
+
 def acceptance_figure(rows: Sequence[dict]) -> go.Figure:
     """Grouped bars: α and tokens/pass per (text, drafter) row of `stats_row`-like dicts."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("α: per-token acceptance", "tokens per target pass"))
+    # "text · drafter" on two lines (no slanted labels); one colour per drafter in both panels
+    labels = [r["run"].replace(" · ", "<br>") for r in rows]
+    colors = [DRAFTER_COLORS.get(r["run"].rsplit(" · ", 1)[-1], "#7f7f7f") for r in rows]
     for col, key in ((1, "alpha"), (2, "tokens/pass")):
-        fig.add_trace(go.Bar(x=[r["run"] for r in rows], y=[r[key] for r in rows],
+        fig.add_trace(go.Bar(x=labels, y=[r[key] for r in rows], marker_color=colors,
                              showlegend=False), 1, col)
-    return style(fig, "Predictable text is accepted more", "", "", height=380, width=860)
+    return style(fig, "Predictable text is accepted more", "", "", height=400, width=860, top=80,
+                 legend=False)
 
 
 def accept_hist_figure(stats: dict[str, SpecStats]) -> go.Figure:
@@ -245,4 +302,6 @@ def distribution_figure(exact: Sequence[float], series: dict[str, Sequence[int]]
         n = sum(counts)
         fig.add_trace(go.Bar(x=xs, y=[round(c / n, 4) for c in counts],
                              name=f"{name} (TV {tv_distance(exact, counts):.2g})"))
-    return style(fig, "Distribution of one generated token", "token id", "probability")
+    # legend beside the plot: four long names above it would run into the title
+    return style(fig, "Distribution of one generated token", "token id", "probability",
+                 width=860, legend=False)
