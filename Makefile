@@ -10,7 +10,7 @@ NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 # One solutions notebook per lesson (answers asserted): checked, tested and re-run like the lessons.
 SOLUTIONS := $(sort $(wildcard notebooks/solutions/*.ipynb))
 
-.PHONY: install lab test test-kernels test-torch test-matrix lint notebooks bench train clean
+.PHONY: install lab test test-kernels test-torch test-matrix lint notebooks browser-test bench train clean
 
 install: $(STAMP)
 
@@ -75,6 +75,12 @@ test-matrix: test-kernels
 notebooks: $(STAMP)
 	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py --report RUNTIMES.md $(notdir $(NOTEBOOKS)) $(SOLUTIONS:notebooks/%=%)
 
+# Every lesson in JupyterLab, driven by headless Chromium (Debian's `chromium`; playwright never
+# downloads a browser): Run All, no error output, figures drawn, every slider and dropdown of
+# every panel moved and its figure changed, no text drawn over text. Screenshots in screenshots/.
+browser-test: $(STAMP)
+	$(BIN)/python tools/browser_test.py $(NOTEBOOKS)
+
 # The CPU benchmark suite: each command's quick scope, a few minutes on 2 cores (BENCHMARKS.md
 # records its latest tables). Each command prints how long it took and the load average.
 # `make bench FULL=1`: the whole grids and the compiled step (an hour or more on 2 cores). On a machine that other
@@ -105,4 +111,4 @@ train: $(STAMP)
 	$(BIN)/python -m minifer.training
 
 clean:
-	rm -rf $(VENV) .venv-torch-* build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-torch-* build dist *.egg-info .pytest_cache .ruff_cache screenshots
