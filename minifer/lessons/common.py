@@ -204,14 +204,26 @@ def tick_text(v: float) -> str:
 
 
 def log_axis(fig: go.Figure, axis: str = "xaxis", values: Iterable[float] | None = None,
-             labels: Sequence[str] | None = None, **update) -> go.Figure:
+             labels: Sequence[str] | None = None, *, row: int | None = None,
+             col: int | None = None, secondary_y: bool = False, **update) -> go.Figure:
     """Make ``axis`` ("xaxis", "yaxis2", ...) logarithmic with readable labels.
 
+    In a figure with subplots, name the axis by its subplot instead: ``axis`` "x" or "y" with
+    ``row``/``col`` (and ``secondary_y``), as for ``fig.update_yaxes``.
+
     With ``values`` (e.g. the lengths 128, 256, 512, 1024 that were measured) exactly those are
-    labelled, as ``labels`` (default: :func:`tick_text`, e.g. "2k"). Otherwise the data decide: across three or more powers of ten every decade is
-    labelled (1, 10, 100, 1k, ...) with small unlabelled ticks between; across fewer, the
-    1-2-5 steps are (20, 50, 100, 200, 500). ``update`` goes to the axis (e.g. ``title_text``).
+    labelled, as ``labels`` (default: :func:`tick_text`, e.g. "2k"). Otherwise the data plotted
+    on the axis decide: across three or more powers of ten every decade is labelled (1, 10,
+    100, 1k, ...) with small unlabelled ticks between; across fewer, the 1-2-5 steps are (20,
+    50, 100, 200, 500). ``update`` goes to the axis (e.g. ``title_text``).
     """
+    if axis[0] not in "xy":
+        raise ValueError(f"axis must name an x or y axis ('xaxis', 'yaxis2', 'y'...), got {axis!r}")
+    if row is not None or col is not None or secondary_y:
+        sub = fig.get_subplot(row or 1, col or 1, secondary_y=secondary_y)
+        axis = (sub.xaxis if axis[0] == "x" else sub.yaxis).plotly_name
+    elif axis in ("x", "y"):
+        axis += "axis"
     ax = fig.layout[axis]
     ax.update(type="log", showgrid=True, **update)
     if values is not None:
