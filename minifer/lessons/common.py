@@ -237,9 +237,11 @@ def log_axis(fig: go.Figure, axis: str = "xaxis", values: Iterable[float] | None
         return fig.update_layout({axis: dict(dtick=1)})
     lo, hi = min(data), max(data)
     first, last = math.ceil(math.log10(lo) - 1e-9), math.floor(math.log10(hi) + 1e-9)
-    if last - first + 1 >= 3:
+    if last - first + 1 >= 3:  # every decade, labelled like the 1-2-5 steps ("1k", not "1000")
+        vals = [sig(10.0 ** e) for e in range(math.floor(math.log10(lo) + 1e-9),
+                                              math.ceil(math.log10(hi) - 1e-9) + 1)]
         return fig.update_layout({axis: dict(
-            dtick=1, tickformat=None,
+            tickmode="array", tickvals=vals, ticktext=[tick_text(v) for v in vals],
             minor=dict(ticks="outside", ticklen=3, dtick="D1", showgrid=False))})
     steps = [m * 10.0 ** e for e in range(first - 1, last + 2) for m in (1, 2, 5)]
     vals = [sig(v) for v in steps if lo / 1.25 <= v <= hi * 1.25] or [sig(lo), sig(hi)]
