@@ -85,6 +85,8 @@ def test_reference_lines_are_drawn():
     assert fig.layout.shapes[1].x0 == 0.2
     with pytest.raises(ValueError, match="exactly one"):
         common.reference_line(fig, x=1, y=1)
+    bare = common.reference_line(_two_traces(), y=1)  # no text: a line and no placeholder label
+    assert len(bare.layout.shapes) == 1 and not bare.layout.annotations
 
 
 def test_legend_sits_between_title_and_plot():

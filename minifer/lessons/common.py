@@ -255,17 +255,22 @@ def reference_line(fig: go.Figure, *, x: float | None = None, y: float | None = 
                    ) -> go.Figure:
     """A labelled horizontal (``y=``) or vertical (``x=``) reference line: a deadline, a
     capacity, a measured TTFT. Drawn 2 px wide in ``color`` with its label in the same colour
-    (``position``: plotly's annotation position, default "top left" / "top right")."""
+    (``position``: plotly's annotation position, default "top left" / "top right").
+
+    Without ``text`` no label is made (plotly would draw a "new text" placeholder). On a log
+    axis, label the line by hand: plotly puts a line's own label at 10**value there."""
     if (x is None) == (y is None):
         raise ValueError("reference_line needs exactly one of x= or y=")
-    kw = dict(line=dict(color=color, width=2, dash=dash), annotation_text=text or None,
-              annotation_font=dict(size=SMALL, color=color),
-              annotation_bgcolor="rgba(255,255,255,0.85)")  # readable over bars and curves
+    kw: dict = dict(line=dict(color=color, width=2, dash=dash))
+    if text:
+        kw.update(annotation_text=text, annotation_font=dict(size=SMALL, color=color),
+                  annotation_bgcolor="rgba(255,255,255,0.85)",  # readable over bars and curves
+                  annotation_position=position or ("top left" if y is not None else "top right"))
     if row is not None or col is not None:
         kw.update(row=row, col=col)
     if y is not None:
-        return fig.add_hline(y=y, annotation_position=position or "top left", **kw)
-    return fig.add_vline(x=x, annotation_position=position or "top right", **kw)
+        return fig.add_hline(y=y, **kw)
+    return fig.add_vline(x=x, **kw)
 
 
 def style(fig: go.Figure, title: str, x: str | None = None, y: str | None = None, *,

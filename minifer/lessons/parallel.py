@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .. import roofline as rl
-from .common import control, log_axis, sig, style, table
+from .common import control, log_axis, reference_line, sig, style, table
 from .common import panel as _panel
 
 DEGREES = [1, 2, 4, 8]
@@ -138,9 +138,8 @@ def tp_figure(degree: int = 8, bandwidth_gbs: float = 450, batch: int = 1,
                          name="weights", marker_color="steelblue"), 1, 1)
     fig.add_trace(go.Bar(x=names, y=[sig(t.kv_bytes_per_device / rl.GB) for t in runs],
                          name="KV cache", marker_color="lightsteelblue"), 1, 1)
-    fig.add_hline(y=sig(hw.memory_bytes / rl.GB), line=dict(dash="dash", width=1.5, color="black"),
-                  row=1, col=1, annotation_text=f"{hw.memory_bytes / rl.GB:.0f} GB per device",
-                  annotation_position="top right")
+    reference_line(fig, y=sig(hw.memory_bytes / rl.GB), row=1, col=1,
+                   text=f"{hw.memory_bytes / rl.GB:.0f} GB per device", position="top right")
     fig.add_trace(go.Bar(x=names, y=[sig(max(t.read_s, t.compute_s) * 1e3) for t in runs],
                          name="read/compute share", marker_color="seagreen"), 1, 2)
     fig.add_trace(go.Bar(x=names, y=[sig(t.comm_s * 1e3) for t in runs], name="all-reduce",

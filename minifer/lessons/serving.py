@@ -23,7 +23,7 @@ from plotly.subplots import make_subplots
 
 from ..bench.serve_load import LoadResult, run_load
 from ..serve.api import running_server
-from .common import control, log_axis, panel, sig, style
+from .common import control, log_axis, panel, reference_line, sig, style
 
 CHAT_SLO = {"ttft": 0.5, "tpot": 0.05}  # claim MET-3: TTFT < 500 ms, TPOT < 50 ms
 MODEL_NAME = "shakespeare"
@@ -198,7 +198,7 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
         slo_key = keys[0]
         if slo_key in sweep.slo:
             slo_ms = sweep.slo[slo_key] * 1e3
-            fig.add_hline(y=slo_ms, line=dict(dash="dash", color="red", width=1.5), row=1, col=col)
+            reference_line(fig, y=slo_ms, color="red", row=1, col=col)
             # labelled by hand: plotly puts an hline's own label at 10**y on a log axis
             axis = "" if col == 1 else str(col)
             fig.add_annotation(x=1, xref=f"x{axis} domain", y=math.log10(slo_ms), yref=f"y{axis}",
@@ -213,7 +213,7 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
         fig.add_trace(go.Scatter(x=x, y=[_gap(r[key]) for r in rows], name=key, mode="lines+markers",
                                  line=dict(dash=dash)), 1, 3, secondary_y=True)
     i = sweep.rates.index(rate)
-    fig.add_vline(x=rate, line=dict(color="gray", width=1.5), row=1, col=3)
+    reference_line(fig, x=rate, dash="solid", row=1, col=3)
     s = res.summary
     log_axis(fig, "x", row=1, col=3)
     log_axis(fig, "y", row=1, col=3, secondary_y=True)
@@ -359,12 +359,10 @@ def interference_figure(runs: Sequence[InterferenceRun]) -> go.Figure:
         pts = sorted(run.itls)
         fig.add_trace(go.Scatter(x=[_gap(t - run.long_sent_s) for t, _ in pts],
                                  y=[_gap(g * 1e3) for _, g in pts], mode="markers", name=name))
-    fig.add_vline(x=0, line=dict(dash="dash", color="black", width=1.5),
-                  annotation_text="long prompt arrives")
-    style(fig, "Short requests' inter-token latency as a long prompt arrives",
-          "seconds after the long prompt was sent", "gap before this token (ms)", width=760,
-          height=360)
-    return fig
+    reference_line(fig, x=0, text="long prompt arrives")
+    return style(fig, "Short requests' inter-token latency as a long prompt arrives",
+                 "seconds after the long prompt was sent", "gap before this token (ms)",
+                 width=760, height=360)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from ..generation import generate
 from ..model import GPT
 from ..sampling import SamplingParams
 from ..speculative import ModelDrafter, SpecStats, expected_speedup, speculative_generate
-from .common import control, sig, style
+from .common import control, reference_line, sig, style
 from .common import panel as _panel
 
 __all__ = ["reference_rows", "stats_row", "sweep", "verify_cost", "speedup_figure",
@@ -138,7 +138,7 @@ def speedup_figure(points: Sequence[SpecPoint], verify: dict[int, float] | None 
     fig.add_trace(go.Scatter(x=[p.k for p in points], y=[round(p.speedup, 3) for p in points],
                              mode="markers", marker=dict(size=10, symbol="diamond"),
                              name="measured speed-up"), 1, 2)
-    fig.add_hline(y=1.0, line=dict(color="gray", width=1), row=1, col=2)
+    reference_line(fig, y=1.0, row=1, col=2)  # 1×: no faster than plain decoding
     fig.update_xaxes(title_text="k (draft tokens per pass)")
     return style(fig, "Speculative decoding: expectation vs measurement", height=380, width=860,
                  top=80)
@@ -157,7 +157,7 @@ def point_figure(p: SpecPoint, k_max: int = 8) -> go.Figure:
                              mode="lines", name=f"expected (α={p.alpha:.2f}, c={p.cost_ratio:.2f})"), 1, 2)
     fig.add_trace(go.Scatter(x=[p.k], y=[round(p.speedup, 3)], mode="markers",
                              marker=dict(size=12, symbol="diamond"), name="measured"), 1, 2)
-    fig.add_hline(y=1.0, line=dict(color="gray", width=1), row=1, col=2)
+    reference_line(fig, y=1.0, row=1, col=2)  # 1×: no faster than plain decoding
     fig.update_xaxes(title_text="k (draft tokens per pass)", row=1, col=2)
     return style(fig, f"{p.drafter}: {p.stats.accepted}/{p.stats.proposed} drafts accepted",
                  height=360, width=860, top=80)
