@@ -85,6 +85,8 @@ def test_reference_lines_are_drawn():
     assert fig.layout.shapes[1].x0 == 0.2
     with pytest.raises(ValueError, match="exactly one"):
         common.reference_line(fig, x=1, y=1)
+    bare = common.reference_line(_two_traces(), y=1)  # no text: a line and no placeholder label
+    assert len(bare.layout.shapes) == 1 and not bare.layout.annotations
 
 
 def test_legend_sits_between_title_and_plot():
@@ -127,7 +129,9 @@ def test_log_axes_label_decades_or_1_2_5_steps():
     wide = _two_traces().update_traces(x=[0.1, 1e5])
     wide.update_xaxes(type="log")
     common.style(wide, "t")
-    assert wide.layout.xaxis.dtick == 1 and wide.layout.xaxis.minor.dtick == "D1"
+    assert wide.layout.xaxis.tickvals == (0.1, 1, 10, 100, 1000, 10_000, 100_000)
+    assert wide.layout.xaxis.ticktext == ("0.1", "1", "10", "100", "1k", "10k", "100k")
+    assert wide.layout.xaxis.minor.dtick == "D1"  # small unlabelled ticks between decades
     narrow = _two_traces().update_traces(x=[16, 1000])
     narrow.update_xaxes(type="log")
     common.style(narrow, "t")
@@ -138,6 +142,30 @@ def test_log_axes_label_decades_or_1_2_5_steps():
     assert chosen.layout.xaxis.type == "log"
     with pytest.raises(ValueError, match="labels"):
         common.log_axis(_two_traces(), "xaxis", values=[1, 2], labels=["one"])
+
+
+def test_log_axis_finds_a_subplot_and_labels_every_tick():
+    # (moved from lesson 07/10/11's own tick helper, now folded into common.log_axis)
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, specs=[[{}, {"secondary_y": True}]])
+    fig.add_trace(go.Scatter(x=[1, 2], y=[6, 40]), 1, 1)
+    fig.add_trace(go.Scatter(x=[1, 2000], y=[100, 5_000]), 1, 2)
+    fig.add_trace(go.Scatter(x=[1, 2], y=[None, 0, -1, 3, 30]), 1, 2, secondary_y=True)
+    common.log_axis(fig, "y", row=1, col=1)  # a short range: labelled 1-2-5 steps
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis.tickvals == (5, 10, 20, 50)
+    assert fig.layout.yaxis.ticktext == ("5", "10", "20", "50")
+    common.log_axis(fig, "x", row=1, col=2)  # three decades or more: every decade, "1k"
+    assert fig.layout.xaxis2.type == "log" and fig.layout.xaxis2.ticktext == ("1", "10", "100",
+                                                                             "1k", "10k")
+    assert fig.layout.xaxis.type is None  # the other subplot's axis is left alone
+    common.log_axis(fig, "y", row=1, col=2)
+    assert fig.layout.yaxis2.ticktext == ("100", "200", "500", "1k", "2k", "5k")
+    common.log_axis(fig, "y", row=1, col=2, secondary_y=True)  # None, 0 and < 0 are not drawn
+    assert fig.layout.yaxis3.tickvals == (5, 10, 20)  # covers 3 … 30
+    assert common.log_axis(go.Figure(), "y").layout.yaxis.type == "log"  # "y" is "yaxis"
+    with pytest.raises(ValueError, match="axis"):
+        common.log_axis(fig, "zaxis")
 
 
 def test_token_label():

@@ -63,7 +63,7 @@ def test_panel_callback(rows, models):
     precision = ui.children[0]  # an ordered slider, many bits to few
     assert isinstance(precision, widgets.SelectionSlider)
     assert [v for _, v in precision.options] == ["fp32", "bf16", "fp16", "int8", "int4"]
-    assert precision.label == "4 bits · int4"
+    assert precision.label == "int4 · 4 bit"  # common.precision_options' labels
     precision.value = "fp16"
     assert ui.result.layout.title.text.startswith("fp16:")
     with pytest.raises(ValueError, match="precision"):

@@ -231,7 +231,7 @@ def test_attention_memory_rows_and_figure():
 
 # ---------------------------------------------------------------- figures that teach
 
-def test_precision_controls_are_sliders_from_32_to_4_bits():
+def test_precision_sliders_run_from_32_to_4_bits():
     for ui, names in ((roofline.panel(), ("weights",)), (kv_memory.panel(), ("cache", "weights"))):
         c = controls(ui)
         for name in names:

@@ -44,12 +44,15 @@ def test_next_token_logits_marks_prompt_tokens(tiny, tok):
     assert logits.shape == (257,) and seen.sum() == 2 and seen[ord("a")] and seen[ord("b")]
 
 
-def test_readable_token(tok):
+def test_tokens_are_shown_with_the_course_labels(tok):
     from minifer.tokenizer import ByteTokenizer
 
     bt = ByteTokenizer()
-    shown = [S.readable_token(bt, i) for i in (10, 32, 9, 7, 0xFF, ord("a"))]
-    assert shown == ["⏎", "␣", "→", "<0x07>", "<0xFF>", "a"]
+    ids = (10, 32, 9, 7, 0xFF, ord("a"))
+    logits = torch.full((256,), -10.0)
+    logits[list(ids)] = torch.tensor([6.0, 5.0, 4.0, 3.0, 2.0, 1.0])
+    shown = [r["token"] for r in S.top_tokens(logits, bt, k=len(ids))]
+    assert shown == ["⏎", "␣", "⇥", "<0x07>", "<0xFF>", "a"]  # common.token_label's glyphs
     rows = S.top_tokens(LOGITS, tok, k=3)
     assert [r["rank"] for r in rows] == [1, 2, 3] and all("\\" not in r["token"] for r in rows)
 

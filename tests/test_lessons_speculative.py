@@ -78,8 +78,11 @@ def test_legends_stay_below_the_titles(pair):
     target, draft = pair
     points = L.sweep(target, draft, [1, 2, 3], ks=(1,), new_tokens=8, repeats=1)
     for fig in (L.speedup_figure(points), L.point_figure(points[0])):
-        assert fig.layout.legend.y < 0 and fig.layout.legend.yanchor == "top"
-        assert fig.layout.legend.yref == "paper"  # below the plot whatever style() chose
+        # common.style's one slot: title, then the legend, then the subplot titles and the plot
+        h, top = fig.layout.height, fig.layout.margin.t
+        title_y, legend_y = (1 - fig.layout.title.y) * h, (1 - fig.layout.legend.y) * h
+        assert fig.layout.legend.yref == fig.layout.title.yref == "container"
+        assert title_y < legend_y < top and fig.layout.margin.b == 50  # nothing moved below
 
 
 def test_distribution_check_separates_right_from_wrong_rule():

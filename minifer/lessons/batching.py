@@ -37,8 +37,7 @@ from .. import roofline as rl
 from ..bench.decode import REFERENCE, time_decode_step, time_prefill
 from ..serve.metrics import RequestMetrics, summarize
 from ..serve.workload import LogNormal, Request
-from .common import control, panel, sig, style, table
-from .ticks import log_axis
+from .common import control, log_axis, panel, sig, style, table
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 POLICIES = ("static", "continuous")
@@ -46,7 +45,7 @@ POLICIES = ("static", "continuous")
 
 def _layout(fig: go.Figure, title: str, *, width: int = 1000, height: int = 380) -> go.Figure:
     # top=90: a two-line title clear of the subplot titles under it
-    return style(fig, title, width=width, height=height + 20, title_size=13, top=90, legend=False)
+    return style(fig, title, width=width, height=height + 20, title_size=13, top=90)
 
 
 # =============================================================================================
@@ -149,11 +148,9 @@ def batch_figure(sweep: BatchSweep, batch: int = 8,
                                                   sig(sweep.per_user(batch), 4)],
                              mode="markers", showlegend=False,
                              marker=dict(size=13, color="crimson")), 1, 2)
-    fig.update_xaxes(type="log", title_text="batch (sequences per step)", tickvals=x,
-                     ticktext=[str(b) for b in x], minor=dict(ticks=""))
     for col in (1, 2):
-        log_axis(fig, [y for t in fig.data if t.xaxis == ("x" if col == 1 else "x2") for y in t.y],
-                 "y", row=1, col=col)
+        log_axis(fig, "x", values=x, title_text="batch (sequences per step)", row=1, col=col)
+        log_axis(fig, "y", row=1, col=col)
     fig.update_yaxes(title_text="ms", row=1, col=1)
     fig.update_yaxes(title_text="tokens/s", row=1, col=2)
     title = (f"batch {batch}: one step {sweep.step(batch) * 1e3:.1f} ms "
@@ -265,8 +262,7 @@ def paging_figure(context: int = 2048, block_size: int = 16, model: str = "llama
                          marker_color=["indianred", "seagreen", "lightgray"]), 1, 3)
     fig.update_yaxes(title_text="% of allocated KV memory", range=[0, 106],
                      tickvals=[0, 20, 40, 60, 80, 100], row=1, col=1)  # room for the subplot title
-    fig.update_xaxes(type="log", title_text="block size (tokens)", tickvals=list(BLOCK_SIZES),
-                     ticktext=[str(b) for b in BLOCK_SIZES], minor=dict(ticks=""), row=1, col=2)
+    log_axis(fig, "x", values=BLOCK_SIZES, title_text="block size (tokens)", row=1, col=2)
     fig.update_yaxes(title_text="% wasted", row=1, col=2)
     fig.update_yaxes(title_text="sequences", row=1, col=3)
     title = (f"{p['model']} ({precision} cache) on {p['hardware']}, sequences of ~"
@@ -595,7 +591,7 @@ def load_figure(costs: StepCosts, max_num_seqs: int = 16, rate: float = 8.0,
     fig.update_xaxes(title_text="offered load (requests/s)", rangemode="tozero")
     fig.update_yaxes(rangemode="tozero", row=1, col=1)
     fig.update_yaxes(rangemode="tozero", row=1, col=3)
-    log_axis(fig, [y for t in fig.data if t.xaxis == "x2" for y in t.y], "y", row=1, col=2)
+    log_axis(fig, "y", row=1, col=2)
     fig.update_yaxes(title_text="ms", row=1, col=2)
     fig.update_yaxes(title_text="ms", row=1, col=3)
     title = (f"{costs.label}, at most {max_num_seqs} sequences per step, {rate:g} requests/s: "

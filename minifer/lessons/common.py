@@ -219,14 +219,26 @@ def tick_text(v: float) -> str:
 
 
 def log_axis(fig: go.Figure, axis: str = "xaxis", values: Iterable[float] | None = None,
-             labels: Sequence[str] | None = None, **update) -> go.Figure:
+             labels: Sequence[str] | None = None, *, row: int | None = None,
+             col: int | None = None, secondary_y: bool = False, **update) -> go.Figure:
     """Make ``axis`` ("xaxis", "yaxis2", ...) logarithmic with readable labels.
 
+    In a figure with subplots, name the axis by its subplot instead: ``axis`` "x" or "y" with
+    ``row``/``col`` (and ``secondary_y``), as for ``fig.update_yaxes``.
+
     With ``values`` (e.g. the lengths 128, 256, 512, 1024 that were measured) exactly those are
-    labelled, as ``labels`` (default: :func:`tick_text`, e.g. "2k"). Otherwise the data decide: across three or more powers of ten every decade is
-    labelled (1, 10, 100, 1k, ...) with small unlabelled ticks between; across fewer, the
-    1-2-5 steps are (20, 50, 100, 200, 500). ``update`` goes to the axis (e.g. ``title_text``).
+    labelled, as ``labels`` (default: :func:`tick_text`, e.g. "2k"). Otherwise the data plotted
+    on the axis decide: across three or more powers of ten every decade is labelled (1, 10,
+    100, 1k, ...) with small unlabelled ticks between; across fewer, the 1-2-5 steps are (20,
+    50, 100, 200, 500). ``update`` goes to the axis (e.g. ``title_text``).
     """
+    if axis[0] not in "xy":
+        raise ValueError(f"axis must name an x or y axis ('xaxis', 'yaxis2', 'y'...), got {axis!r}")
+    if row is not None or col is not None or secondary_y:
+        sub = fig.get_subplot(row or 1, col or 1, secondary_y=secondary_y)
+        axis = (sub.xaxis if axis[0] == "x" else sub.yaxis).plotly_name
+    elif axis in ("x", "y"):
+        axis += "axis"
     ax = fig.layout[axis]
     ax.update(type="log", showgrid=True, **update)
     if values is not None:
@@ -240,9 +252,11 @@ def log_axis(fig: go.Figure, axis: str = "xaxis", values: Iterable[float] | None
         return fig.update_layout({axis: dict(dtick=1)})
     lo, hi = min(data), max(data)
     first, last = math.ceil(math.log10(lo) - 1e-9), math.floor(math.log10(hi) + 1e-9)
-    if last - first + 1 >= 3:
+    if last - first + 1 >= 3:  # every decade, labelled like the 1-2-5 steps ("1k", not "1000")
+        vals = [sig(10.0 ** e) for e in range(math.floor(math.log10(lo) + 1e-9),
+                                              math.ceil(math.log10(hi) - 1e-9) + 1)]
         return fig.update_layout({axis: dict(
-            dtick=1, tickformat=None,
+            tickmode="array", tickvals=vals, ticktext=[tick_text(v) for v in vals],
             minor=dict(ticks="outside", ticklen=3, dtick="D1", showgrid=False))})
     steps = [m * 10.0 ** e for e in range(first - 1, last + 2) for m in (1, 2, 5)]
     vals = [sig(v) for v in steps if lo / 1.25 <= v <= hi * 1.25] or [sig(lo), sig(hi)]
@@ -256,17 +270,22 @@ def reference_line(fig: go.Figure, *, x: float | None = None, y: float | None = 
                    ) -> go.Figure:
     """A labelled horizontal (``y=``) or vertical (``x=``) reference line: a deadline, a
     capacity, a measured TTFT. Drawn 2 px wide in ``color`` with its label in the same colour
-    (``position``: plotly's annotation position, default "top left" / "top right")."""
+    (``position``: plotly's annotation position, default "top left" / "top right").
+
+    Without ``text`` no label is made (plotly would draw a "new text" placeholder). On a log
+    axis, label the line by hand: plotly puts a line's own label at 10**value there."""
     if (x is None) == (y is None):
         raise ValueError("reference_line needs exactly one of x= or y=")
-    kw = dict(line=dict(color=color, width=2, dash=dash), annotation_text=text or None,
-              annotation_font=dict(size=SMALL, color=color),
-              annotation_bgcolor="rgba(255,255,255,0.85)")  # readable over bars and curves
+    kw: dict = dict(line=dict(color=color, width=2, dash=dash))
+    if text:
+        kw.update(annotation_text=text, annotation_font=dict(size=SMALL, color=color),
+                  annotation_bgcolor="rgba(255,255,255,0.85)",  # readable over bars and curves
+                  annotation_position=position or ("top left" if y is not None else "top right"))
     if row is not None or col is not None:
         kw.update(row=row, col=col)
     if y is not None:
-        return fig.add_hline(y=y, annotation_position=position or "top left", **kw)
-    return fig.add_vline(x=x, annotation_position=position or "top right", **kw)
+        return fig.add_hline(y=y, **kw)
+    return fig.add_vline(x=x, **kw)
 
 
 def style(fig: go.Figure, title: str, x: str | None = None, y: str | None = None, *,

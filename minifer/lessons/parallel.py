@@ -15,9 +15,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .. import roofline as rl
-from .common import control, sig, style, table
+from .common import control, log_axis, reference_line, sig, style, table
 from .common import panel as _panel
-from .ticks import log_axis
 
 DEGREES = [1, 2, 4, 8]
 BANDWIDTHS_GBS = [8, 16, 32, 64, 128, 256, 450, 900]  # per direction, GB/s
@@ -139,9 +138,8 @@ def tp_figure(degree: int = 8, bandwidth_gbs: float = 450, batch: int = 1,
                          name="weights", marker_color="steelblue"), 1, 1)
     fig.add_trace(go.Bar(x=names, y=[sig(t.kv_bytes_per_device / rl.GB) for t in runs],
                          name="KV cache", marker_color="lightsteelblue"), 1, 1)
-    fig.add_hline(y=sig(hw.memory_bytes / rl.GB), line=dict(dash="dash", width=1.5, color="black"),
-                  row=1, col=1, annotation_text=f"{hw.memory_bytes / rl.GB:.0f} GB per device",
-                  annotation_position="top right")
+    reference_line(fig, y=sig(hw.memory_bytes / rl.GB), row=1, col=1,
+                   text=f"{hw.memory_bytes / rl.GB:.0f} GB per device", position="top right")
     fig.add_trace(go.Bar(x=names, y=[sig(max(t.read_s, t.compute_s) * 1e3) for t in runs],
                          name="read/compute share", marker_color="seagreen"), 1, 2)
     fig.add_trace(go.Bar(x=names, y=[sig(t.comm_s * 1e3) for t in runs], name="all-reduce",
@@ -158,23 +156,19 @@ def tp_figure(degree: int = 8, bandwidth_gbs: float = 450, batch: int = 1,
                                y=sig(math.log10(pts[0].tokens_per_s_per_device)),
                                text=f"TP{d}", showarrow=False, xshift=-16, row=1, col=3)
     fig.update_layout(barmode="stack")
-    fig.update_xaxes(title_text="TP degree", row=1, col=1)
-    fig.update_xaxes(title_text="TP degree", row=1, col=2)
+    for col in (1, 2):  # categories: a bar and a label for each of 1, 2, 4, 8 (no empty "6")
+        fig.update_xaxes(title_text="TP degree", type="category", row=1, col=col)
     fig.update_xaxes(title_text="ms per token (latency)", row=1, col=3)
     fig.update_yaxes(title_text="tokens/s per device", row=1, col=3)
-    curves = [t for t in fig.data if t.xaxis == "x3"]
-    log_axis(fig, [x for t in curves for x in t.x], "x", row=1, col=3)
-    log_axis(fig, [y for t in curves for y in t.y], "y", row=1, col=3)
+    log_axis(fig, "x", row=1, col=3)
+    log_axis(fig, "y", row=1, col=3)
     fit = "fits" if sel.fits else "does NOT fit"
     title = (f"{sel.model} on {hw.name} × {degree}, link {lk.name}, batch {batch}, "
              f"{context:,}-token context<br>degree {degree}: {sel.memory_per_device / rl.GB:.1f} "
              f"GB per device ({fit}), {sel.tpot_ms:.2f} ms/token of which all-reduce "
              f"{sel.comm_s * 1e3:.2f} ms ({sel.comm_fraction:.0%}), "
              f"{sel.tokens_per_s_per_device:,.1f} tok/s per device")
-    style(fig, title, width=1050, height=420, title_size=12, top=100, legend=False)
-    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=-0.35, yref="paper",
-                                  x=0))  # below: 3 panels
-    return fig
+    return style(fig, title, width=1050, height=420, title_size=12, top=100)
 
 
 def panel(degree: int = 8, bandwidth_gbs: float = 450, latency_us: float = LATENCY_US,

@@ -19,16 +19,15 @@ from .. import roofline as rl
 from ..bench.quant import time_variants
 from ..quality import greedy_agreement, max_logit_diff, top1_agreement, validation_perplexity
 from ..quantization import PRECISIONS, model_bytes, quantize, quantize_int8
-from .common import control, style, table
+from .common import control, precision_options, style, table
 from .common import panel as _panel
 
 __all__ = ["PrecisionRow", "quantized_models", "precision_rows", "rows_table", "quality_figure",
            "measure_speed", "speed_figure", "roofline_rows", "roofline_figure", "outlier_rows",
-           "outlier_figure", "panel_figure", "QuantPanel", "panel", "precision_control",
-           "precision_label", "speed_notes", "greedy_note", "BATCHES", "BITS"]
+           "outlier_figure", "panel_figure", "QuantPanel", "panel", "speed_notes", "greedy_note",
+           "BATCHES"]
 
 BATCHES = (1, 8, 32)  # the panel's batch slider: each measured once, before the panel
-BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
 COLORS = {"fp32": "#1f77b4", "bf16": "#2ca02c", "fp16": "#98df8a", "int8": "#ff7f0e",
           "int4": "#d62728", "int8 dequant": "#ffbb78", "int4 dequant": "#ff9896"}
 
@@ -138,10 +137,9 @@ def quality_figure(rows: list[PrecisionRow], highlight: str | None = None) -> go
                         else 11 + 5 * (len(same) - 1 - same.index(r.precision)),
                         color=COLORS.get(r.precision, "#7f7f7f"),
                         line=dict(width=2 if r.precision == highlight else 0, color="black"))))
-    style(fig, "Quality vs size (held-out Shakespeare)", "model size (MB, 10⁶ bytes)",
-          "perplexity − fp32's")
-    fig.update_layout(showlegend=False)
-    return fig
+    fig.update_layout(showlegend=False)  # before style(): no legend slot to keep free
+    return style(fig, "Quality vs size (held-out Shakespeare)", "model size (MB, 10⁶ bytes)",
+                 "perplexity − fp32's")
 
 
 def measure_speed(models: dict[str, torch.nn.Module], batch: int = 1, context: int = 64,
@@ -318,9 +316,10 @@ def panel_figure(rows: list[PrecisionRow], ms: dict[str, float], batch: int,
     title = (f"{precision}: {r.total_mb:.2f} MB, perplexity {r.perplexity:.1f}, top-1 agreement "
              f"{r.agreement:.0%}; decode {ms[precision]:.2f} ms/step at batch {batch} "
              f"({batch * 1e3 / ms[precision]:,.0f} tokens/s)")
-    style(fig, title, width=1000, height=400, title_size=13, top=70, legend=False)
-    fig.update_layout(showlegend=False)  # every point and bar is labelled where it is
-    return fig
+    # every point and bar is labelled where it is; set before style(), which then keeps no
+    # legend slot under the title
+    fig.update_layout(showlegend=False)
+    return style(fig, title, width=1000, height=400, title_size=13, top=70)
 
 
 class QuantPanel:
@@ -368,21 +367,9 @@ class QuantPanel:
         return panel_figure(list(self.rows.values()), self.ms(batch), batch, precision)
 
 
-def precision_label(precision: str) -> str:
-    """A precision as the slider shows it: its bits first, since that is what orders them."""
-    bits = BITS.get(precision)
-    return precision if bits is None else f"{bits} bits · {precision}"
-
-
-def precision_control(precisions, value: str) -> widgets.SelectionSlider:
-    """The course's precision control: a slider from many bits to few (32 → 16 → 8 → 4)."""
-    ordered = sorted(precisions, key=lambda p: -BITS.get(p, 0))  # stable: bf16 before fp16
-    return control("select", "precision", options=[(precision_label(p), p) for p in ordered],
-                   value=value)
-
-
 def panel(qp: QuantPanel, precision: str = "int8", batch: int = 1) -> widgets.interactive:
     """Controls for :meth:`QuantPanel.figure`: a precision slider (32 → 4 bits) and a batch
     slider over ``qp.batches``."""
-    return _panel(qp.figure, precision=precision_control(qp.rows, precision),
+    return _panel(qp.figure, precision=control("select", "precision", value=precision,
+                                               options=precision_options(qp.rows)),
                   batch=control("select", "batch", options=qp.batches, value=batch))

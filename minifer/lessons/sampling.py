@@ -3,8 +3,6 @@ top-k, top-p and the repetition penalty, with the kept set highlighted."""
 
 from __future__ import annotations
 
-import re
-import unicodedata
 from dataclasses import dataclass
 
 import ipywidgets as widgets
@@ -13,40 +11,23 @@ import torch
 
 from ..generation import generate
 from ..sampling import SamplingParams, process_logits
-from .common import control, style
+from .common import control, style, token_label
 from .common import panel as _panel
 
-_VISIBLE = {"\n": "⏎", "\t": "→", " ": "␣", "\r": "␍"}
 CUT_COLOR = "#d62728"  # tokens the processors cut: they can no longer be drawn
-
-
-def readable_token(tokenizer, token_id: int) -> str:
-    """How a token looks in a table or on an axis, with nothing escaped twice: a newline is
-    ``⏎``, a tab ``→``, spaces ``␣`` (so ``" the"`` reads ``␣the``), a lone byte of a longer
-    UTF-8 character ``<0xE2>``, other control characters ``<0x07>``, the empty string ``∅``."""
-    text = tokenizer.token_to_text(token_id)
-    raw = re.fullmatch(r"\\x([0-9a-fA-F]{2})", text)  # ByteTokenizer's escaped high bytes
-    if raw:
-        return f"<0x{raw.group(1).upper()}>"
-    if not text:
-        return "∅"
-    out = []
-    for ch in text:
-        if ch in _VISIBLE:
-            out.append(_VISIBLE[ch])
-        elif unicodedata.category(ch) in ("Cc", "Cf"):
-            out.append(f"<0x{ord(ch):02X}>")
-        else:
-            out.append(ch)
-    return "".join(out)
 
 
 def top_tokens(logits: torch.Tensor, tokenizer, k: int = 10) -> list[dict]:
     """The ``k`` most likely next tokens of a ``(V,)`` logit vector as table rows: rank, id,
-    the token as :func:`readable_token` shows it, and its probability to 4 decimals."""
+    the token as :func:`~minifer.lessons.common.token_label` shows it (``␣the`` for " the",
+    ``⏎`` for a newline), and its probability to 4 decimals."""
     p, ids = logits.float().softmax(-1).topk(k)
-    return [{"rank": r + 1, "id": int(i), "token": readable_token(tokenizer, int(i)),
+    return [{"rank": r + 1, "id": int(i), "token": _label(tokenizer, int(i)),
              "prob": round(float(q), 4)} for r, (q, i) in enumerate(zip(p, ids))]
+
+
+def _label(tokenizer, token_id: int) -> str:
+    return token_label(tokenizer.token_to_text(token_id))
 
 
 def _unique(labels: list[str]) -> list[str]:
@@ -105,7 +86,7 @@ def distribution_figure(logits: torch.Tensor, tokenizer, seen: torch.Tensor | No
     Tokens already in the prompt are outlined."""
     d = reshape(logits, seen, temperature, top_k, top_p, repetition_penalty)
     order = d.before.argsort(descending=True)[:show].tolist()
-    labels = _unique([readable_token(tokenizer, i) for i in order])
+    labels = _unique([_label(tokenizer, i) for i in order])
     cut = [not bool(d.kept[i]) for i in order]
     outline = [2 if seen is not None and seen[i] else 0 for i in order]
     fig = go.Figure([

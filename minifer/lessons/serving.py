@@ -23,8 +23,7 @@ from plotly.subplots import make_subplots
 
 from ..bench.serve_load import LoadResult, run_load
 from ..serve.api import running_server
-from .common import control, panel, sig, style
-from .ticks import log_axis
+from .common import control, log_axis, panel, reference_line, sig, style
 
 CHAT_SLO = {"ttft": 0.5, "tpot": 0.05}  # claim MET-3: TTFT < 500 ms, TPOT < 50 ms
 MODEL_NAME = "shakespeare"
@@ -197,17 +196,15 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
                                  boxpoints="all" if key != "itl" else "outliers", jitter=0.4,
                                  marker=dict(size=3)), 1, col)
         slo_key = keys[0]
-        shown = [v for key in keys for v in series[key]]
         if slo_key in sweep.slo:
             slo_ms = sweep.slo[slo_key] * 1e3
-            fig.add_hline(y=slo_ms, line=dict(dash="dash", color="red", width=1.5), row=1, col=col)
+            reference_line(fig, y=slo_ms, color="red", row=1, col=col)
             # labelled by hand: plotly puts an hline's own label at 10**y on a log axis
             axis = "" if col == 1 else str(col)
             fig.add_annotation(x=1, xref=f"x{axis} domain", y=math.log10(slo_ms), yref=f"y{axis}",
                                text=f"{slo_key.upper()} SLO {slo_ms:g} ms", showarrow=False,
                                xanchor="right", yanchor="bottom", font=dict(color="red"))
-            shown.append(sweep.slo[slo_key])
-        log_axis(fig, [_gap(v * 1e3) for v in shown if v is not None], "y", row=1, col=col)
+        log_axis(fig, "y", row=1, col=col)  # ticks cover the boxes and the SLO line
     rows = sweep.rows()
     x = [r["rate req/s"] for r in rows]
     fig.add_trace(go.Scatter(x=x, y=[_gap(r["out tok/s"]) for r in rows], name="output tok/s "
@@ -216,11 +213,10 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
         fig.add_trace(go.Scatter(x=x, y=[_gap(r[key]) for r in rows], name=key, mode="lines+markers",
                                  line=dict(dash=dash)), 1, 3, secondary_y=True)
     i = sweep.rates.index(rate)
-    fig.add_vline(x=rate, line=dict(color="gray", width=1.5), row=1, col=3)
+    reference_line(fig, x=rate, dash="solid", row=1, col=3)
     s = res.summary
-    log_axis(fig, x, "x", row=1, col=3)
-    log_axis(fig, [_gap(r[k]) for r in rows for k in ("TTFT p50 ms", "TTFT p99 ms")], "y",
-             row=1, col=3, secondary_y=True)
+    log_axis(fig, "x", row=1, col=3)
+    log_axis(fig, "y", row=1, col=3, secondary_y=True)
     fig.update_xaxes(title_text="arrival rate (requests/s)", row=1, col=3)
     fig.update_yaxes(title_text="output tokens/s", rangemode="tozero", row=1, col=3,
                      secondary_y=False)
@@ -229,10 +225,7 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
     title = (f"{rate:g} requests/s ({sweep.label(rate)}): {s['completed']} done, {good} within "
              f"the chat SLO (goodput {s.get('goodput', 0):.2f} req/s of "
              f"{s['request_throughput']:.2f}); {rows[i]['out tok/s']:.0f} output tok/s")
-    style(fig, title, width=1000, height=400, title_size=13, top=80, legend=False)
-    fig.update_layout(margin=dict(l=50, r=20, t=80, b=50),
-                      legend=dict(orientation="h", yanchor="bottom", y=-0.35, yref="paper", x=0.5))
-    return fig
+    return style(fig, title, width=1000, height=400, title_size=13, top=80)
 
 
 def rate_panel(sweep: Sweep, rate: float | None = None) -> widgets.interactive:
@@ -366,13 +359,10 @@ def interference_figure(runs: Sequence[InterferenceRun]) -> go.Figure:
         pts = sorted(run.itls)
         fig.add_trace(go.Scatter(x=[_gap(t - run.long_sent_s) for t, _ in pts],
                                  y=[_gap(g * 1e3) for _, g in pts], mode="markers", name=name))
-    fig.add_vline(x=0, line=dict(dash="dash", color="black", width=1.5),
-                  annotation_text="long prompt arrives")
-    style(fig, "Short requests' inter-token latency as a long prompt arrives",
-          "seconds after the long prompt was sent", "gap before this token (ms)", width=760,
-          height=360, legend=False)
-    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.0, yref="paper", x=0.6))
-    return fig
+    reference_line(fig, x=0, text="long prompt arrives")
+    return style(fig, "Short requests' inter-token latency as a long prompt arrives",
+                 "seconds after the long prompt was sent", "gap before this token (ms)",
+                 width=760, height=360)
 
 
 @dataclass

@@ -22,22 +22,13 @@ from ..generation import generate
 from ..model import GPT
 from ..sampling import SamplingParams
 from ..speculative import ModelDrafter, SpecStats, expected_speedup, speculative_generate
-from .common import control, sig, style
+from .common import control, reference_line, sig, style
 from .common import panel as _panel
 
 __all__ = ["reference_rows", "stats_row", "sweep", "verify_cost", "speedup_figure",
            "point_figure", "panel", "sweep_notes", "acceptance_figure", "accept_hist_figure", "toy_pair",
            "exact_last_token", "target_counts", "spec_counts", "always_accept",
            "distribution_figure", "tv_distance"]
-
-
-def _legend_below(fig: go.Figure, height: int) -> go.Figure:
-    """Put the legend in rows under the x-axis titles, where it cannot cover the figure's title
-    or the subplot titles (plotly's place above the plot is where subplot titles sit)."""
-    fig.update_layout(height=height, margin=dict(b=120),
-                      legend=dict(orientation="h", yanchor="top", y=-0.24, yref="paper",
-                                  xanchor="left", x=0))
-    return fig
 
 
 # ---- SPEC-3: the reference run beside ours ------------------------------------------------------
@@ -147,11 +138,10 @@ def speedup_figure(points: Sequence[SpecPoint], verify: dict[int, float] | None 
     fig.add_trace(go.Scatter(x=[p.k for p in points], y=[round(p.speedup, 3) for p in points],
                              mode="markers", marker=dict(size=10, symbol="diamond"),
                              name="measured speed-up"), 1, 2)
-    fig.add_hline(y=1.0, line=dict(color="gray", width=1), row=1, col=2)
-    style(fig, "Speculative decoding: expectation vs measurement", "k (draft tokens per pass)", "",
-          height=380, width=860, top=80, legend=False)
+    reference_line(fig, y=1.0, row=1, col=2)  # 1×: no faster than plain decoding
     fig.update_xaxes(title_text="k (draft tokens per pass)")
-    return _legend_below(fig, 450)
+    return style(fig, "Speculative decoding: expectation vs measurement", height=380, width=860,
+                 top=80)
 
 
 def point_figure(p: SpecPoint, k_max: int = 8) -> go.Figure:
@@ -167,11 +157,10 @@ def point_figure(p: SpecPoint, k_max: int = 8) -> go.Figure:
                              mode="lines", name=f"expected (α={p.alpha:.2f}, c={p.cost_ratio:.2f})"), 1, 2)
     fig.add_trace(go.Scatter(x=[p.k], y=[round(p.speedup, 3)], mode="markers",
                              marker=dict(size=12, symbol="diamond"), name="measured"), 1, 2)
-    fig.add_hline(y=1.0, line=dict(color="gray", width=1), row=1, col=2)
+    reference_line(fig, y=1.0, row=1, col=2)  # 1×: no faster than plain decoding
     fig.update_xaxes(title_text="k (draft tokens per pass)", row=1, col=2)
-    style(fig, f"{p.drafter}: {p.stats.accepted}/{p.stats.proposed} drafts accepted",
-          "", "", height=360, width=860, top=80, legend=False)
-    return _legend_below(fig, 430)
+    return style(fig, f"{p.drafter}: {p.stats.accepted}/{p.stats.proposed} drafts accepted",
+                 height=360, width=860, top=80)
 
 
 def panel(target, draft, prompt_ids: list[int], new_tokens: int = 48,
@@ -210,8 +199,7 @@ def acceptance_figure(rows: Sequence[dict]) -> go.Figure:
     for col, key in ((1, "alpha"), (2, "tokens/pass")):
         fig.add_trace(go.Bar(x=labels, y=[r[key] for r in rows], marker_color=colors,
                              showlegend=False), 1, col)
-    return style(fig, "Predictable text is accepted more", "", "", height=400, width=860, top=80,
-                 legend=False)
+    return style(fig, "Predictable text is accepted more", height=400, width=860, top=80)
 
 
 def accept_hist_figure(stats: dict[str, SpecStats]) -> go.Figure:
@@ -302,6 +290,5 @@ def distribution_figure(exact: Sequence[float], series: dict[str, Sequence[int]]
         n = sum(counts)
         fig.add_trace(go.Bar(x=xs, y=[round(c / n, 4) for c in counts],
                              name=f"{name} (TV {tv_distance(exact, counts):.2g})"))
-    # legend beside the plot: four long names above it would run into the title
     return style(fig, "Distribution of one generated token", "token id", "probability",
-                 width=860, legend=False)
+                 width=860)
