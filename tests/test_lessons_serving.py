@@ -79,7 +79,10 @@ def shakespeare():
 
 
 def test_strict_priority_starves_the_low_request(shakespeare):
-    run = S.priorities(*shakespeare, aging=0.0, n_high=6, clients=4, tokens=4)
+    # one client per high request: all six wait before the low one arrives, so strict priority
+    # must serve it last however fast the machine is (with fewer clients than requests, a fast
+    # machine can empty the queue between a client's requests and let the low one in)
+    run = S.priorities(*shakespeare, aging=0.0, n_high=6, clients=6, tokens=4)
     assert run.first_token_order == ["high"] * 6 + ["low"] and run.highs_before_low == 6
     assert len(run.high_ttft_s) == 6 and run.low_ttft_s > 0
 

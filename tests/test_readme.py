@@ -113,6 +113,7 @@ def test_colab_cell_inserted_once(tmp_path):
     copy = tmp_path / "00_quickstart.ipynb"
     shutil.copy(ROOT / "notebooks" / "00_quickstart.ipynb", copy)
     nb = nbformat.read(copy, as_version=4)
+    nb.cells = [c for c in nb.cells if colab_cell.TAG not in c.metadata.get("tags", [])]
     first_code = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
     url = course_links.repo_url()
     assert colab_cell.ensure_cell(nb, url)
