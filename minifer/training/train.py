@@ -77,7 +77,7 @@ class TrainSpec:
 
 
 SPECS: dict[str, TrainSpec] = {
-    "target": TrainSpec(preset="shakespeare", steps=900, batch_size=12, lr=1e-3, min_lr=1e-4,
+    "target": TrainSpec(preset="shakespeare", steps=2500, batch_size=12, lr=1e-3, min_lr=1e-4,
                         ckpt_every=50),
     "draft": TrainSpec(preset="shakespeare-draft", steps=1500, batch_size=16, lr=3e-3, min_lr=3e-4),
 }
