@@ -36,7 +36,7 @@ QUALITY = {"shakespeare": 1.50, "shakespeare-draft": 2.2}  # max val nats/char (
 # If you retrain the models, update these strings (the test prints the new ones).
 PROMPT = "ROMEO:\n"
 PINNED = {
-    "shakespeare": "I'll be so much more than to be,\nAnd, and I have",
+    "shakespeare": "I'll not be a book of me.\n\nExit\n\nSCENE",
     "shakespeare-draft": "I'll be so, I am not, I am not.\n\nP",
 }
 
