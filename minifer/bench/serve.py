@@ -32,7 +32,7 @@ import torch
 
 from ..sampling import SamplingParams
 from ..serve.engine import LLMEngine
-from ..serve.metrics import RequestMetrics
+from ..serve.metrics import RequestMetrics, percentile
 
 __all__ = ["BenchRequest", "mixed_workload", "serve_workload", "RunSummary", "summarize_run",
            "compare_policies", "compare_prefix_caching", "format_report", "run"]
@@ -102,23 +102,12 @@ class RunSummary:
         return self.output_tokens / self.duration_s
 
 
-def _percentile(values: Sequence[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    v = sorted(values)
-    if not v:
-        return float("nan")
-    k = (len(v) - 1) * p / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
 def summarize_run(label: str, metrics: list[RequestMetrics], duration_s: float,
                   engine: LLMEngine) -> RunSummary:
     ttft = [m.ttft for m in metrics]
     tpot = [m.tpot for m in metrics if m.output_tokens > 1]
     return RunSummary(label, len(metrics), sum(m.output_tokens for m in metrics), duration_s,
-                      _percentile(ttft, 50), _percentile(ttft, 99),
+                      percentile(ttft, 50), percentile(ttft, 99),
                       statistics.median(tpot) if tpot else float("nan"),
                       engine.num_prefill_tokens, engine.scheduler.num_steps,
                       engine.scheduler.num_preemptions,

@@ -289,8 +289,8 @@ def reference_line(fig: go.Figure, *, x: float | None = None, y: float | None = 
 
 
 def style(fig: go.Figure, title: str, x: str | None = None, y: str | None = None, *,
-          height: int = 360, width: int = 720, title_size: int | None = None, top: int = 50,
-          legend: bool = True) -> go.Figure:
+          height: int = 360, width: int = 720, title_size: int | None = None,
+          top: int = 50) -> go.Figure:
     """The course's figure style. Text never overlaps and nothing is cut off:
 
     - the title sits at the top, left-aligned with the plot, shrunk (not below 12 px) or
@@ -302,10 +302,8 @@ def style(fig: go.Figure, title: str, x: str | None = None, y: str | None = None
     - :data:`TEMPLATE`: readable fonts, and reference lines that are drawn.
 
     ``x``/``y`` title the (first) axes; figures with subplots title each axis themselves.
-    ``title_size`` caps the title's font size. ``legend`` is kept for old callers: every legend
-    sits in the same slot.
+    ``title_size`` caps the title's font size.
     """
-    del legend  # one slot for every legend
     width = min(width, MAX_WIDTH)
     if x is not None:
         fig.update_layout(xaxis_title=x)
