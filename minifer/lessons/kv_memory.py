@@ -21,7 +21,16 @@ from .. import roofline as rl
 from ..bench.decode import random_ids
 from ..cache import StaticKVCache
 from ..generation import prefill
-from .common import control, log_axis, precision_options, reference_line, sig, style, table
+from .common import (
+    REFERENCE,
+    control,
+    log_axis,
+    precision_options,
+    reference_line,
+    sig,
+    style,
+    table,
+)
 from .common import panel as _panel
 
 MODEL_CHOICES = ["llama-3-8b", "llama-7b", "llama-2-70b", "llama-2-70b-mha", "80L-8kv",
@@ -77,7 +86,7 @@ def kv_figure(context: int = 4096, batch: int = 1, precision: str = "fp16",
     fig.add_trace(go.Bar(x=["memory"], y=[sig(cache / scale)], name="KV cache",
                          legendgroup="cache", marker_color=_CACHE), 1, 1)
     over = weights + cache > hw.memory_bytes
-    reference_line(fig, y=memory, row=1, col=1, color="#D62728" if over else "rgb(90,90,90)",
+    reference_line(fig, y=memory, row=1, col=1, color="#D62728" if over else REFERENCE,
                    text=f"device memory {memory:,.4g} {unit}"
                    + ("<br>the cache does not fit" if over else ""))
     fig.update_layout(barmode="stack")
@@ -92,7 +101,7 @@ def kv_figure(context: int = 4096, batch: int = 1, precision: str = "fp16",
                              line=dict(dash="dot", color=_WEIGHTS)), 1, 2)
     fig.add_trace(go.Scatter(x=CONTEXTS, y=[sig((hw.memory_bytes - weights) / scale)]
                              * len(CONTEXTS), mode="lines", name="room after weights",
-                             line=dict(dash="dash", color="rgb(90,90,90)")), 1, 2)
+                             line=dict(dash="dash", color=REFERENCE)), 1, 2)
     fig.add_trace(go.Scatter(x=[context], y=[sig(cache / scale)], mode="markers",
                              showlegend=False, marker=dict(size=12, color="crimson")), 1, 2)
     log_axis(fig, "xaxis2", values=CONTEXTS, labels=[_tokens_label(c) for c in CONTEXTS],

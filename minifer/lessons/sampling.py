@@ -11,23 +11,12 @@ import torch
 
 from ..generation import generate
 from ..sampling import SamplingParams, process_logits
-from .common import control, style, token_label
+from .common import control, style
 from .common import panel as _panel
+from .generation import show_token
+from .generation import top_tokens as top_tokens  # the lesson's table of the likeliest tokens
 
 CUT_COLOR = "#d62728"  # tokens the processors cut: they can no longer be drawn
-
-
-def top_tokens(logits: torch.Tensor, tokenizer, k: int = 10) -> list[dict]:
-    """The ``k`` most likely next tokens of a ``(V,)`` logit vector as table rows: rank, id,
-    the token as :func:`~minifer.lessons.common.token_label` shows it (``␣the`` for " the",
-    ``⏎`` for a newline), and its probability to 4 decimals."""
-    p, ids = logits.float().softmax(-1).topk(k)
-    return [{"rank": r + 1, "id": int(i), "token": _label(tokenizer, int(i)),
-             "prob": round(float(q), 4)} for r, (q, i) in enumerate(zip(p, ids))]
-
-
-def _label(tokenizer, token_id: int) -> str:
-    return token_label(tokenizer.token_to_text(token_id))
 
 
 def _unique(labels: list[str]) -> list[str]:
@@ -86,7 +75,7 @@ def distribution_figure(logits: torch.Tensor, tokenizer, seen: torch.Tensor | No
     Tokens already in the prompt are outlined."""
     d = reshape(logits, seen, temperature, top_k, top_p, repetition_penalty)
     order = d.before.argsort(descending=True)[:show].tolist()
-    labels = _unique([_label(tokenizer, i) for i in order])
+    labels = _unique([show_token(tokenizer, i) for i in order])
     cut = [not bool(d.kept[i]) for i in order]
     outline = [2 if seen is not None and seen[i] else 0 for i in order]
     fig = go.Figure([
