@@ -3,17 +3,10 @@
 (The browser run itself is `make browser-test`; these need neither a browser nor playwright.)
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from tool_modules import load_tool
 
-_path = Path(__file__).resolve().parent.parent / "tools" / "browser_test.py"
-_spec = importlib.util.spec_from_file_location("browser_test", _path)
-bt = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("browser_test", bt)  # dataclasses look their module up there
-_spec.loader.exec_module(bt)
+bt = load_tool("browser_test")
 Box = bt.Box
 
 

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -20,23 +19,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from tool_modules import load_module, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 TOUR_RE = re.compile(r"^<!-- tour -->\n```python\n(.*?)^```", re.M | re.S)
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-course_links = _load(ROOT / "tools" / "course_links.py", "course_links")
-colab_cell = _load(ROOT / "tools" / "colab_cell.py", "colab_cell")
-claims = _load(ROOT / "tests" / "test_claims.py", "_claims_checker")
+course_links = load_tool("course_links")
+colab_cell = load_tool("colab_cell")
+claims = load_module(ROOT / "tests" / "test_claims.py", "_claims_checker")
 
 
 def tour_blocks(text: str) -> list[str]:

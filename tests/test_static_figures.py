@@ -6,27 +6,17 @@ import base64
 import copy
 import importlib.util
 import json
-import pathlib
 import shutil
 import struct
-import sys
 import zlib
 
 import nbformat
 import numpy as np
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook, new_output
+from tool_modules import load_tool
 
-TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
-sys.path.insert(0, str(TOOLS))
-import static_figures as sf  # noqa: E402
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sf = load_tool("static_figures")
 
 
 FIGURE = {"data": [{"type": "scatter", "x": [0, 1], "y": [1, 2]}],

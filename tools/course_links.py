@@ -80,10 +80,12 @@ def rewrite(readme: str, url: str) -> str:
         raise ValueError(f"README needs exactly one {START} … {END} block")
     head, rest = readme.split(START)
     _, tail = rest.split(END)
-    head = COLAB_LINK_RE.sub(lambda m: colab_url(url, m.group(1)), head)
-    tail = COLAB_LINK_RE.sub(lambda m: colab_url(url, m.group(1)), tail)
-    head, tail = (BINDER_LINK_RE.sub(binder_url(url), part) for part in (head, tail))
-    return head + badge_block(url) + tail
+
+    def links(part: str) -> str:
+        part = COLAB_LINK_RE.sub(lambda m: colab_url(url, m.group(1)), part)
+        return BINDER_LINK_RE.sub(binder_url(url), part)
+
+    return links(head) + badge_block(url) + links(tail)
 
 
 def problems(readme: str, root: Path = ROOT) -> list[str]:
