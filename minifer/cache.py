@@ -9,6 +9,9 @@ Batches of prompts of different lengths are *left padded*: every row writes at t
 (`pos`), and row ``b``'s real tokens start at slot ``start[b]``. Slots before ``start[b]`` hold
 padding that attention masks out, so each row computes what it would compute alone.
 
+`KVCache` writes down what the model asks of any cache (the serving engine's paged views keep
+the same contract), and `AttentionInputs` bundles what every layer needs for one forward call.
+
 How exact: in fp32, cached and recomputed logits (and a row batched or alone) agree to float
 rounding (within 1e-5; kernels of different shapes add in different orders), so greedy tokens
 are identical. In bf16/fp16 they agree only to that dtype's precision (~1% of the logits'
@@ -18,11 +21,100 @@ scale): greedy tokens can diverge after a near-tie. The int8 cache is an approxi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
 import torch
 
+from .checks import check_int
+from .config import kv_token_bytes
 from .device import as_device
 
 SCALE_DTYPE = torch.float16  # the int8 cache's per-head-per-token scales
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What `GPT.forward` needs of a KV cache: the contract every cache here keeps.
+
+    `StaticKVCache` (one preallocated buffer per layer), `minifer.serve.kv_pool.PagedBatch` (a
+    forward call's view of a paged pool) and `minifer.serve.kv_pool.DecodeWorkspace` (the
+    serving engine's decode batch) implement it; the model never asks which one it has.
+
+    - `batch_size` rows, all writing their new tokens at the same slot `pos` (a Python int);
+      row b's real tokens start at slot ``start[b]`` (a ``[batch]`` long tensor: left padding);
+      `padded` says whether any row is padded (kept on the host: no device sync to ask);
+    - `check_room(n)`: raise a clear ValueError unless `n` more slots fit (`max_len` in all);
+    - ``update(layer, k, v)``: store the new tokens' ``k, v`` ``[B, kv_heads, T, head_dim]`` at
+      slots ``pos..pos+T-1`` of `layer`; return the layer's K/V of slots ``0..pos+T-1``;
+    - `advance(n)`: after every layer has written, move `pos` on by `n`.
+
+    The fixed-shape decode step (`GPT.decode`) also needs `StaticKVCache`'s `write_at`,
+    `slots` and `slot`.
+    """
+
+    batch_size: int
+    max_len: int
+    pos: int
+    start: torch.Tensor
+    padded: bool
+
+    def check_room(self, n: int) -> None: ...
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+@runtime_checkable
+class PackedKVCache(Protocol):
+    """A cache for one forward call over rows of any lengths packed into one sequence.
+
+    A serving step feeds some rows one token (decode) and others many (prompt chunks); padding
+    them to one length would waste compute in every layer, so `GPT.forward_packed` runs all
+    ``num_tokens`` new tokens as one ``(1, N)`` sequence and leaves attention to the cache:
+
+    - `packed` is True (how `GPT.forward` tells this cache from a `KVCache`);
+    - `positions` ``(1, N)``: each new token's position in its own row;
+    - ``attend(layer, q, k, v)``: store the new tokens' ``k, v`` ``(1, kv_heads, N, head_dim)``
+      and return the attention output ``(1, heads, N, head_dim)`` of queries `q`, each row's
+      tokens attending only to that row's cached and new tokens, causally;
+    - `logits_index`: the packed indices whose next-token logits the caller wants.
+
+    `minifer.serve.kv_pool.PackedBatch` implements it over the paged pool.
+    """
+
+    packed: bool
+    num_tokens: int
+    positions: torch.Tensor
+    logits_index: torch.Tensor
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor: ...
+
+
+@dataclass
+class AttentionInputs:
+    """Everything an attention layer needs besides its input, built once per forward call and
+    passed unchanged through every layer.
+
+    - `positions` ``(B, T)``: each new token's position (for the position embedding);
+    - `mask`: boolean or additive, broadcastable to ``(B, heads, T, S)``; None when `is_causal`
+      (a fresh unpadded prefill) or when every cached slot may be seen (an unpadded decode);
+    - `cache`: the `KVCache` the layers write to and read from (None: recompute, no cache);
+    - `slot` and `kv_len`: the decode step writes at `slot` (a one-element tensor) and reads
+      the first `kv_len` slots (None: all of them, the fixed-shape step; see `GPT.decode`).
+    - `packed`: the call packs rows of any lengths (`PackedKVCache`); `cache.attend` does it.
+    """
+
+    positions: torch.Tensor
+    mask: torch.Tensor | None = None
+    is_causal: bool = False
+    cache: KVCache | None = None
+    slot: torch.Tensor | None = None
+    kv_len: int | None = None
+    packed: bool = False  # rows packed in one sequence: attention is `cache.attend` (PackedKVCache)
 
 
 def _is_int8(dtype) -> bool:
@@ -56,8 +148,7 @@ class StaticKVCache:
     ) -> None:
         for name, value in (("n_layer", n_layer), ("batch_size", batch_size),
                             ("n_kv_head", n_kv_head), ("head_dim", head_dim), ("max_len", max_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"StaticKVCache {name} must be a positive integer, got {value!r}")
+            check_int(f"StaticKVCache {name}", value, 1)
         device = as_device(device)
         shape = (batch_size, n_kv_head, max_len, head_dim)
         self.quantized = _is_int8(dtype)
@@ -100,10 +191,7 @@ class StaticKVCache:
         cfg = model.config
         p = next(model.parameters())
         max_len = cfg.context_length if max_len is None else max_len
-        if not isinstance(max_len, int) or not 1 <= max_len <= cfg.context_length:
-            raise ValueError(
-                f"max_len must lie in [1, {cfg.context_length}] (the model's context), got {max_len!r}"
-            )
+        check_int("max_len", max_len, 1, cfg.context_length, why=" (the model's context)")
         float_p = next((t for t in model.parameters() if t.is_floating_point()), p)
         return cls(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, max_len,
                    dtype=dtype or float_p.dtype, device=p.device if device is None else device)
@@ -205,12 +293,12 @@ class StaticKVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one cached token costs across all layers: 2 × layers × kv_heads × head_dim × size
-        (int8: plus one 2-byte scale per head for K and for V)."""
-        per_head = self.head_dim * self.k[0].element_size()
+        """Bytes one cached token costs across all layers (`minifer.config.kv_token_bytes`; int8:
+        plus one 2-byte scale per head for K and for V, a head of one value)."""
+        size = kv_token_bytes(self.n_layer, self.n_kv_head, self.head_dim, self.k[0].element_size())
         if self.quantized:
-            per_head += self.k_scale[0].element_size()
-        return 2 * self.n_layer * self.n_kv_head * per_head
+            size += kv_token_bytes(self.n_layer, self.n_kv_head, 1, self.k_scale[0].element_size())
+        return int(size)
 
     def __repr__(self) -> str:
         return (f"StaticKVCache(layers={self.n_layer}, batch={self.batch_size}, "

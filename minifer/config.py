@@ -9,6 +9,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .checks import check_int
+
+
+def kv_token_bytes(n_layer: int, n_kv_head: int, head_dim: int, bytes_per_value: float) -> float:
+    """The KV-cache formula, the one every cache and estimate here uses: the bytes one token's
+    keys and values take in all layers, 2 (K and V) × layers × KV heads × head dim × bytes."""
+    return 2 * n_layer * n_kv_head * head_dim * bytes_per_value
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -32,8 +40,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+            check_int(f"GPTConfig.{name}", value, 1)
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
@@ -77,8 +84,9 @@ class GPTConfig:
         return embeddings + self.n_layer * block + ln + head
 
     def kv_bytes_per_token(self, bytes_per_value: float = 4) -> float:
-        """KV-cache bytes one token costs: 2 (K and V) × layers × KV heads × head dim × bytes."""
-        return 2 * self.n_layer * self.kv_heads * self.head_dim * bytes_per_value
+        """KV-cache bytes one token costs (`kv_token_bytes`); the default, 4 bytes, is fp32,
+        the dtype minifer builds models in (`minifer.roofline` assumes a 16-bit served model)."""
+        return kv_token_bytes(self.n_layer, self.kv_heads, self.head_dim, bytes_per_value)
 
     def replace(self, **changes) -> GPTConfig:
         """A copy with some fields changed (validated again)."""

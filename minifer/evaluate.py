@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .checks import check_int
 from .tokenizer import TokenizerLike
 
 
@@ -41,7 +42,7 @@ class PerplexityResult:
         return self.nats_per_char / math.log(2)
 
 
-def _windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+def score_windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
     """Windows over a sequence of `n` ids that score targets 1..n-1 once each.
 
     Returns ``(begin, end, first_new)``: the window feeds ids ``[begin, end)`` and scores the
@@ -79,13 +80,10 @@ def perplexity(
         raise ValueError("text must be a non-empty str")
     max_ctx = model.config.context_length
     context = max_ctx if context is None else context
-    if not isinstance(context, int) or not 1 <= context <= max_ctx:
-        raise ValueError(f"context must be an int in [1, {max_ctx}] (the model's window), got {context!r}")
+    check_int("context", context, 1, max_ctx, why=" (the model's window)")
     stride = max(context // 2, 1) if stride is None else stride
-    if not isinstance(stride, int) or not 1 <= stride <= context:
-        raise ValueError(f"stride must be an int in [1, context={context}], got {stride!r}")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_int("stride", stride, 1, context, why=f" (context={context})")
+    check_int("batch_size", batch_size, 1)
 
     ids = tokenizer.encode(text)
     if tokenizer.eos_token_id is not None:
@@ -98,7 +96,7 @@ def perplexity(
 
     device = next(model.parameters()).device
     seq = torch.tensor(ids, dtype=torch.long, device=device)
-    windows = _windows(len(ids), context, stride)
+    windows = score_windows(len(ids), context, stride)
     total = 0.0
     for i in range(0, len(windows), batch_size):
         total += _score_batch(model, seq, windows[i : i + batch_size])

@@ -6,6 +6,12 @@ drives them for a batch of prompts and yields each token the moment it exists (c
 `generate` collects one `Completion` per prompt. Per-request state (tokens, text, stop strings,
 finish reason, timings) lives in `sequence.Sequence`.
 
+`advance` is the loop itself, the one place a batch of Sequences takes new tokens: it asks a
+*step* for each row's next tokens until every row has finished. `run_batch` gives it the plain
+step (decode, sample); tensor parallelism (`minifer.parallel.generate_tp`) runs the same
+`run_batch` with its own sampler, and speculative decoding (`minifer.speculative`) gives
+`advance` a step that drafts, verifies and returns several tokens.
+
 The decode step (`GPT.decode`) writes at a slot held in a tensor. Eager, it reads only the filled
 cache slots; in its fixed-shape form it attends over the whole preallocated cache through a mask,
 so ``generate(..., compile=True)`` can hand it to `torch.compile` (on CUDA with CUDA graphs: written
@@ -29,18 +35,18 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .cache import StaticKVCache
+from .cache import KVCache, StaticKVCache
 from .device import sync
 from .sampling import SamplingParams, make_generators, mask_padded_vocab, sample
-from .sequence import Completion, TokenEvent, encode_prompts, prepare
+from .sequence import Completion, Prepared, Sequence, TokenEvent, encode_prompts, prepare
 from .tokenizer import TokenizerLike
 
-__all__ = ["prefill", "decode_step", "compiled_decode", "stream", "generate", "Completion",
-           "TokenEvent", "encode_prompts"]
+__all__ = ["prefill", "decode_step", "compiled_decode", "advance", "stream", "run_batch",
+           "generate", "Completion", "TokenEvent", "encode_prompts"]
 
 
 # ---- the two kinds of forward pass ---------------------------------------------------------
-def prefill(model: torch.nn.Module, ids: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+def prefill(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Run all prompt tokens ``(B, T)`` in one pass, writing their K/V into `cache`.
 
     Call ``cache.reset(start)`` first for a new batch. Returns the next-token logits ``(B, V)``.
@@ -121,6 +127,32 @@ def _compile_step(model: torch.nn.Module, compile: bool | str, cache: StaticKVCa
 
 
 # ---- the loop ------------------------------------------------------------------------------
+Sampler = Callable[[torch.Tensor], torch.Tensor]
+"""Next-token logits ``(B, V)`` → one token id per row ``(B,)``."""
+
+Step = Callable[[], list[list[int]]]
+"""One step of the loop: the tokens each row gets next (host ints, usually one per row)."""
+
+
+def advance(seqs: list[Sequence], step: Step, t0: float) -> Iterator[TokenEvent]:
+    """Append each step's tokens to their rows until every row has finished: the one place a
+    batch of `Sequence`s advances (`stream`, tensor parallelism and speculative decoding all
+    come through here; only their `step` differs).
+
+    A row takes a step's tokens in order and stops at the first that finishes it (EOS, a stop
+    string, `max_new_tokens`); tokens after that, and the tokens of finished rows, are dropped.
+    Each token is stamped with the seconds since `t0` at which its step returned.
+    """
+    while not all(s.finished for s in seqs):
+        new = step()
+        now = time.perf_counter() - t0
+        for s, tokens in zip(seqs, new):
+            for token in tokens:
+                if s.finished:
+                    break
+                yield s.append(token, now)
+
+
 def stream(
     model: torch.nn.Module,
     prompts,
@@ -144,8 +176,31 @@ def stream(
     identical to eager (tested on CPU).
     """
     req = prepare(model, prompts, params, tokenizer, device=device)
-    params = req.sequences[0].params
+    if completions is not None:  # the caller's list may already hold earlier results
+        completions.extend(s.result for s in req.sequences)
+    yield from run_batch(model, req, use_cache=use_cache, kv_dtype=kv_dtype, compile=compile)
+
+
+def run_batch(
+    model: torch.nn.Module,
+    req: Prepared,
+    *,
+    use_cache: bool = True,
+    kv_dtype: torch.dtype | str | None = None,
+    compile: bool | str = False,
+    cache: StaticKVCache | None = None,
+    sampler: Callable[[Sampler], Sampler] | None = None,
+) -> Iterator[TokenEvent]:
+    """Generate for checked request input (`sequence.prepare`): prefill → (sample → append →
+    decode step)* → stop, one `TokenEvent` per token; `stream` is this plus the checks.
+
+    `cache`: the KV cache to fill (reset here), sized for the batch: tensor parallelism passes
+    one holding only its rank's heads; default: one sized for the request. `sampler` wraps the
+    sampler: given the default one (logits → tokens), it returns the one to use (tensor
+    parallelism samples on rank 0 only and broadcasts the tokens to the other ranks).
+    """
     seqs, device, vocab = req.sequences, req.device, req.vocab
+    params = seqs[0].params
     B, T = len(seqs), max(len(s.prompt_ids) for s in seqs)
     total = T + params.max_new_tokens
     start = torch.tensor([T - len(s.prompt_ids) for s in seqs], dtype=torch.long)
@@ -155,8 +210,6 @@ def stream(
     buf = buf.to(device)
     padded = bool((start > 0).any())
     start = start.to(device)
-    if completions is not None:  # the caller's list may already hold earlier results
-        completions.extend(s.result for s in seqs)
     gens = make_generators(params, B, device)  # one per row: the same text alone or batched
     seen = None
     if params.repetition_penalty != 1.0:
@@ -167,38 +220,49 @@ def stream(
 
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True")
-    cache, step_fn = None, None
+    step_fn = None
     if use_cache:
-        slots = total - 1
-        if compile:  # round the cache length up so requests of similar length share one graph
-            slots = min(-(-slots // 64) * 64, model.config.context_length)
-        cache = StaticKVCache.for_model(model, B, slots, dtype=kv_dtype, device=device)
+        if cache is None:
+            slots = total - 1
+            if compile:  # round the cache length up so requests of similar length share one graph
+                slots = min(-(-slots // 64) * 64, model.config.context_length)
+            cache = StaticKVCache.for_model(model, B, slots, dtype=kv_dtype, device=device)
+        elif cache.batch_size != B or cache.max_len < total - 1:
+            raise ValueError(f"cache must have batch_size {B} and max_len >= {total - 1}, got "
+                             f"{cache.batch_size} and {cache.max_len}")
         cache.reset(start)
         step_fn = _compile_step(model, compile, cache)
 
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        if use_cache:
-            logits = prefill(model, buf[:, :T], cache)
-        else:
-            logits = model(buf[:, :T], start=start if padded else None, last_only=True)[:, -1]
-        for step in range(params.max_new_tokens):
-            tokens = sample(mask_padded_vocab(logits, vocab), params, seen, gens)
-            host = tokens.tolist()  # waits for the device: the token now exists
-            now = time.perf_counter() - t0
-            buf[:, T + step] = tokens
-            if seen is not None:
-                seen[rows, tokens] = True
-            for b, s in enumerate(seqs):
-                if not s.finished:
-                    yield s.append(host[b], now)
-            if all(s.finished for s in seqs):
-                break
+    def default_sampler(logits: torch.Tensor) -> torch.Tensor:
+        return sample(mask_padded_vocab(logits, vocab), params, seen, gens)
+
+    pick = default_sampler if sampler is None else sampler(default_sampler)
+    n = 0  # tokens made per row so far
+    tokens = None
+
+    def step() -> list[list[int]]:
+        """One decode step (the first: the prefill) and one sampled token per row."""
+        nonlocal n, tokens
+        if tokens is None:
             if use_cache:
-                logits = decode_step(model, tokens, cache, step=step_fn)
+                logits = prefill(model, buf[:, :T], cache)
             else:
-                seq = buf[:, : T + step + 1]
-                logits = model(seq, start=start if padded else None, last_only=True)[:, -1]
+                logits = model(buf[:, :T], start=start if padded else None, last_only=True)[:, -1]
+        elif use_cache:
+            logits = decode_step(model, tokens, cache, step=step_fn)
+        else:
+            seq = buf[:, : T + n]
+            logits = model(seq, start=start if padded else None, last_only=True)[:, -1]
+        tokens = pick(logits)
+        host = tokens.tolist()  # waits for the device: the token now exists
+        buf[:, T + n] = tokens
+        n += 1
+        if seen is not None:
+            seen[rows, tokens] = True
+        return [[t] for t in host]
+
+    with torch.inference_mode():
+        yield from advance(seqs, step, time.perf_counter())
         sync(device)
 
 

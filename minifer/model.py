@@ -3,9 +3,12 @@
 Shapes in comments: B batch, T new tokens, S cached + new tokens, C = n_embd,
 nh query heads, nkv key/value heads, hd head dim.
 
-The only inference-specific idea here is the `cache` argument: with a `StaticKVCache`, each
+The only inference-specific idea here is the `cache` argument: with a KV cache (any
+`minifer.cache.KVCache`: the `StaticKVCache`, or the serving engine's paged views), each
 attention layer writes the new tokens' keys and values into it and attends over everything
 cached so far, so a decode step feeds one token per sequence instead of the whole history.
+What the layers need for a call (positions, mask, cache, decode slot) is built once, as one
+`AttentionInputs`, and handed to every block: ``x = block(x, inputs)``.
 
 `GPT.forward` checks its input and attends over the cache's filled prefix, whose length grows
 every step. `GPT.decode` is the lean decode step: no checks (the caller checked once per
@@ -23,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cache import StaticKVCache
+from .cache import AttentionInputs, KVCache, PackedKVCache, StaticKVCache
 from .config import GPTConfig
 from .device import as_device
 
@@ -38,16 +41,10 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.impl = "sdpa"  # "sdpa" (fused, memory-lean) or "math" (materialises the T×S scores)
 
-    def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-        cache: StaticKVCache | None, slot: torch.Tensor | None = None, kv_len: int | None = None,
-    ) -> torch.Tensor:
-        return self.c_proj(self.attend(x, mask, is_causal, cache, slot, kv_len))
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        return self.c_proj(self.attend(x, inputs))
 
-    def attend(
-        self, x: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-        cache: StaticKVCache | None, slot: torch.Tensor | None = None, kv_len: int | None = None,
-    ) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """Every head's attention output, concatenated ``(B, T, n_head * head_dim)``: all of
         attention but the output projection (tensor parallelism projects a slice of heads)."""
         B, T, _ = x.shape
@@ -56,13 +53,18 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
-        if slot is not None:  # decode: write at `slot`, read `kv_len` slots (None: all of them)
-            k, v = cache.write_at(self.layer_idx, slot, k, v, kv_len)  # (B, nkv, S, hd)
+        cache = inputs.cache
+        if inputs.packed:  # rows of any lengths packed in one sequence: the cache keeps them apart
+            y = cache.attend(self.layer_idx, q, k, v)  # (1, nh, N, hd)
+            return y.transpose(1, 2).reshape(B, T, nh * hd)
+        if inputs.slot is not None:  # decode: write at `slot`, read `kv_len` slots (None: all)
+            k, v = cache.write_at(self.layer_idx, inputs.slot, k, v, inputs.kv_len)  # (B, nkv, S, hd)
         elif cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd): all cached tokens
         if nkv != nh:  # grouped-query attention: each K/V head serves nh // nkv query heads
             k = k.repeat_interleave(nh // nkv, dim=1)
             v = v.repeat_interleave(nh // nkv, dim=1)
+        mask, is_causal = inputs.mask, inputs.is_causal
         if self.impl == "math":
             y = _attention_math(q, k, v, mask, is_causal)
         else:
@@ -101,8 +103,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, mask, is_causal, cache, slot=None, kv_len=None):
-        x = x + self.attn(self.ln_1(x), mask, is_causal, cache, slot, kv_len)
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), inputs)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -208,7 +210,7 @@ class GPT(nn.Module):
     def forward(
         self,
         idx: torch.Tensor,
-        cache: StaticKVCache | None = None,
+        cache: KVCache | PackedKVCache | None = None,
         start: torch.Tensor | None = None,
         last_only: bool = False,
         *,
@@ -228,11 +230,13 @@ class GPT(nn.Module):
         tokens the engine produced itself, and never wait for it (see `_checks_ids`).
 
         `slot` (with `cache`, optionally `kv_len`) runs the lean decode step `decode` instead:
-        unchecked, returns ``(B, vocab)``. Going through ``model(...)`` keeps forward hooks
-        working.
+        unchecked, returns ``(B, vocab)``. A packed cache (`minifer.cache.PackedKVCache`) runs
+        `forward_packed`. Going through ``model(...)`` keeps forward hooks working.
         """
         if slot is not None:
             return self.decode(idx, cache, slot, kv_len)
+        if getattr(cache, "packed", False):
+            return self.forward_packed(idx, cache)
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, tokens), got {tuple(idx.shape)}")
         if idx.dtype not in (torch.int64, torch.int32):
@@ -261,16 +265,35 @@ class GPT(nn.Module):
             start, padded = cache.start, cache.padded
         else:
             padded = start is not None
-        mask, is_causal, pos = _masks(idx.device, B, T, offset, start if padded else None)
-
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x, mask, is_causal, cache)
+        x = self.blocks(idx, _inputs(idx.device, B, T, offset, start if padded else None, cache))
         if cache is not None:
             cache.advance(T)
         if last_only:
             x = x[:, -1:, :]
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
+
+    def forward_packed(self, idx: torch.Tensor, cache: PackedKVCache) -> torch.Tensor:
+        """Logits ``(len(cache.logits_index), vocab)`` for many rows packed in one sequence.
+
+        `idx` ``(1, N)`` holds every row's new tokens end to end (a serving step: decode rows
+        and prompt chunks together, see `minifer.serve.kv_pool.PackedBatch`). Every token-wise
+        layer runs once over all N tokens; attention is left to ``cache.attend``, which keeps
+        each row to its own tokens. Logits are computed only at ``cache.logits_index``.
+        """
+        if idx.dim() != 2 or idx.shape[0] != 1 or idx.shape[1] != cache.num_tokens:
+            raise ValueError(f"a packed call takes idx of shape (1, {cache.num_tokens}), got "
+                             f"{tuple(idx.shape)}")
+        if _checks_ids(idx.device.type, False):
+            lo, hi = (t.item() for t in torch.aminmax(idx))
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"idx must hold token ids in [0, {self.config.vocab_size}) "
+                                 f"(the vocabulary), got {lo if lo < 0 else hi}")
+        if int(cache.positions.max()) >= self.config.context_length:
+            raise ValueError(f"a row reaches position {int(cache.positions.max())}, beyond the "
+                             f"context window ({self.config.context_length})")
+        x = self.blocks(idx, AttentionInputs(cache.positions, cache=cache, packed=True))
+        x = x[0].index_select(0, cache.logits_index)  # (rows, C)
+        return self.lm_head(self.transformer.ln_f(x))  # (rows, vocab)
 
     def decode(self, tokens: torch.Tensor, cache: StaticKVCache, slot: torch.Tensor,
                kv_len: int | None = None) -> torch.Tensor:
@@ -290,19 +313,16 @@ class GPT(nn.Module):
         - ``kv_len=cache.pos + 1``, the eager step: only the filled slots are read, and without
           left padding no mask is needed at all.
         """
-        start = cache.start
-        pos = (slot - start)[:, None]  # (B, 1) each row's own position
-        x = self.transformer.wte(tokens) + self.transformer.wpe(pos)  # (B, 1, C)
-        mask = None
-        if kv_len is None or cache.padded:
-            slots = cache.slots if kv_len is None else cache.slots[:kv_len]
-            allowed = (slots <= slot) & (slots >= start[:, None])  # (B, S)
-            # additive, in the model's dtype: converted once here, not once per layer by SDPA
-            mask = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device)
-            mask = mask.masked_fill(~allowed, float("-inf"))[:, None, None, :]  # (B, 1, 1, S)
-        for block in self.transformer.h:
-            x = block(x, mask, False, cache, slot, kv_len)
+        x = self.blocks(tokens, _decode_inputs(cache, slot, kv_len, self.transformer.wte.weight))
         return self.lm_head(self.transformer.ln_f(x))[:, 0]  # (B, vocab)
+
+    def blocks(self, idx: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """Embed token ids `idx` ``(B, T)`` at ``inputs.positions`` and run every block: the
+        hidden states ``(B, T, C)`` before the final LayerNorm."""
+        x = self.transformer.wte(idx) + self.transformer.wpe(inputs.positions)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x, inputs)
+        return x
 
 
 def _checks_ids(device_type: str, fresh: bool) -> bool:
@@ -344,8 +364,9 @@ def _check_hf_options(hc, dtype: torch.dtype) -> None:
                          f"{dtype} (convert the model with .float() first)")
 
 
-def _masks(device, B: int, T: int, offset: int, start: torch.Tensor | None):
-    """Attention mask, causal flag and position ids for T new tokens at slots offset..offset+T-1.
+def _inputs(device, B: int, T: int, offset: int, start: torch.Tensor | None,
+            cache: KVCache | None) -> AttentionInputs:
+    """Position ids, attention mask and causal flag for T new tokens at slots offset..offset+T-1.
 
     Without padding the fast paths need no mask: a fresh prefill is plain causal attention and a
     one-token step may see every cached slot. With left padding, query slot i sees key slot j
@@ -356,11 +377,12 @@ def _masks(device, B: int, T: int, offset: int, start: torch.Tensor | None):
     if start is None:
         pos = q_slots.unsqueeze(0).expand(B, T)
         if offset == 0:
-            return None, T > 1, pos
+            return AttentionInputs(pos, None, T > 1, cache)
         if T == 1:
-            return None, False, pos
+            return AttentionInputs(pos, None, False, cache)
         k_slots = torch.arange(offset + T, device=device)
-        return (k_slots[None, :] <= q_slots[:, None]).view(1, 1, T, offset + T), False, pos
+        mask = (k_slots[None, :] <= q_slots[:, None]).view(1, 1, T, offset + T)
+        return AttentionInputs(pos, mask, False, cache)
     start = start.to(device)
     pos = (q_slots[None, :] - start[:, None]).clamp(min=0)  # (B, T) per-row positions
     k_slots = torch.arange(offset + T, device=device)
@@ -368,4 +390,23 @@ def _masks(device, B: int, T: int, offset: int, start: torch.Tensor | None):
     real = k_slots[None, :] >= start[:, None]  # (B, S)
     self_ = k_slots[None, :] == q_slots[:, None]  # (T, S)
     mask = (causal[None] & real[:, None, :]) | self_[None]  # (B, T, S)
-    return mask.unsqueeze(1), False, pos  # (B, 1, T, S)
+    return AttentionInputs(pos, mask.unsqueeze(1), False, cache)  # mask (B, 1, T, S)
+
+
+def _decode_inputs(cache: StaticKVCache, slot: torch.Tensor, kv_len: int | None,
+                   like: torch.Tensor) -> AttentionInputs:
+    """The decode step's inputs: one new token per row, written at `slot`.
+
+    Row b sees slots ``start[b]..slot``. The mask is additive, in the embeddings' dtype (that of
+    `like`): converted once here, not once per layer by SDPA. An eager step without padding
+    (`kv_len` given, no row padded) may see every slot it reads and needs no mask at all.
+    """
+    start = cache.start
+    pos = (slot - start)[:, None]  # (B, 1) each row's own position
+    mask = None
+    if kv_len is None or cache.padded:
+        slots = cache.slots if kv_len is None else cache.slots[:kv_len]
+        allowed = (slots <= slot) & (slots >= start[:, None])  # (B, S)
+        mask = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
+        mask = mask.masked_fill(~allowed, float("-inf"))[:, None, None, :]  # (B, 1, 1, S)
+    return AttentionInputs(pos, mask, False, cache, slot, kv_len)

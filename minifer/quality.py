@@ -19,7 +19,7 @@ from .generation import encode_prompts, generate
 from .sampling import SamplingParams
 from .tokenizer import TokenizerLike
 
-__all__ = ["max_logit_diff", "top1_agreement", "GreedyAgreement", "greedy_agreement",
+__all__ = ["max_logit_diff", "top1_tokens", "top1_agreement", "GreedyAgreement", "greedy_agreement",
            "validation_perplexity"]
 
 
@@ -35,22 +35,37 @@ def max_logit_diff(reference: torch.nn.Module, model: torch.nn.Module, prompt,
 
 
 @torch.inference_mode()
-def top1_agreement(reference: torch.nn.Module, model: torch.nn.Module, ids: list[int]) -> float:
+def top1_tokens(model: torch.nn.Module, ids: list[int], batch_size: int = 8) -> torch.Tensor:
+    """The model's most likely next token at every position of `ids` (teacher forcing), as a
+    1-d CPU tensor. Long `ids` are cut into windows of the model's context, run `batch_size`
+    windows per forward call (the last, shorter window alone)."""
+    ctx = model.config.context_length
+    device = next(model.parameters()).device
+    windows = [ids[i:i + ctx] for i in range(0, len(ids), ctx)]
+    out = []
+    for i in range(0, len(windows), batch_size):
+        group = windows[i:i + batch_size]
+        full = [w for w in group if len(w) == len(group[0])]
+        for rows in (full, group[len(full):]):
+            if rows:
+                x = torch.tensor(rows, device=device)
+                out.append(model(x).argmax(-1).cpu().reshape(-1))
+    return torch.cat(out)
+
+
+def top1_agreement(reference: torch.nn.Module, model: torch.nn.Module, ids: list[int], *,
+                   reference_top1: torch.Tensor | None = None) -> float:
     """Fraction of positions of `ids` where both models' most likely next token is the same.
 
     Both read the same text (teacher forcing), so one early difference does not derail the
-    rest the way it does in free-running greedy generation. Long `ids` are cut into windows of
-    the model's context.
+    rest the way it does in free-running greedy generation. `reference_top1`: the reference's
+    `top1_tokens` of `ids`, when several models are compared with one reference.
     """
-    ctx = reference.config.context_length
-    same = total = 0
-    for i in range(0, len(ids), ctx):
-        x = torch.tensor([ids[i:i + ctx]])
-        a = reference(x.to(next(reference.parameters()).device)).argmax(-1).cpu()
-        b = model(x.to(next(model.parameters()).device)).argmax(-1).cpu()
-        same += int((a == b).sum())
-        total += a.numel()
-    return same / total
+    a = top1_tokens(reference, ids) if reference_top1 is None else reference_top1
+    b = top1_tokens(model, ids)
+    if a.shape != b.shape:
+        raise ValueError(f"reference_top1 holds {a.numel()} positions, ids {b.numel()}")
+    return float((a == b).sum()) / a.numel()
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,23 @@ kernel takes its shape; `quantize` says when it does not). The tie is gone
 in the quantized model (it stores both, so more bytes in memory), but for GPT-2 124M the head is
 38.6M of the 124M weights: left in fp32 it alone would be two thirds of the bytes an int8 step reads.
 
-Each quantized layer runs one of two paths, tested against each other:
+Each quantized layer runs one of three paths, tested against each other:
 
 * ``"fused"``: torch's kernels that read the int8/int4 weights directly
   (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm[_for_cpu]``). Their fast versions
   take bf16 activations, so this path rounds the layer's input to bf16 and its output back.
 * ``"reference"``: dequantize the weight to the activation dtype, then an ordinary matmul —
   the same numbers, readable, and slower (it rebuilds a float weight at every call).
+* ``"integer"`` (int8 only, W8A8): the activations are quantized too, and the matmul runs on the
+  CPU's integer units (uint8 × int8 → int32 with VNNI/AMX where present) in PyTorch's quantized
+  engine (fbgemm / oneDNN, `torch.backends.quantized`), the weight prepacked once for it. The
+  weight-only kernels above do ``M × K × N`` multiply-adds in float after widening every weight,
+  so their cost grows with the batch ``M`` like fp32's and more; integer GEMMs do them 4× wider
+  per instruction (claim QUANT-6). The price: each call quantizes its whole input with one scale
+  (dynamic, per tensor: `torch.ao`'s convention) and 7-bit range on x86 (``reduce_range``, which
+  keeps the int16 intermediates of CPUs without VNNI from saturating), so the rounding of one
+  row depends on the other rows in the batch, and the error is larger than weight-only's.
+  CPU only; `integer_problem` says why it cannot run where it cannot.
 
 The fused kernels changed signatures across torch versions, and each takes only some shapes
 (int8: ``in_features`` a multiple of 16 — past it, it reads out of bounds; int4: groups of
@@ -49,11 +59,12 @@ import torch.nn.functional as F
 
 __all__ = ["PRECISIONS", "FLOAT_DTYPES", "KERNEL_GROUP_SIZES", "QuantizedLinear", "quantize",
            "quantize_int8", "quantize_int4", "default_group_size", "pack_int4", "unpack_int4",
-           "dequantize_int4", "fused_available", "fused_problem", "ModelBytes", "model_bytes"]
+           "dequantize_int4", "fused_available", "fused_problem", "integer_problem", "ModelBytes",
+           "model_bytes"]
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-IMPLS = ("auto", "fused", "reference")
+IMPLS = ("auto", "fused", "reference", "integer")
 
 
 # ---- the quantizers (plain tensor functions) -----------------------------------------------
@@ -240,6 +251,74 @@ def fused_available(bits: int, device: str = "cpu", compute_dtype: torch.dtype =
                          compute_dtype) is None
 
 
+# ---- W8A8 on integer units (PyTorch's quantized engine) --------------------------------------
+def _quantized_engine() -> str | None:
+    """The quantized engine this process uses, or None where there is none (e.g. a build
+    without fbgemm/oneDNN/QNNPACK)."""
+    engine = torch.backends.quantized.engine
+    if engine in ("fbgemm", "x86", "onednn", "qnnpack"):
+        return engine
+    for e in ("x86", "fbgemm", "onednn", "qnnpack"):  # "none": pick one this build has
+        if e in torch.backends.quantized.supported_engines:
+            return e
+    return None
+
+
+def _reduce_range(engine: str) -> bool:
+    # x86 engines widen u8 × s8 pairs into int16 (vpmaddubsw) before int32; full 8-bit
+    # activations can saturate there on CPUs without VNNI, so torch.ao keeps them to 7 bits
+    return engine in ("fbgemm", "x86")
+
+
+def _integer_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    """Prepack int8 weights [N, K] with per-row scales for the quantized engine's GEMM."""
+    import warnings as _w
+
+    with _w.catch_warnings():  # torch >= 2.10 warns that quantized tensors are deprecated
+        _w.simplefilter("ignore")
+        qw = torch._make_per_channel_quantized_tensor(
+            q.cpu(), scale.double().cpu(), torch.zeros(q.shape[0], dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(
+            qw, None if bias is None else bias.detach().float().cpu())
+
+
+def _integer_mm(x: torch.Tensor, packed, engine: str) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic(x.float().contiguous(), packed,
+                                              _reduce_range(engine))
+
+
+@functools.cache
+def integer_problem(out_features: int = 64, in_features: int = 256,
+                    device: str = "cpu") -> str | None:
+    """Why the W8A8 integer path (``impl="integer"``) cannot run a layer of this shape here
+    (None: it can). It needs a CPU and a quantized engine; then a random layer is run on 1, 3
+    and 17 rows and compared with the weight-only reference: an exception, or an answer off by
+    more than 5% of the output's scale (the activations are rounded to 7 or 8 bits), is a
+    problem. Cached per shape."""
+    if torch.device(device).type != "cpu":
+        return f"the integer path runs on the CPU only (got device {device!r})"
+    engine = _quantized_engine()
+    if engine is None:
+        return f"this torch build has no quantized engine (supported: " \
+               f"{torch.backends.quantized.supported_engines})"
+    try:
+        gen = torch.Generator().manual_seed(0)
+        lin = _linear_from(torch.randn(out_features, in_features, generator=gen) * 0.05)
+        ref = QuantizedLinear.from_linear(lin, 8, impl="reference")
+        integer = QuantizedLinear.from_linear(lin, 8, impl="integer")
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, in_features, generator=gen)
+            want, got = ref(x), integer(x)
+            err = (got - want).abs().max().item()
+            if not err <= 0.05 * want.abs().max().item() + 1e-3:  # also catches NaN
+                return (f"the {engine} engine's output differs from the weight-only "
+                        f"reference by {err:.3g} on {rows} row(s)")
+    except Exception as e:  # noqa: BLE001 — a missing op, an engine that rejects the shape
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        return f"the {engine} engine raised {type(e).__name__}: {first}"
+    return None
+
+
 def _linear_from(w: torch.Tensor) -> nn.Linear:
     lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
     with torch.no_grad():
@@ -258,6 +337,10 @@ class QuantizedLinear(nn.Module):
       fused path), and ``scales`` and ``zeros`` [N, K/group] (fused path: one
       ``scales_zeros`` tensor [K/group, N, 2], as the kernel wants them);
     * ``bias`` in float, when the layer has one.
+
+    The integer path (``impl="integer"``) stores what the reference path stores, and besides it
+    the weight prepacked for the quantized engine (not a buffer: it is rebuilt from
+    ``qweight`` and ``scales`` when missing, e.g. after loading a state dict).
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int, *,
@@ -267,6 +350,19 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size, self.impl = bits, group_size, impl
         self.compute_dtype = compute_dtype
+        self._packed = None  # impl="integer": the weight in the quantized engine's layout
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ...: repack from the buffers
+        self._packed = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):  # new buffers: repack them
+        self._packed = None
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self):  # deepcopy/pickle: the pack is rebuilt, never copied
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else dict(self.__dict__)
+        return {**state, "_packed": None}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, *, group_size: int | None = None,
@@ -281,8 +377,13 @@ class QuantizedLinear(nn.Module):
         """
         if bits not in (8, 4):
             raise ValueError(f"bits must be 8 or 4, got {bits!r}")
-        if impl not in ("fused", "reference"):
-            raise ValueError(f"impl must be 'fused' or 'reference', got {impl!r}")
+        if impl not in ("fused", "reference", "integer"):
+            raise ValueError(f"impl must be 'fused', 'reference' or 'integer', got {impl!r}")
+        if impl == "integer" and bits != 8:
+            raise ValueError(f"impl='integer' (W8A8) takes bits=8, got bits={bits}")
+        if impl == "integer" and linear.weight.device.type != "cpu":
+            raise ValueError(f"impl='integer' runs on the CPU only; the layer is on "
+                             f"{linear.weight.device}")
         N, K = linear.weight.shape
         if bits == 4:
             group_size = default_group_size([K]) if group_size is None else group_size
@@ -320,7 +421,12 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.impl == "fused":
+        if self.impl == "integer":
+            engine = _quantized_engine()
+            if self._packed is None:
+                self._packed = _integer_pack(self.qweight, self.scales, self.bias)
+            y = _integer_mm(x2, self._packed, engine).to(x.dtype)  # bias is in the pack
+        elif self.impl == "fused":
             xc = x2.to(self.compute_dtype)
             if self.bits == 8:
                 y = _int8_mm(xc, self.qweight, self.scales)
@@ -336,7 +442,7 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] this layer stands for."""
-        if self.impl == "reference":
+        if self.impl in ("reference", "integer"):
             if self.bits == 8:
                 return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
             return dequantize_int4(unpack_int4(self.qweight), self.scales, self.zeros, dtype)
@@ -396,6 +502,10 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
       checked with `fused_problem`: a layer the kernel cannot take (int8: ``in_features`` not a
       multiple of 16; int4: ``out_features`` not a multiple of 16 on the CPU, or a group size
       other than 32/64/128/256) runs on the reference path, with a warning that names it.
+      ``"integer"`` (int8 only, CPU): W8A8 on the CPU's integer units (module doc), each layer
+      checked with `integer_problem`; measured faster than the weight-only kernel at batch 1 to
+      64 even on an AVX2-only CPU (BENCHMARKS.md), and its error is larger (activations rounded
+      to 7–8 bits).
       ``compute_dtype`` is the activation dtype of the fused kernels. ``include_lm_head=False``
       keeps the output head in float (and a tied head tied). With ``True`` (the default) a head
       tied to the embedding is quantized as a copy and the embedding stays float (module doc),
@@ -427,7 +537,15 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
     if bits == 8:
         group_size = None
     requested = impl
-    if impl == "auto" or impl == "fused":
+    if impl == "integer":
+        device = next(model.parameters()).device
+        if bits != 8:
+            raise ValueError(f"impl='integer' (W8A8 on integer units) is for int8, not {precision}")
+        problem = integer_problem(64, 256, str(device))
+        if problem is not None:
+            raise RuntimeError(f"the W8A8 integer path cannot run here: {problem}; use "
+                               f"impl='auto' (weight-only)")
+    elif impl == "auto" or impl == "fused":
         device = next(model.parameters()).device
         ok = fused_available(bits, str(device), compute_dtype)
         if not ok and impl == "fused":
@@ -446,10 +564,13 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
         parent = new.get_submodule(parent_name) if parent_name else new
         layer_impl = impl
         is_tied = lin.weight.data_ptr() in tied
-        if impl == "fused":
+        if impl in ("fused", "integer"):
             N, K = lin.weight.shape
-            problem = fused_problem(bits, N, K, group_size, str(lin.weight.device),
-                                    compute_dtype)
+            if impl == "fused":
+                problem = fused_problem(bits, N, K, group_size, str(lin.weight.device),
+                                        compute_dtype)
+            else:
+                problem = integer_problem(N, K, str(lin.weight.device))
             if problem is not None:
                 layer_impl = "reference"
                 if not is_tied:
@@ -463,7 +584,8 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
         setattr(parent, attr, layer)
     if unfused:
         detail = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in unfused.items())
-        warnings.warn(f"the fused int{bits} kernel rejects the shape of {detail}; those layers "
+        kernel = "W8A8 integer path" if impl == "integer" else f"fused int{bits} kernel"
+        warnings.warn(f"the {kernel} rejects the shape of {detail}; those layers "
                       f"use the dequantize-then-matmul reference path", RuntimeWarning,
                       stacklevel=2)
     return new.eval()

@@ -32,6 +32,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checks import check_int, check_number
+from .config import kv_token_bytes
+
 __all__ = [
     "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB",
     "BYTES_PER_VALUE", "HARDWARE", "MODELS",
@@ -78,21 +81,6 @@ def value_bytes(precision: str | float, name: str = "precision") -> float:
     return precision
 
 
-def _check_int(value: Any, name: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_positive(value: Any, name: str, allow_zero: bool = False) -> float:
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and (value >= 0 if allow_zero else value > 0))
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-    return float(value)
-
-
 # --------------------------------------------------------------------------------------------
 # Hardware
 # --------------------------------------------------------------------------------------------
@@ -112,14 +100,14 @@ class Hardware:
     memory_bytes: float
 
     def __post_init__(self) -> None:
-        _check_positive(self.bandwidth, "Hardware.bandwidth")
-        _check_positive(self.memory_bytes, "Hardware.memory_bytes")
+        check_number("Hardware.bandwidth", self.bandwidth, gt=0, finite=True)
+        check_number("Hardware.memory_bytes", self.memory_bytes, gt=0, finite=True)
         if not isinstance(self.flops, Mapping) or not self.flops:
             raise ValueError(f"Hardware.flops must be a non-empty dict precision -> FLOP/s, "
                              f"got {self.flops!r}")
         for key, value in self.flops.items():
             _check_precision(key, "Hardware.flops key")
-            _check_positive(value, f"Hardware.flops[{key!r}]")
+            check_number(f"Hardware.flops[{key!r}]", value, gt=0, finite=True)
         object.__setattr__(self, "flops", dict(self.flops))  # a private copy
 
     def peak_flops(self, precision: str = "bf16") -> float:
@@ -204,9 +192,9 @@ class ModelSpec:
     context_length: int | None = None
 
     def __post_init__(self) -> None:
-        _check_positive(self.params, "ModelSpec.params")
+        check_number("ModelSpec.params", self.params, gt=0, finite=True)
         for attr in ("n_layer", "n_head", "n_kv_head", "head_dim", "d_model"):
-            _check_int(getattr(self, attr), f"ModelSpec.{attr}", minimum=1)
+            check_int(f"ModelSpec.{attr}", getattr(self, attr), 1)
         if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"ModelSpec.n_kv_head must divide n_head={self.n_head} and be in "
                              f"[1, {self.n_head}], got {self.n_kv_head}")
@@ -298,12 +286,13 @@ def weight_bytes(spec: ModelSpec | str, bytes_per_param: str | float = "bf16") -
 
 
 def kv_bytes_per_token(spec: ModelSpec | str, bytes_per_value: str | float = 2) -> float:
-    """KV-cache bytes one token costs: 2 (K and V) × layers × KV heads × head dim × bytes.
+    """KV-cache bytes one token costs: 2 (K and V) × layers × KV heads × head dim × bytes
+    (`minifer.config.kv_token_bytes`); by default 16-bit, as a served model's cache is.
 
     Llama-3-8B in 16-bit: 2 × 32 × 8 × 128 × 2 = 131,072 B = 128 KiB (claim KV-6).
     """
     s = _as_spec(spec)
-    return 2 * s.n_layer * s.n_kv_head * s.head_dim * _bpv(bytes_per_value)
+    return kv_token_bytes(s.n_layer, s.n_kv_head, s.head_dim, _bpv(bytes_per_value))
 
 
 def _bpv(value: str | float) -> float:
@@ -313,8 +302,8 @@ def _bpv(value: str | float) -> float:
 def kv_cache_bytes(spec: ModelSpec | str, tokens: int, batch: int = 1,
                    bytes_per_value: str | float = 2) -> float:
     """KV-cache bytes for ``batch`` sequences of ``tokens`` tokens each (linear in both)."""
-    _check_int(tokens, "tokens")
-    _check_int(batch, "batch")
+    check_int("tokens", tokens, 0)
+    check_int("batch", batch, 0)
     return kv_bytes_per_token(spec, bytes_per_value) * tokens * batch
 
 
@@ -324,12 +313,12 @@ def kv_cache_gib(layers: int, kv_heads: int, head_dim: int, tokens: int, batch: 
 
     ``kv_cache_gib(32, 8, 128, tokens=4096, batch=4)`` = 2.0 GiB.
     """
-    _check_int(layers, "layers", 1)
-    _check_int(kv_heads, "kv_heads", 1)
-    _check_int(head_dim, "head_dim", 1)
-    _check_int(tokens, "tokens")
-    _check_int(batch, "batch")
-    return 2 * layers * kv_heads * head_dim * tokens * batch * _bpv(bytes_per_value) / GiB
+    check_int("layers", layers, 1)
+    check_int("kv_heads", kv_heads, 1)
+    check_int("head_dim", head_dim, 1)
+    check_int("tokens", tokens, 0)
+    check_int("batch", batch, 0)
+    return kv_token_bytes(layers, kv_heads, head_dim, _bpv(bytes_per_value)) * tokens * batch / GiB
 
 
 def kv_tokens_fit(spec: ModelSpec | str, free_bytes: float,
@@ -338,7 +327,7 @@ def kv_tokens_fit(spec: ModelSpec | str, free_bytes: float,
 
     Claim KV-7 in binary units: 64 GiB / 128 KiB per token = 524,288 tokens.
     """
-    _check_positive(free_bytes, "free_bytes", allow_zero=True)
+    check_number("free_bytes", free_bytes, ge=0, finite=True)
     return int(free_bytes // kv_bytes_per_token(spec, bytes_per_value))
 
 
@@ -349,7 +338,7 @@ def kv_crossover_tokens(spec: ModelSpec | str, batch: int = 1, precision: str = 
     Llama-3-8B, 16-bit, batch 1: 16e9 / 131,072 → 122,071 tokens; at batch 32 only 3,815
     (claim KV-11: for long contexts or large batches the cache exceeds the weights).
     """
-    _check_int(batch, "batch", 1)
+    check_int("batch", batch, 1)
     kv_precision = _kv_precision(precision, kv_precision)
     per_token = kv_bytes_per_token(spec, kv_precision) * batch
     return math.floor(weight_bytes(spec, precision) / per_token) + 1
@@ -468,8 +457,8 @@ def decode_time(spec: ModelSpec | str, hw: Hardware | str, batch: int = 1, conte
     batch 512 → 8.19 ms, compute-bound, 62,500 tokens/s (claim PD-8).
     """
     spec, hw = _as_spec(spec), _as_hardware(hw)
-    _check_int(batch, "batch", 1)
-    _check_int(context, "context")
+    check_int("batch", batch, 1)
+    check_int("context", context, 0)
     kv_p = _kv_precision(precision, kv_precision)
     cp = _compute_precision(precision, compute_precision)
     wb = weight_bytes(spec, precision)
@@ -497,8 +486,8 @@ def prefill_time(spec: ModelSpec | str, hw: Hardware | str, prompt_tokens: int, 
     the 8B model: 32 TFLOP = 32 ms of compute against 5.3 ms of reading: compute-bound (PD-7).
     """
     spec, hw = _as_spec(spec), _as_hardware(hw)
-    _check_int(prompt_tokens, "prompt_tokens", 1)
-    _check_int(batch, "batch", 1)
+    check_int("prompt_tokens", prompt_tokens, 1)
+    check_int("batch", batch, 1)
     cp = _compute_precision(precision, compute_precision)
     wb = weight_bytes(spec, precision)
     flops = 2 * spec.params * prompt_tokens * batch
@@ -554,7 +543,7 @@ def max_batch(spec: ModelSpec | str, hw: Hardware | str, context: int,
     Llama-3-8B on an 80 GB (decimal) A100 in 16-bit: 119 sequences at 4,096 tokens (BATCH-3).
     """
     spec, hw = _as_spec(spec), _as_hardware(hw)
-    _check_int(context, "context", 1)
+    check_int("context", context, 1)
     free = hw.memory_bytes - weight_bytes(spec, precision)
     if free <= 0:
         return 0
@@ -571,17 +560,17 @@ def mbu(weight_bytes: float, kv_bytes: float, tpot_s: float, peak_bandwidth: flo
 
     A 7B model in 16-bit (14 GB) at a TPOT of 14 ms moves 1 TB/s: 0.5 of a 2 TB/s peak (PD-10).
     """
-    _check_positive(weight_bytes, "weight_bytes", allow_zero=True)
-    _check_positive(kv_bytes, "kv_bytes", allow_zero=True)
-    _check_positive(tpot_s, "tpot_s")
-    _check_positive(peak_bandwidth, "peak_bandwidth")
+    check_number("weight_bytes", weight_bytes, ge=0, finite=True)
+    check_number("kv_bytes", kv_bytes, ge=0, finite=True)
+    check_number("tpot_s", tpot_s, gt=0, finite=True)
+    check_number("peak_bandwidth", peak_bandwidth, gt=0, finite=True)
     return (weight_bytes + kv_bytes) / tpot_s / peak_bandwidth
 
 
 def mfu(achieved_flops_per_s: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: achieved FLOP/s ÷ peak FLOP/s, a fraction (compute-bound phases)."""
-    _check_positive(achieved_flops_per_s, "achieved_flops_per_s", allow_zero=True)
-    _check_positive(peak_flops, "peak_flops")
+    check_number("achieved_flops_per_s", achieved_flops_per_s, ge=0, finite=True)
+    check_number("peak_flops", peak_flops, gt=0, finite=True)
     return achieved_flops_per_s / peak_flops
 
 
@@ -592,17 +581,17 @@ def e2e_latency(ttft_s: float, tpot_s: float, output_tokens: int,
     Strictly the first token arrives at TTFT, so only ``output_tokens − 1`` decode steps follow
     (vLLM's benchmark defines TPOT that way); pass ``first_token_in_ttft=True`` for that count.
     """
-    _check_positive(ttft_s, "ttft_s", allow_zero=True)
-    _check_positive(tpot_s, "tpot_s", allow_zero=True)
-    _check_int(output_tokens, "output_tokens", 1 if first_token_in_ttft else 0)
+    check_number("ttft_s", ttft_s, ge=0, finite=True)
+    check_number("tpot_s", tpot_s, ge=0, finite=True)
+    check_int("output_tokens", output_tokens, 1 if first_token_in_ttft else 0)
     steps = output_tokens - 1 if first_token_in_ttft else output_tokens
     return ttft_s + tpot_s * steps
 
 
 def tokens_per_second(tpot_s: float, batch: int = 1) -> float:
     """Tokens per second from a TPOT: ``batch / tpot_s`` (batch 1: per user; 100 ms → 10)."""
-    _check_positive(tpot_s, "tpot_s")
-    _check_int(batch, "batch", 1)
+    check_number("tpot_s", tpot_s, gt=0, finite=True)
+    check_int("batch", batch, 1)
     return batch / tpot_s
 
 
@@ -625,8 +614,8 @@ class Interconnect:
     latency: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_positive(self.bandwidth, "Interconnect.bandwidth")
-        _check_positive(self.latency, "Interconnect.latency", allow_zero=True)
+        check_number("Interconnect.bandwidth", self.bandwidth, gt=0, finite=True)
+        check_number("Interconnect.latency", self.latency, ge=0, finite=True)
 
     @classmethod
     def preset(cls, name: str) -> Interconnect:
@@ -647,6 +636,10 @@ INTERCONNECTS: dict[str, Interconnect] = {
     "nvlink-a100": Interconnect("NVLink 3 (A100 SXM, 300 GB/s per direction)", 300e9, 1e-6),
     "pcie-5": Interconnect("PCIe 5.0 x16 (64 GB/s per direction)", 64e9, 5e-6),
     "pcie-4": Interconnect("PCIe 4.0 x16 (32 GB/s per direction)", 32e9, 5e-6),
+    # Between machines (disaggregated serving sends a prompt's K/V over these, PD-12): line
+    # rates in bits/s ÷ 8 (400 Gb/s: an InfiniBand NDR or RoCE NIC); latencies illustrative.
+    "ethernet-400g": Interconnect("400 Gb/s network (50 GB/s per direction)", 50e9, 5e-6),
+    "ethernet-100g": Interconnect("100 Gb/s Ethernet (12.5 GB/s per direction)", 12.5e9, 10e-6),
 }
 
 
@@ -673,10 +666,10 @@ def allreduce_time(nbytes: float, world: int, bandwidth: float, latency: float =
     term grows linearly. One device needs no all-reduce: 0 s. NCCL's "bus bandwidth" is the
     same 2(N-1)/N factor applied to measured times.
     """
-    _check_positive(nbytes, "nbytes", allow_zero=True)
-    _check_int(world, "world", 1)
-    _check_positive(bandwidth, "bandwidth")
-    _check_positive(latency, "latency", allow_zero=True)
+    check_number("nbytes", nbytes, ge=0, finite=True)
+    check_int("world", world, 1)
+    check_number("bandwidth", bandwidth, gt=0, finite=True)
+    check_number("latency", latency, ge=0, finite=True)
     if world == 1:
         return 0.0
     steps = 2 * (world - 1)
@@ -736,12 +729,12 @@ def tp_decode(spec: ModelSpec | str, hw: Hardware | str, degree: int,
     17.5 GB per device per step.
     """
     spec, hw, link = _as_spec(spec), _as_hardware(hw), _as_link(link)
-    _check_int(degree, "degree", 1)
+    check_int("degree", degree, 1)
     if spec.n_head % degree:
         raise ValueError(f"degree must divide n_head={spec.n_head} (whole heads per device), "
                          f"got {degree}")
-    _check_int(batch, "batch", 1)
-    _check_int(context, "context")
+    check_int("batch", batch, 1)
+    check_int("context", context, 0)
     kv_p = _kv_precision(precision, kv_precision)
     act = BYTES_PER_VALUE[_ACTIVATION_PRECISION[precision]]
     wb = weight_bytes(spec, precision) / degree
@@ -774,3 +767,44 @@ def tp_table(spec: ModelSpec | str, hw: Hardware | str, degrees: Iterable[int] =
 
 __all__ += ["Interconnect", "INTERCONNECTS", "TPDecode", "allreduce_time", "tp_decode",
             "tp_table"]
+
+
+# --------------------------------------------------------------------------------------------
+# Disaggregated serving: a prompt's K/V sent from the prefill device to the decode device (PD-12)
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVTransfer:
+    """One prompt's K/V moved over a link: bytes and seconds (latency + bytes / bandwidth)."""
+
+    model: str
+    interconnect: str
+    prompt_tokens: int
+    kv_precision: str
+    nbytes: float  # kv_bytes_per_token × prompt_tokens
+    seconds: float
+
+    @property
+    def ms(self) -> float:
+        return self.seconds * 1e3
+
+
+def kv_transfer(spec: ModelSpec | str, prompt_tokens: int, link: Interconnect | str = "nvlink-h100",
+                kv_precision: str = "bf16") -> KVTransfer:
+    """What handing one prompt from a prefill device to a decode device costs (claim PD-12).
+
+    The decode device needs the prompt's whole K/V: ``kv_bytes_per_token × prompt_tokens``
+    bytes, sent once, in one message: ``latency + bytes / bandwidth`` (no ring: one sender,
+    one receiver). Llama-3-8B, 16-bit, 4,096 tokens: 536,870,912 B (512 MiB), 1.19 ms over
+    NVLink 4, 8.4 ms over PCIe 5.0, 43 ms over 100 Gb/s Ethernet. Real systems send layer by
+    layer while the prefill runs, hiding most of it; this is the cost before any overlap.
+    """
+    spec, link = _as_spec(spec), _as_link(link)
+    check_int("prompt_tokens", prompt_tokens, 1)
+    nbytes = kv_bytes_per_token(spec, kv_precision) * prompt_tokens
+    return KVTransfer(model=spec.name, interconnect=link.name, prompt_tokens=prompt_tokens,
+                      kv_precision=kv_precision, nbytes=nbytes,
+                      seconds=link.latency + nbytes / link.bandwidth)
+
+
+__all__ += ["KVTransfer", "kv_transfer"]

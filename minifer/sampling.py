@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+from .checks import check_int
 
 INF = float("inf")
 SEED_RANGE = (0, 2**64)  # what torch.Generator.manual_seed takes (as an unsigned 64-bit seed)
@@ -65,13 +66,12 @@ class SamplingParams:
         put("top_p", _check_number("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1))
         put("repetition_penalty", _check_number("repetition_penalty", self.repetition_penalty,
                                                 "> 0", lambda r: r > 0))
-        put("top_k", _check_int("top_k", self.top_k, "an integer ≥ 0 (0 = off)", lambda k: k >= 0))
-        put("max_new_tokens", _check_int("max_new_tokens", self.max_new_tokens,
-                                         "an integer ≥ 1", lambda n: n >= 1))
+        put("top_k", check_int("top_k", self.top_k, 0, why=" (0 = off)"))
+        put("max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
         if self.seed is not None:
             lo, hi = SEED_RANGE
-            put("seed", _check_int("seed", self.seed, "None or an integer in [0, 2**64)",
-                                   lambda s: lo <= s < hi))
+            put("seed", check_int("seed", self.seed, lo, hi - 1,
+                                  allowed="be None or an integer in [0, 2**64)"))
         put("logit_bias", _as_logit_bias(self.logit_bias))
 
     @property
@@ -104,14 +104,6 @@ def _check_number(name: str, value, allowed: str, ok) -> float | int:
     return value if type(value) in (int, float) else float(value)
 
 
-def _check_int(name: str, value, allowed: str, ok) -> int:
-    """An integer (Python or NumPy, not bool) satisfying `ok`, returned as a Python int."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) \
-            or type(value).__name__ == "bool_" or not ok(operator.index(value)):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-    return operator.index(value)
-
-
 def _as_stop(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -131,7 +123,7 @@ def _as_logit_bias(bias) -> dict[int, float]:
         raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {bias!r}")
     out = {}
     for tok, b in bias.items():
-        tok = _check_int("logit_bias keys", tok, "token ids (integers ≥ 0)", lambda t: t >= 0)
+        tok = check_int("logit_bias keys", tok, 0, allowed="be token ids (integers >= 0)")
         out[tok] = float(_check_number(f"logit_bias[{tok}]", b, "a number (±inf allowed)",
                                        lambda _: True))
     return out

@@ -91,8 +91,12 @@ class TextStopper:
         self.pending = ""
         self.stopped = False
 
-    def feed(self, token_id: int) -> str:
-        """Text released by this token ("" while held back). Sets `stopped` on a stop string."""
+    def feed(self, token_id: int, match: bool = True) -> str:
+        """Text released by this token ("" while held back). Sets `stopped` on a stop string.
+        ``match=False`` (before a request's ``min_tokens``): release it all, match nothing."""
+        if not match:
+            text, self.pending = self.pending + self.detok.feed(token_id), ""
+            return text
         return self._release(self.pending + self.detok.feed(token_id), final=False)
 
     def flush(self) -> str:
@@ -126,7 +130,11 @@ class Sequence:
     `append` records a sampled token and decides whether the request is finished: on the
     end-of-sequence token, a stop string (matched on the detokenized text) or the
     `max_new_tokens` limit. The `Completion` it fills (`result`) is what users get back.
+    `min_tokens` (set by the serving engine, which also keeps the end-of-sequence token from
+    being sampled before then): stop strings count only in the text after that many tokens.
     """
+
+    min_tokens = 0
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams,
                  tokenizer: TokenizerLike | None = None, eos_id: int | None = None) -> None:
@@ -171,11 +179,12 @@ class Sequence:
         c = self.result
         c.token_ids.append(token)
         c.token_times.append(now)
-        text = self.stopper.feed(token) if self.stopper is not None else ""
+        early = len(c.token_ids) <= self.min_tokens
+        text = self.stopper.feed(token, match=not early) if self.stopper is not None else ""
         reason = None
         if self.stopper is not None and self.stopper.stopped:
             reason = "stop"
-        elif self.eos_id is not None and token == self.eos_id:
+        elif self.eos_id is not None and token == self.eos_id and not early:
             reason = "eos"
         elif len(c.token_ids) >= self.params.max_new_tokens:
             reason = "length"
@@ -218,7 +227,11 @@ def prepare(model: torch.nn.Module, prompts, params: SamplingParams | None,
     if tokenizer is not None and not all(hasattr(tokenizer, a) for a in ("encode", "detokenizer")):
         raise TypeError(f"tokenizer must be a minifer tokenizer (ByteTokenizer, Tokenizer), "
                         f"got {type(tokenizer).__name__} {tokenizer!r}")
-    cfg = model.config
+    cfg = getattr(model, "config", None)
+    if not isinstance(model, torch.nn.Module) or not all(
+            isinstance(getattr(cfg, a, None), int) for a in ("vocab_size", "context_length")):
+        raise TypeError(f"model must be a minifer GPT (a module with a GPTConfig), got "
+                        f"{type(model).__name__}")
     if params.stop and tokenizer is None:
         raise ValueError("stop strings are matched on text: pass tokenizer= to use stop")
     ids_list = encode_prompts(prompts, tokenizer, cfg.vocab_size)
@@ -233,10 +246,21 @@ def prepare(model: torch.nn.Module, prompts, params: SamplingParams | None,
                     f"prompt {i} has {len(ids)} tokens; with max_new_tokens={params.max_new_tokens} "
                     f"the model must see {need} > the context window of {context} tokens{where}; "
                     f"allowed: prompt tokens + max_new_tokens - 1 <= {context}")
+    check_weights(model)
     dev = as_device(device) if device is not None else next(model.parameters()).device
+    if dev.type == "meta":
+        raise ValueError("device='meta' holds shapes, no values: generation needs a real "
+                         "device such as 'cpu' or 'cuda'")
     eos = eos_id(cfg, tokenizer)
     seqs = [Sequence(i, ids, params, tokenizer, eos) for i, ids in enumerate(ids_list)]
     return Prepared(seqs, vocab, dev)
+
+
+def check_weights(model: torch.nn.Module) -> None:
+    """A ValueError naming `model` if its weights are on the meta device (shapes only)."""
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("model is on the meta device (shapes, no weights): load its weights "
+                         "before generating, e.g. model.to_empty(device='cpu') then a checkpoint")
 
 
 def _as_prompt_list(prompts) -> list:

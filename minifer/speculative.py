@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import StaticKVCache
+from .checks import check_int
 from .device import sync
-from .generation import prefill
+from .generation import advance, prefill
 from .sampling import SamplingParams, draw, mask_padded_vocab, process_logits, sample
 from .sequence import Completion, Sequence, prepare
 
@@ -359,8 +360,7 @@ def speculative_generate(
     the same way. `accept(p_d, q_d, u)`: the acceptance rule used when sampling (default: the
     exact one, `accept_with_ratio`).
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k (draft tokens per target pass) must be an integer >= 1, got {k!r}")
+    check_int("k (draft tokens per target pass)", k, 1)
     if not callable(accept):
         raise TypeError(f"accept must be a function (p_d, q_d, u) -> bool tensor, got {accept!r}")
     drafter = _as_drafter(draft)
@@ -400,7 +400,8 @@ class _SpecRun:
         self.rows = torch.arange(k + 1, device=device)
 
     def generate(self, seq: Sequence, cache: StaticKVCache | None) -> SpecCompletion:
-        """Prefill, then rounds of draft → verify → accept until the sequence finishes."""
+        """Prefill, then rounds of draft → verify → accept until the sequence finishes: the
+        generation loop (`minifer.generation.advance`) with a step that makes several tokens."""
         params, device = seq.params, self.device
         stats = SpecStats(k=self.k, drafter=self.drafter.name)
         gen = None
@@ -412,32 +413,36 @@ class _SpecRun:
             self.seen = torch.zeros(1, self.V, dtype=torch.bool, device=device)
             self.seen[0, torch.tensor(seq.prompt_ids, device=device)] = True
         ctx = DraftContext(params, self.vocab, self.V, device, gen, seq.max_len, self.k)
+        tokens = list(seq.prompt_ids)  # the sequence so far, as the drafter sees it
+        started = False
+
+        def step() -> list[list[int]]:
+            """The first step prefills (target, then drafter) and samples one token; every
+            later one is a round: the accepted drafts, then the target's own next token."""
+            nonlocal cache, started
+            if not started:
+                started = True
+                t0 = time.perf_counter()
+                if cache is None:
+                    cache = StaticKVCache.for_model(self.target, 1, seq.max_len, device=device)
+                cache.reset()
+                logits = prefill(self.target, torch.tensor([seq.prompt_ids], device=device), cache)
+                mask_padded_vocab(logits, self.vocab)
+                first = int(sample(logits, params, self.seen, None if gen is None else [gen])[0])
+                stats.target_passes += 1
+                t1 = time.perf_counter()
+                stats.target_time_s += t1 - t0
+                self.drafter.begin(seq.prompt_ids, ctx)
+                stats.draft_time_s += time.perf_counter() - t1
+                return [[first]]
+            self._extend(tokens, seq.output_ids[len(tokens) - len(seq.prompt_ids):])
+            accepted, drafted, pending = self._round(seq, tokens, cache, stats)
+            return [drafted[:accepted] + [pending]]
+
         with torch.inference_mode():
             t0 = time.perf_counter()
-            if cache is None:
-                cache = StaticKVCache.for_model(self.target, 1, seq.max_len, device=device)
-            cache.reset()
-            logits = prefill(self.target, torch.tensor([seq.prompt_ids], device=device), cache)
-            mask_padded_vocab(logits, self.vocab)
-            pending = int(sample(logits, params, self.seen, None if gen is None else [gen])[0])
-            stats.target_passes += 1
-            t1 = time.perf_counter()
-            stats.target_time_s += t1 - t0
-            self.drafter.begin(seq.prompt_ids, ctx)
-            stats.draft_time_s += time.perf_counter() - t1
-            tokens = list(seq.prompt_ids)  # the sequence so far, as the drafter sees it
-            done = seq.append(pending, time.perf_counter() - t0).finish_reason is not None
-            while not done:
-                self._extend(tokens, [pending])
-                accepted, drafted, pending = self._round(seq, tokens, cache, stats)
-                now = time.perf_counter() - t0
-                for tok in drafted[:accepted]:
-                    done = seq.append(tok, now).finish_reason is not None
-                    if done:
-                        break
-                    self._extend(tokens, [tok])
-                if not done:
-                    done = seq.append(pending, now).finish_reason is not None
+            for _ in advance([seq], step, t0):  # the generation loop, with this step
+                pass
             sync(device)
             stats.wall_time_s = time.perf_counter() - t0
         stats.tokens = len(seq.output_ids)

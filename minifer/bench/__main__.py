@@ -1,7 +1,8 @@
 """``python -m minifer.bench COMMAND``: every benchmark behind one entry point.
 
-The table below is the whole list of subcommands: each names the module whose
-``add_arguments(parser)`` declares its options and whose ``run_command(args)`` runs it.
+The table below is the whole list of subcommands: each names the module (in
+`minifer.bench.commands`) whose ``add_arguments(parser)`` declares its options and whose
+``run_command(args)`` runs it.
 Modules are imported only for the command that runs.
 """
 
@@ -13,18 +14,25 @@ import sys
 from collections.abc import Sequence
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "probe": ("minifer.bench.probes", "measure memory bandwidth and matmul FLOP/s of this machine"),
-    "decode": ("minifer.bench.decode",
-               "prefill vs decode, batch sizes, KV cache vs none (reference model, fp32); "
-               "--table: minifer vs the textbook engine and transformers, floor, MBU"),
-    "profile": ("minifer.bench.profile", "where a decode step's time goes: torch.profiler's top "
+    "probe": ("minifer.bench.commands.probe", "measure memory bandwidth and matmul FLOP/s of this machine"),
+    "decode": ("minifer.bench.commands.decode",
+               "prefill vs decode, batch sizes, KV cache vs none (reference model, fp32)"),
+    "table": ("minifer.bench.commands.table",
+              "minifer vs the textbook engine and transformers, the matmul floor, GB/s and MBU "
+              "(also: decode --table)"),
+    "profile": ("minifer.bench.commands.profile", "where a decode step's time goes: torch.profiler's top "
                 "ops and the step split into matmuls, attention, other ops and Python"),
-    "quant": ("minifer.bench.quant", "bytes and decode tokens/s per precision (fp32 ... int4)"),
-    "spec": ("minifer.bench.spec", "plain vs speculative decoding (draft model, prompt lookup) on "
+    "quant": ("minifer.bench.commands.quant", "bytes and decode tokens/s per precision (fp32 ... int4)"),
+    "peers": ("minifer.bench.commands.peers", "minifer beside CTranslate2 on the same weights: "
+              "greedy agreement and decode tokens/s, engines alternating (the peers extra)"),
+    "spec": ("minifer.bench.commands.spec", "plain vs speculative decoding (draft model, prompt lookup) on "
              "the shipped Shakespeare pair, greedy, batch 1"),
-    "serve": ("minifer.bench.serve", "static vs continuous batching on a Poisson workload, and "
+    "serve": ("minifer.bench.commands.serve", "static vs continuous batching on a Poisson workload, and "
               "prefix caching on a shared system prompt (LLMEngine)"),
-    "serve-load": ("minifer.bench.serve_load",
+    "disagg": ("minifer.bench.commands.disagg",
+               "colocated vs chunked vs disaggregated prefill under steady chats plus long "
+               "prompts: the decode stream's ITL p50/p99/max gap, TTFT, K/V bytes moved"),
+    "serve-load": ("minifer.bench.commands.serve_load",
                    "load-test an OpenAI-compatible completions server: Poisson arrivals, "
                    "streaming; TTFT/TPOT/ITL/E2EL, throughput, goodput"),
 }
@@ -37,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "medians, ratios measured in the same run.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["decode"] and "--table" in argv:  # the table's older name
+        from .commands.table import from_decode_table
+
+        argv = from_decode_table(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

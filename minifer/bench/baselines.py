@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import StaticKVCache
+from ..checks import check_int
 from ..generation import decode_step, prefill
 
 __all__ = ["TextbookEngine", "MinifierDecoder", "HFDecoder", "to_hf", "hf_available",
@@ -47,9 +48,8 @@ def random_past(model: torch.nn.Module, batch: int, tokens: int, seed: int = 0) 
     Given the same cache and the same last token, the engines must still agree token for token.
     """
     cfg = model.config
-    if not isinstance(tokens, int) or not 0 <= tokens < cfg.context_length:
-        raise ValueError(f"tokens must be an integer in [0, {cfg.context_length}) (the model's "
-                         f"context, less the token to decode), got {tokens!r}")
+    check_int("tokens", tokens, 0, cfg.context_length - 1,
+              why=" (the model's context, less the token to decode)")
     p = next(model.parameters())
     gen = torch.Generator().manual_seed(seed)
     shape = (batch, cfg.kv_heads, tokens, cfg.head_dim)

@@ -11,43 +11,31 @@ their reference figures:
   (KV-3: without the cache every step recomputes the whole sequence).
 
 Every figure is the median of several runs after warm-up (:func:`minifer.bench.timing.time_fn`).
-The functions are plain and importable, so the lessons time things exactly as the command does.
+The functions are plain and importable, so the lessons time things exactly as the command does
+(`commands.decode` is the command line; `reference.DECODE` the claims' figures).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..cache import StaticKVCache
+from ..checks import check_int
 from ..config import GPTConfig
 from ..generation import decode_step, generate, prefill
 from ..model import GPT
 from ..sampling import SamplingParams
+from .common import busy_warning, random_ids
+from .reference import DECODE
 from .timing import Timing, time_fn
 
 __all__ = ["random_ids", "time_prefill", "time_decode_step", "time_generation", "BatchStep",
            "CacheComparison", "DecodeBench", "run", "format_report", "busy_warning", "REFERENCE"]
 
-# The claims' reference figures (a 4-thread laptop CPU, the reference model in fp32).
-REFERENCE = {
-    "prefill_512_ms": 147.0, "prefill_tok_s": 3480, "decode_ms": 11.1, "decode_tok_s": 90,
-    "batch_ms": {1: 6.7, 8: 20.6, 32: 47.9, 64: 73.9},
-    "batch_tok_s": {1: 150, 8: 388, 32: 667, 64: 866},
-    "cache_ms": {32: (7.3, 34.2), 128: (6.6, 46.5)},  # (with cache, without) ms per token
-}
-
-
-def random_ids(batch: int, tokens: int, vocab_size: int, seed: int = 0,
-               device: torch.device | str = "cpu") -> torch.Tensor:
-    """``(batch, tokens)`` random token ids, seeded (timings do not depend on which ids)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (batch, tokens), generator=gen).to(device)
+REFERENCE = DECODE  # the claims' figures, printed beside this machine's
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -56,9 +44,7 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 
 def _check_fits(model: torch.nn.Module, tokens: int, what: str) -> None:
     ctx = model.config.context_length
-    if not isinstance(tokens, int) or not 1 <= tokens <= ctx:
-        raise ValueError(f"{what} must be an integer in [1, {ctx}] (the model's context), "
-                         f"got {tokens!r}")
+    check_int(what, tokens, 1, ctx, why=" (the model's context)")
 
 
 def time_prefill(model: torch.nn.Module, prompt_tokens: int, batch: int = 1, *,
@@ -84,16 +70,23 @@ def time_decode_step(model: torch.nn.Module, batch: int = 1, context: int = 64, 
                      warmup: int = 2, repeats: int = 10, seed: int = 0) -> Timing:
     """Time one decode step of ``batch`` sequences that each have ``context`` cached tokens.
 
-    The cache is filled once by a prefill; every timed step appends one token per sequence and
-    then rolls it back, so each step sees exactly ``context`` earlier tokens.
+    The cache is filled once, by a prefill of one sequence copied into every row (a step's cost
+    does not depend on what the cache holds, and a batch-64 prefill would cost far more than
+    the steps it sets up); every timed step appends one token per sequence and then rolls it
+    back, so each step sees exactly ``context`` earlier tokens.
     """
     _check_fits(model, context + 1, "context + 1")
     dev = _model_device(model)
-    ids = random_ids(batch, context, model.config.vocab_size, seed, dev)
+    ids = random_ids(1, context, model.config.vocab_size, seed, dev)
+    one = StaticKVCache.for_model(model, 1, context + 1)
     cache = StaticKVCache.for_model(model, batch, context + 1)
     with torch.inference_mode():
-        logits = prefill(model, ids, cache)
-        tokens = logits.argmax(-1)
+        logits = prefill(model, ids, one)
+        for name in ("k", "v", "k_scale", "v_scale"):
+            for dst, src in zip(getattr(cache, name, ()), getattr(one, name, ())):
+                dst.copy_(src.expand_as(dst))
+        cache.advance(one.pos)
+        tokens = logits.argmax(-1).expand(batch).contiguous()
 
         def run() -> None:
             decode_step(model, tokens, cache)
@@ -244,113 +237,3 @@ def format_report(r: DecodeBench, reference: bool | None = None) -> str:
                          f"{c.without_ms_per_token:8.2f} ms/token   no cache x{c.speedup:.1f} "
                          f"slower" + claim)
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="reference",
-                        help="model preset, random weights (default: reference, 26.8M)")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--prefill-tokens", type=int, default=512,
-                        help="prompt length of the prefill timing (default: 512)")
-    parser.add_argument("--context", type=int, default=64,
-                        help="cached tokens per sequence for the decode timings (default: 64)")
-    parser.add_argument("--full", action="store_true",
-                        help="the whole grid (report: cache vs none at 32 and 128 new tokens; "
-                        "table: batches 1 8 32 64, 16 new tokens); default: a quick scope "
-                        "that answers the same questions in a few minutes")
-    parser.add_argument("--batches", type=int, nargs="+", default=None,
-                        help="decode batch sizes (default: 1 8 32 64 for the report; table: "
-                        "1 64, --full 1 8 32 64)")
-    parser.add_argument("--new-tokens", type=int, nargs="*", default=None,
-                        help="generation lengths for cache vs no cache (default: 32; "
-                        "--full: 32 128)")
-    parser.add_argument("--prompt-tokens", type=int, default=64,
-                        help="prompt length for cache vs no cache (default: 64)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="counted runs (default: 3; table: round-robin rounds, 5 at batch "
-                        "<= 8 and 3 above, --full: 3)")
-    table = parser.add_argument_group(
-        "engine table (--table): minifer vs the textbook engine and transformers, the matmul "
-        "floor, GB/s and MBU")
-    table.add_argument("--table", action="store_true",
-                       help="print the engine table instead of the prefill/decode report")
-    table.add_argument("--presets", nargs="+", default=["reference", "gpt2"],
-                       help="model shapes (default: reference gpt2)")
-    table.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
-                       help="precisions (default: fp32 bf16)")
-    table.add_argument("--table-prompt-tokens", type=int, default=128,
-                       help="prompt already in the cache (default: 128)")
-    table.add_argument("--table-new-tokens", type=int, default=None,
-                       help="decode steps per timed run (default: 8 at batch <= 8, 3 above; "
-                       "--full: 16)")
-    table.add_argument("--prefill", action="store_true",
-                       help="each engine prefills the prompt itself (default: every engine "
-                       "starts from the same random K/V, which costs no prefill)")
-    table.add_argument("--compile", action="store_true",
-                       help="compile minifer's decode step (torch.compile; slow to start)")
-    table.add_argument("--no-baselines", action="store_true",
-                       help="time minifer and the floor only")
-    table.add_argument("--json", metavar="PATH", default=None,
-                       help="also write the table as JSON to PATH")
-
-
-def busy_warning(threads: int) -> str | None:
-    """A warning when other programs already keep the CPUs busy: torch's threads then wait for
-    each other at every operation and CPU timings can come out many times too slow."""
-    try:
-        load = os.getloadavg()[0]
-    except (OSError, AttributeError):  # not available on this platform
-        return None
-    cpus = os.cpu_count() or 1
-    if load + threads <= cpus + 0.5:
-        return None
-    fewer = max(1, cpus - round(load))
-    advice = (f"consider --threads {fewer}" if fewer < threads else
-              "expect slower, noisier timings than on an idle machine (ratios measured in one "
-              "run hold up better)")
-    return (f"note: this machine is busy (load average {load:.1f} on {cpus} CPUs); {threads} "
-            f"thread(s) will compete with it and the timings will suffer; {advice}")
-
-
-def run_command(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.device == "cpu" and (warning := busy_warning(torch.get_num_threads())):
-        print(warning, file=sys.stderr, flush=True)
-    if args.table:
-        return _run_table(args)
-    batches = [1, 8, 32, 64] if args.batches is None else args.batches
-    new_tokens = ([32, 128] if args.full else [32]) if args.new_tokens is None else args.new_tokens
-    result = run(args.preset, prefill_tokens=args.prefill_tokens, context=args.context,
-                 batches=batches, new_tokens=new_tokens,
-                 prompt_tokens=args.prompt_tokens,
-                 repeats=3 if args.repeats is None else args.repeats, device=args.device)
-    print(format_report(result))
-    return 0
-
-
-def _run_table(args: argparse.Namespace) -> int:
-    import json
-
-    from .engines import HEADER, format_table, quick_new_tokens, quick_repeats, run_table, to_json
-
-    batches = ([1, 8, 32, 64] if args.full else [1, 64]) if args.batches is None else args.batches
-    new_tokens = (16 if args.full else quick_new_tokens) if args.table_new_tokens is None \
-        else args.table_new_tokens
-    print(HEADER, file=sys.stderr, flush=True)
-    result = run_table(args.presets, args.dtypes, batches,
-                       prompt_tokens=args.table_prompt_tokens, new_tokens=new_tokens,
-                       repeats=(3 if args.full else quick_repeats) if args.repeats is None
-                       else args.repeats, compile=args.compile,
-                       baselines=not args.no_baselines, prefill=args.prefill,
-                       progress=lambda line: print(line, file=sys.stderr, flush=True))
-    result["command"] = "python -m minifer.bench " + " ".join(sys.argv[1:])
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(to_json(result), f, indent=1)
-        print(f"wrote {args.json}")
-    return 0
-

@@ -1,5 +1,5 @@
 """minifer against the textbook engine and `transformers`, and against the hardware's limits:
-``python -m minifer.bench decode --table [--json PATH]``.
+``python -m minifer.bench table [--json PATH]`` (`commands.table`).
 
 For each model shape (random weights: timings do not depend on their values), precision and
 batch size, every engine continues the same prompt by ``new_tokens`` greedy tokens per row from
@@ -22,8 +22,6 @@ implementations and only the agreement is reported.
 
 from __future__ import annotations
 
-import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -32,7 +30,7 @@ import torch
 
 from ..model import GPT
 from .baselines import HFDecoder, MinifierDecoder, TextbookEngine, hf_available, random_past
-from .decode import random_ids
+from .common import loadavg, machine_info, random_ids
 from .probes import measure_bandwidth
 from .timing import round_robin
 
@@ -207,28 +205,6 @@ def run_table(presets=("reference", "gpt2"), dtypes=("fp32", "bf16"), batches=(1
             "loadavg_before": load_before, "loadavg_after": loadavg(),
             "seconds": time.perf_counter() - t0, "compile": compile, "prefill": prefill,
             "rows": rows}
-
-
-def loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (OSError, AttributeError):
-        return None
-
-
-def machine_info() -> dict:
-    """CPU model, core count, torch version and threads: what a table's numbers depend on."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu": model, "cpus": os.cpu_count(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "python": platform.python_version()}
 
 
 HEADER = (f"{'model':<10}{'dtype':<6}{'batch':>5}{'ms/step':>9}{'tok/s':>9}{'floor ms':>9}"

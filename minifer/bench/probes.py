@@ -10,19 +10,18 @@ Memory bandwidth (bytes/s, :func:`measure_bandwidth`) and matmul throughput (FLO
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 from collections.abc import Iterable
 
 import torch
 
+from ..checks import check_int
 from ..device import as_device
 from ..roofline import GiB, Hardware
 from .timing import time_fn
 
-__all__ = ["measure_bandwidth", "measure_matmul_flops", "measure_hardware", "this_machine",
-           "add_arguments", "run_command"]
+__all__ = ["measure_bandwidth", "measure_matmul_flops", "measure_hardware", "this_machine"]
 
 
 def _dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -44,8 +43,7 @@ def measure_bandwidth(device: str | torch.device = "cpu", nbytes: int = 128 * 2*
     memory. Keep ``nbytes`` well above the last-level cache (128 MiB by default) or the probe
     measures the cache instead.
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
-        raise ValueError(f"nbytes must be an integer >= 4, got {nbytes!r}")
+    check_int("nbytes", nbytes, 4)
     dev = as_device(device)
     n = nbytes // 4
     with torch.inference_mode():
@@ -63,8 +61,7 @@ def measure_matmul_flops(device: str | torch.device = "cpu", n: int = 2048,
     A large square matmul is the most arithmetic-dense thing a model does, so this approaches
     the machine's practical peak (n=2048: 17 GFLOP).
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    check_int("n", n, 1)
     dev, dt = as_device(device), _dtype(dtype)
     with torch.inference_mode():
         gen = torch.Generator(device="cpu").manual_seed(0)
@@ -107,24 +104,3 @@ def _device_memory_bytes(device: str) -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # not POSIX: a guess that keeps the math going
         return 8.0 * GiB
-
-
-# ---- python -m minifer.bench probe ---------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument("--size-mib", type=int, default=128,
-                        help="bandwidth probe buffer size in MiB (default: 128)")
-    parser.add_argument("--n", type=int, default=2048, help="matmul size n (default: 2048)")
-    parser.add_argument("--dtype", default="float32",
-                        help="matmul dtype: float32, bfloat16, float16 (default: float32)")
-    parser.add_argument("--repeats", type=int, default=5, help="counted runs (default: 5)")
-
-
-def run_command(args: argparse.Namespace) -> int:
-    bw = measure_bandwidth(args.device, args.size_mib * 2**20, repeats=args.repeats)
-    flops = measure_matmul_flops(args.device, args.n, args.dtype, repeats=args.repeats)
-    print(f"device            {args.device} ({torch.get_num_threads()} threads)")
-    print(f"memory bandwidth  {bw / 1e9:.1f} GB/s  (copy of {args.size_mib} MiB)")
-    print(f"matmul            {flops / 1e9:.1f} GFLOP/s  ({args.n}x{args.n}, {args.dtype})")
-    print(f"ridge point       {flops / bw:.1f} FLOP/byte")
-    return 0

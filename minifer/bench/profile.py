@@ -6,6 +6,9 @@ Runs a few greedy decode steps of one engine (minifer eager or compiled, the tex
 * the top torch ops by their own CPU time (the profiler's table);
 * a summary: the step's wall time split into the linear layers (every matmul kernel), attention,
   the other torch ops, and what is left outside any torch op: Python, module calls, dispatch.
+  For the serving engine (``--engines serve``: `LLMEngine` steps at a fixed decode batch over
+  the paged pool) the K/V copies (reads of the pool by index, writes of new tokens) are their
+  own line: the share of the step the paged layout costs.
 
 This is how BENCHMARKS.md explains a target that is missed (what takes the time between a step
 and its matmul floor). The profiler adds a few microseconds per op, so the "outside torch ops"
@@ -14,20 +17,19 @@ share is an upper bound; the timings themselves belong to ``decode --table``.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int
 from ..model import GPT
-from .decode import random_ids
+from .common import random_ids
 
-__all__ = ["ENGINES", "LINEAR_OPS", "ATTENTION_OPS", "StepProfile", "profile_decode",
-           "format_summary"]
+__all__ = ["ENGINES", "LINEAR_OPS", "ATTENTION_OPS", "KV_COPY_OPS", "StepProfile",
+           "ServeDecoder", "profile_decode", "format_summary"]
 
-ENGINES = ("minifer", "compiled", "textbook", "transformers", "int8", "int4")
+ENGINES = ("minifer", "compiled", "textbook", "transformers", "int8", "int4", "serve")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # torch ops that are the linear layers' matmuls (eager, oneDNN/MKL, quantized, inductor): the
 # weights are 2-D, so a linear layer is an (add)mm; batched matmuls are attention's (the
@@ -39,6 +41,9 @@ ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math",
                  "aten::_scaled_dot_product_flash_attention", "aten::bmm", "aten::_softmax",
                  "aten::softmax")
+# the serving engine's K/V copies: reads of the paged pool by index, writes of the new tokens
+KV_COPY_OPS = ("aten::index_select", "aten::index_copy_", "aten::index_copy", "aten::index",
+               "aten::index_put_")
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class StepProfile:
     attention_s: float
     other_ops_s: float
     table: str  # the profiler's top-ops table
+    kv_copy_s: float = 0.0  # of other_ops_s: the paged pool's K/V reads and writes (KV_COPY_OPS)
 
     @property
     def outside_ops_s(self) -> float:
@@ -69,7 +75,40 @@ def _engine(name: str, model: torch.nn.Module):
         return HFDecoder(model)
     if name in ("int8", "int4"):
         return MinifierDecoder(quantize(model, name))
+    if name == "serve":
+        return ServeDecoder(model)
     raise ValueError(f"engine must be one of {list(ENGINES)}, got {name!r}")
+
+
+class ServeDecoder:
+    """`LLMEngine` decode steps at a fixed batch: every row of `prompt` a request (prefilled by
+    the engine itself; a random `past` is not used), then `decode(n)` runs `n` engine steps."""
+
+    name = "serve"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def start(self, prompt: torch.Tensor, new_tokens: int, past=None) -> None:
+        from ..sampling import SamplingParams
+        from ..serve.engine import LLMEngine
+
+        B, T = prompt.shape
+        room = self.model.config.context_length - T + 1
+        params = SamplingParams(temperature=0, max_new_tokens=min(room, 3 * new_tokens + 4),
+                                ignore_eos=True)
+        # a step's budget holds every prompt: one prefill step, then decode steps at batch B
+        self.engine = LLMEngine(self.model, max_num_seqs=B,
+                                max_num_batched_tokens=max(B * T, self.model.config.context_length))
+        for row in prompt.tolist():
+            self.engine.add_request(row, params)
+        self.engine.step()
+        if len(self.engine.scheduler.running) != B:
+            raise RuntimeError(f"the engine did not admit all {B} requests in one step")
+
+    def decode(self, n: int) -> None:
+        for _ in range(n):
+            self.engine.step()
 
 
 def profile_decode(engine: str, preset: str = "gpt2", dtype: str = "fp32", batch: int = 1, *,
@@ -83,8 +122,7 @@ def profile_decode(engine: str, preset: str = "gpt2", dtype: str = "fp32", batch
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    check_int("steps", steps, 1)
     if model is None:
         model = GPT.from_config(preset, seed=0, dtype=DTYPES[dtype])
     e = _engine(engine, model)
@@ -96,7 +134,7 @@ def profile_decode(engine: str, preset: str = "gpt2", dtype: str = "fp32", batch
         e.decode(steps)
         wall = time.perf_counter() - t0
     averages = prof.key_averages()
-    linear = attention = other = 0.0
+    linear = attention = other = kv_copy = 0.0
     for a in averages:
         s = a.self_cpu_time_total / 1e6
         if a.key in LINEAR_OPS:
@@ -105,9 +143,11 @@ def profile_decode(engine: str, preset: str = "gpt2", dtype: str = "fp32", batch
             attention += s
         else:  # every other op, inductor's compiled kernels included
             other += s
+            if engine == "serve" and a.key in KV_COPY_OPS:
+                kv_copy += s
     table = averages.table(sort_by="self_cpu_time_total", row_limit=rows,
                            max_name_column_width=48)
-    return StepProfile(engine, steps, wall, linear, attention, other, table)
+    return StepProfile(engine, steps, wall, linear, attention, other, table, kv_copy)
 
 
 def format_summary(p: StepProfile) -> str:
@@ -116,36 +156,8 @@ def format_summary(p: StepProfile) -> str:
              ("other torch ops", p.other_ops_s),
              ("outside torch ops (Python, dispatch, profiler)", p.outside_ops_s)]
     lines = [f"{p.engine}: {p.wall_s * per:.2f} ms per step under the profiler ({p.steps} steps)"]
+    if p.kv_copy_s:
+        parts.insert(3, ("  of which K/V copies (paged pool reads, writes)", p.kv_copy_s))
     for name, s in parts:
         lines.append(f"  {name:<48}{s * per:9.2f} ms  {s / p.wall_s:6.1%}")
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engines", nargs="+", default=["minifer"], choices=ENGINES,
-                        help="engines to profile (default: minifer)")
-    parser.add_argument("--preset", default="gpt2", help="model shape (default: gpt2)")
-    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES),
-                        help="precision (default: fp32)")
-    parser.add_argument("--batch", type=int, default=1, help="decode batch (default: 1)")
-    parser.add_argument("--prompt-tokens", type=int, default=128,
-                        help="cached tokens before the first step (default: 128)")
-    parser.add_argument("--steps", type=int, default=4, help="profiled steps (default: 4)")
-    parser.add_argument("--rows", type=int, default=12, help="rows of the op table (default: 12)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-
-
-def run_command(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    model = GPT.from_config(args.preset, seed=0, dtype=DTYPES[args.dtype])
-    print(f"profile: {args.preset} {args.dtype} batch {args.batch}, {args.prompt_tokens} cached "
-          f"tokens, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
-    for name in args.engines:
-        p = profile_decode(name, args.preset, args.dtype, args.batch,
-                           prompt_tokens=args.prompt_tokens, steps=args.steps, rows=args.rows,
-                           model=model)
-        print(p.table)
-        print(format_summary(p))
-        sys.stdout.flush()
-    return 0

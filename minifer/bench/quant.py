@@ -5,16 +5,14 @@ the bytes it stores and the decode tokens/s per batch size, each as a ratio to f
 the same run (median step after warm-up, the variants timed round-robin).
 
 By default a quick scope answers the issue's question — GPT-2 124M's shape at batch 1 in fp32,
-bf16 and int8/int4 on torch's fused kernels (which read the integers directly). ``--full`` adds
+bf16, int8/int4 on torch's fused weight-only kernels (which read the integers directly) and int8
+W8A8 on the CPU's integer units (``impl="integer"``). ``--full`` adds
 fp16, batch 32 and the reference dequantize-then-matmul paths (which rebuild a float weight at
 every call — honest, and slow).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import warnings
 from dataclasses import dataclass
 
@@ -23,9 +21,9 @@ import torch
 from ..cache import StaticKVCache
 from ..generation import decode_step
 from ..model import GPT
-from ..quantization import model_bytes, quantize
+from ..quantization import integer_problem, model_bytes, quantize
 from .baselines import random_past
-from .decode import random_ids
+from .common import random_ids
 from .timing import round_robin
 
 __all__ = ["VARIANTS", "QUICK_VARIANTS", "QuantRow", "variant_model", "time_variants", "run",
@@ -37,11 +35,13 @@ VARIANTS: tuple[tuple[str, str, str | None], ...] = (
     ("bf16", "bf16", None),
     ("fp16", "fp16", None),
     ("int8 fused", "int8", "auto"),
+    ("int8 integer", "int8", "integer"),
     ("int8 dequant", "int8", "reference"),
     ("int4 fused", "int4", "auto"),
     ("int4 dequant", "int4", "reference"),
 )
-QUICK_VARIANTS = tuple(v for v in VARIANTS if v[0] in ("fp32", "bf16", "int8 fused", "int4 fused"))
+QUICK_VARIANTS = tuple(v for v in VARIANTS
+                       if v[0] in ("fp32", "bf16", "int8 fused", "int8 integer", "int4 fused"))
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,10 @@ def run(preset: str = "gpt2", batches: tuple[int, ...] = (1,), context: int = 64
     """Each variant of `preset` (random weights): its bytes, and its decode step timed
     round-robin with the others at every batch size."""
     base = GPT.from_config(preset, seed=0)
+    if integer_problem() is not None:  # no quantized engine in this torch build / device
+        warnings.warn(f"int8 integer (W8A8) left out: {integer_problem()}", RuntimeWarning,
+                      stacklevel=2)
+        variants = [v for v in variants if v[2] != "integer"]
     models = {label: variant_model(base, p, impl, group_size) for label, p, impl in variants}
     per_batch = {b: time_variants(models, b, context, rounds) for b in batches}
     rows = []
@@ -128,53 +132,3 @@ def format_report(rows: list[QuantRow]) -> str:
     lines.append("bytes: 'x fp32' = fp32 linear bytes / these; speed: tokens/s / fp32's tokens/s "
                  "(same run, round-robin, median step after warm-up).")
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="gpt2",
-                        help="model preset (default: gpt2, GPT-2 124M's shape)")
-    parser.add_argument("--full", action="store_true",
-                        help="every variant (fp16, the dequantize-then-matmul paths) at batch 1 "
-                        "and 32; default: fp32, bf16, int8 and int4 fused at batch 1")
-    parser.add_argument("--batches", type=int, nargs="+", default=None,
-                        help="decode batch sizes (default: 1; --full: 1 32)")
-    parser.add_argument("--context", type=int, default=64,
-                        help="cached tokens per sequence (default: 64)")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="round-robin rounds of 3 steps per variant (default: 5)")
-    parser.add_argument("--group-size", type=int, default=128, help="int4 group (default: 128)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--json", metavar="PATH", default=None,
-                        help="also write the rows as JSON to PATH")
-
-
-def run_command(args: argparse.Namespace) -> int:
-    from .decode import busy_warning
-    from .engines import loadavg, machine_info
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if warning := busy_warning(torch.get_num_threads()):
-        print(warning, file=sys.stderr, flush=True)
-    batches = ([1, 32] if args.full else [1]) if args.batches is None else args.batches
-    variants = VARIANTS if args.full else QUICK_VARIANTS
-    load = loadavg()
-    print(f"{args.preset} decode per precision, {torch.get_num_threads()} threads, "
-          f"context {args.context}, torch {torch.__version__}, load average {load}")
-    rows = run(args.preset, tuple(batches), args.context, args.rounds, variants=variants,
-               group_size=args.group_size)
-    print(format_report(rows))
-    print(f"load average after: {loadavg()}")
-    if args.json:
-        out = {"command": "python -m minifer.bench " + " ".join(sys.argv[1:]),
-               "machine": machine_info(), "preset": args.preset, "context": args.context,
-               "loadavg_before": load, "loadavg_after": loadavg(),
-               "rows": [{"label": r.label, "total_bytes": r.total_bytes,
-                         "linear_bytes": r.linear_bytes,
-                         "ms_per_step": r.ms_per_step,
-                         "tokens_per_s": r.batch_tokens_per_s} for r in rows]}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
-    return 0
-

@@ -19,17 +19,16 @@ weights) and the shipped Shakespeare target.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int, check_number
 from ..sampling import SamplingParams
 from ..serve.engine import LLMEngine
 from ..serve.metrics import RequestMetrics, percentile
@@ -57,10 +56,8 @@ def mixed_workload(n: int, rate: float, *, vocab_size: int, context: int,
     windows of `corpus` (token ids) if given, else random ids; `system_prompt` > 0 puts the same
     leading tokens in front of every prompt.
     """
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
-    if not rate > 0:
-        raise ValueError(f"rate must be > 0 requests/s (inf: all at once), got {rate!r}")
+    check_int("n", n, 1)
+    check_number("rate", rate, gt=0, why=" of requests/s (inf: all at once)")
     rng = random.Random(seed)
 
     def tokens(k: int) -> list[int]:
@@ -150,8 +147,7 @@ def _best_of(runs: dict[str, object], requests: Sequence[BenchRequest], repeats:
     """Serve `requests` `repeats` times per variant in A B B A ... order, each run on a fresh
     engine, and keep each variant's fastest run: a busy machine only ever adds time, and the
     alternating order spreads slow spells over both variants."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    check_int("repeats", repeats, 1)
     labels = list(runs)
     best: dict[str, RunSummary] = {}
     for r in range(repeats):
@@ -249,55 +245,3 @@ def format_report(reports: Sequence[ModelReport], header: str = "") -> str:
                      f"prefix caching computes {on.prefill_tokens}/{off.prefill_tokens} prompt "
                      f"tokens, p50 TTFT {on.ttft_p50_s * 1e3:.0f} vs {off.ttft_p50_s * 1e3:.0f} ms")
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--full", action="store_true",
-                        help="both models, 64 + 24 requests; default: a short run on the "
-                        "shipped Shakespeare target, 32 + 12 requests")
-    parser.add_argument("--models", nargs="+", default=None,
-                        help="presets with random weights, or 'shakespeare' for the shipped "
-                        "target (default: shakespeare; --full: reference shakespeare)")
-    parser.add_argument("--requests", type=int, default=None,
-                        help="requests in the mixed workload (default: 32; --full: 64)")
-    parser.add_argument("--rate", type=float, default=16.0,
-                        help="Poisson arrival rate, requests/s (default: 16; inf: all at once)")
-    parser.add_argument("--prefix-requests", type=int, default=None,
-                        help="requests sharing the system prompt (default: 12; --full: 24)")
-    parser.add_argument("--system-prompt", type=int, default=200,
-                        help="shared system prompt tokens (default: 200)")
-    parser.add_argument("--max-num-seqs", type=int, default=16,
-                        help="requests running at once; the static group size (default: 16)")
-    parser.add_argument("--block-size", type=int, default=16, help="KV block size (default: 16)")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="runs per variant, alternating; the fastest is kept (default: 2)")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice)")
-
-
-def run_command(args: argparse.Namespace) -> int:
-    from .decode import busy_warning
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.device == "cpu" and (warning := busy_warning(torch.get_num_threads())):
-        print(warning, file=sys.stderr, flush=True)
-    full = args.full
-    if args.models is None:
-        args.models = ["reference", "shakespeare"] if full else ["shakespeare"]
-    if args.requests is None:
-        args.requests = 64 if full else 32
-    if args.prefix_requests is None:
-        args.prefix_requests = 24 if full else 12
-    reports = run(args.models, requests=args.requests, rate=args.rate,
-                  prefix_requests=args.prefix_requests, system_prompt=args.system_prompt,
-                  max_num_seqs=args.max_num_seqs, block_size=args.block_size, seed=args.seed,
-                  repeats=args.repeats, device=args.device)
-    header = (f"serve: {args.requests} requests at {args.rate:g}/s, max_num_seqs="
-              f"{args.max_num_seqs}, block {args.block_size}, chunked prefill (256 tokens/step),"
-              f" {args.device}, {torch.get_num_threads()} threads, fastest of {args.repeats} "
-              f"alternating runs")
-    print(format_report(reports, header))
-    return 0

@@ -20,14 +20,12 @@ Requests ask for exactly their output length (``ignore_eos``, a vLLM extension, 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 __all__ = ["LoadResult", "run_load", "make_requests", "parse_slo", "format_report"]
@@ -140,8 +138,9 @@ async def run_load_async(url: str, requests: Sequence[tuple[Any, int, float]], *
                          model: str | None = None, max_concurrency: int | None = None,
                          slo: dict[str, float] | None = None, temperature: float = 0.0,
                          ignore_eos: bool = True, extra: dict | None = None,
-                         timeout_s: float = 600.0) -> LoadResult:
-    """Send `requests` (``(prompt, max_tokens, arrival_s)``) at their arrival times."""
+                         timeout_s: float = 600.0, api_key: str | None = None) -> LoadResult:
+    """Send `requests` (``(prompt, max_tokens, arrival_s)``) at their arrival times
+    (`api_key`: sent as ``Authorization: Bearer`` to a server started with ``--api-key``)."""
     import httpx
 
     from ..serve.metrics import summarize
@@ -149,7 +148,8 @@ async def run_load_async(url: str, requests: Sequence[tuple[Any, int, float]], *
     base = url.rstrip("/")
     limits = httpx.Limits(max_connections=max_concurrency or 1000,
                           max_keepalive_connections=max_concurrency or 1000)
-    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as http:
         if model is None:
             r = await http.get(f"{base}/v1/models")
             r.raise_for_status()
@@ -226,46 +226,3 @@ def format_report(result: LoadResult, rate: float | None = None) -> str:
     for err in result.errors[:5]:
         lines.append(f"error: {err}")
     return "\n".join(lines)
-
-
-def _lengths(text: str):
-    lo, _, hi = text.partition(",")
-    return int(lo) if not hi else (int(lo), int(hi))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    parser.add_argument("--model", default=None, help="model name (default: the server's first)")
-    parser.add_argument("--rate", type=float, default=4.0,
-                        help="requests/s, Poisson arrivals (inf: all at once)")
-    parser.add_argument("--num-requests", type=int, default=50)
-    parser.add_argument("--max-concurrency", type=int, default=None,
-                        help="most requests in flight at once (default: no cap)")
-    parser.add_argument("--prompt-len", type=_lengths, default=(16, 64),
-                        help="prompt tokens: N or LO,HI (uniform) (default 16,64)")
-    parser.add_argument("--output-len", type=_lengths, default=(16, 64),
-                        help="output tokens: N or LO,HI (uniform) (default 16,64)")
-    parser.add_argument("--prompt-format", choices=["text", "ids"], default="text")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--no-ignore-eos", action="store_true",
-                        help="let requests stop at end-of-sequence (default: exact lengths)")
-    parser.add_argument("--slo", type=parse_slo, default=None,
-                        help="goodput targets, e.g. ttft=0.5,tpot=0.05 (seconds) or ttft=500ms")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
-
-
-def run_command(args: argparse.Namespace) -> int:
-    requests = make_requests(args.num_requests, args.rate, prompt_len=args.prompt_len,
-                             output_len=args.output_len, seed=args.seed,
-                             prompt_format=args.prompt_format)
-    result = run_load(args.url, requests, model=args.model, max_concurrency=args.max_concurrency,
-                      slo=args.slo, temperature=args.temperature,
-                      ignore_eos=not args.no_ignore_eos)
-    print(format_report(result, args.rate))
-    if args.out is not None:
-        out = {"config": {k: (str(v) if isinstance(v, Path) else v)
-                          for k, v in vars(args).items() if k != "func"}, **result.to_json()}
-        args.out.write_text(json.dumps(out, indent=1, default=str))
-        print(f"wrote {args.out}")
-    return 0 if not result.errors else 1

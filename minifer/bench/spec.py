@@ -13,7 +13,6 @@ The functions are importable so the lesson measures exactly as the command does.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,13 +29,12 @@ from ..speculative import (
     expected_tokens_per_pass,
     speculative_generate,
 )
+from .reference import SPEC
 from .timing import round_robin
 
 __all__ = ["REFERENCE", "PROMPT", "SpecPoint", "measure", "run", "format_report"]
 
-# Claim SPEC-3's reference run (the seed's figures).
-REFERENCE = {"draft_params": 148_000, "target_params": 5_100_000, "k": 4, "tokens": 80,
-             "target_passes": 21, "accepted": 59}
+REFERENCE = SPEC  # claim SPEC-3's reference run
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 
@@ -154,28 +152,3 @@ def format_report(r: dict) -> str:
             f"{p.cost_ratio:5.3f}  {p.plain_tok_s:11.1f}  {p.spec_tok_s:10.1f}  "
             f"x{p.speedup:7.2f}  x{p.expected_speedup:6.2f}")
     return "\n".join(lines)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per target pass (default 4)")
-    parser.add_argument("--full", action="store_true",
-                        help="add the draft-model sweep over k = 1..4 and time 5 runs; default: "
-                        "k only (draft model and prompt lookup), 3 runs")
-    parser.add_argument("--ks", type=int, nargs="*", default=None,
-                        help="k values of the draft-model sweep (default: none; --full: 1 2 3 4)")
-    parser.add_argument("--new-tokens", type=int, default=80, help="tokens generated (default 80)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="counted runs (default 3; --full: 5)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--prompt", default=PROMPT, help="the prompt (default: Romeo)")
-
-
-def run_command(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    ks = ([1, 2, 3, 4] if args.full else []) if args.ks is None else args.ks
-    repeats = (5 if args.full else 3) if args.repeats is None else args.repeats
-    print(format_report(run(k=args.k, ks=ks, new_tokens=args.new_tokens,
-                            repeats=repeats, prompt=args.prompt)))
-    return 0
-

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int
 from ..device import as_device, sync
 
 __all__ = ["Timing", "sync", "time_fn", "round_robin"]
@@ -89,8 +90,7 @@ def round_robin(fns: Sequence[Callable[[], object]], *, warmup: int = 1, repeats
     over rounds of the seconds per call, one per function.
     """
     _check_counts(warmup, repeats)
-    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
-        raise ValueError(f"calls must be an integer >= 1, got {calls!r}")
+    check_int("calls", calls, 1)
     dev = as_device(device)
     for _ in range(warmup):
         for fn in fns:
@@ -108,7 +108,5 @@ def round_robin(fns: Sequence[Callable[[], object]], *, warmup: int = 1, repeats
 
 
 def _check_counts(warmup: int, repeats: int) -> None:
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    check_int("warmup", warmup, 0)
+    check_int("repeats", repeats, 1)

@@ -12,12 +12,20 @@ The analytic side (how the split pays off on real hardware) is in
 :func:`minifer.roofline.tp_decode`, pure arithmetic.
 """
 
-from .launch import TPResult, WorkerError, free_port, launch, run_local, running
-from .layers import TPMLP, ShardPlan, TPAttention, shard_gpt, shard_plan, weight_bytes
+from .launch import TPResult, WorkerError, Workers, free_port, launch, run_local, running
+from .layers import (
+    TPMLP,
+    ShardPlan,
+    TPAttention,
+    rank_weight_bytes,
+    shard_gpt,
+    shard_plan,
+    weight_bytes,
+)
 from .runtime import Comm, RankReport, check_same_config, config_digest, generate_tp, rank_cache
 
 __all__ = [
-    "Comm", "RankReport", "ShardPlan", "TPAttention", "TPMLP", "TPResult", "WorkerError",
+    "Comm", "RankReport", "ShardPlan", "TPAttention", "TPMLP", "TPResult", "WorkerError", "Workers",
     "check_same_config", "config_digest", "free_port", "generate_tp", "launch", "rank_cache",
-    "run_local", "running", "shard_gpt", "shard_plan", "weight_bytes",
+    "rank_weight_bytes", "run_local", "running", "shard_gpt", "shard_plan", "weight_bytes",
 ]

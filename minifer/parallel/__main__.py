@@ -10,21 +10,42 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import threading
-import time
 from pathlib import Path
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The options every multi-process program of minifer shares (this one and
+    ``minifer.serve.disagg``): which model, its dtype, and where each rank runs."""
+    p.add_argument("--model", default="shakespeare",
+                   help="a shipped model (shakespeare), a GPTConfig preset with random weights "
+                        "(tiny, tiny-gqa, reference, ...), or a checkpoint .safetensors path")
+    p.add_argument("--init-seed", type=int, default=0, help="weights seed for preset models")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--device", choices=["auto", "cpu"], default="auto",
+                   help="auto: cuda:LOCAL_RANK with NCCL when CUDA is present, else the CPU "
+                        "with gloo; cpu: always the CPU with gloo")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+
+
+def join_group(args: argparse.Namespace):
+    """Set this rank's torch threads and join the process group as the options of
+    :func:`add_model_options` (and ``--timeout``) say; ``(comm, rank, world_size)``."""
+    import torch
+
+    from .runtime import init_group
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return init_group(device="cpu" if args.device == "cpu" else None, timeout_s=args.timeout)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m minifer.parallel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="shakespeare",
-                   help="a shipped model (shakespeare), a GPTConfig preset with random weights "
-                        "(tiny, tiny-gqa, reference), or a checkpoint .safetensors path")
+    add_model_options(p)
     p.add_argument("--prompt", default="ROMEO:", help="text prompt (needs a tokenizer)")
     p.add_argument("--request", help=argparse.SUPPRESS)  # JSON {prompts: [[ids]], ...} from run_local
     p.add_argument("--max-new-tokens", type=int, default=40)
@@ -33,37 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (rank 0 samples)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--init-seed", type=int, default=0, help="weights seed for preset models")
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--allow-uneven", action="store_true",
                    help="split heads unevenly when they do not divide the world size")
-    p.add_argument("--device", choices=["auto", "cpu"], default="auto",
-                   help="auto: cuda:LOCAL_RANK with NCCL when CUDA is present, else the CPU "
-                        "with gloo; cpu: always the CPU with gloo")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank")
     p.add_argument("--keep-logits", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--report", help="write each rank's report as JSON; '{rank}' in the path is "
                                     "replaced by the rank")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a rank waits for the others before giving up")
     return p.parse_args(argv)
-
-
-def _watch_parent() -> None:
-    """Exit if the process that launched us dies (a killed notebook kernel leaves no orphans)."""
-    from .runtime import PARENT_ENV
-
-    parent = os.environ.get(PARENT_ENV)
-    if not parent:
-        return
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != int(parent):
-                os._exit(3)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def load_model(name: str, init_seed: int = 0):
@@ -90,12 +88,9 @@ def run_rank(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from ..sampling import SamplingParams
-    from .runtime import generate_tp, init_group, shard_for_rank
+    from .runtime import generate_tp, leave_group, shard_for_rank
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    comm, rank, world = init_group(device="cpu" if args.device == "cpu" else None,
-                                   timeout_s=args.timeout)
+    comm, rank, world = join_group(args)
     done = False
     try:
         model, tok = load_model(args.model, args.init_seed)
@@ -128,34 +123,7 @@ def run_rank(args: argparse.Namespace) -> dict:
         done = True
         return report
     finally:
-        _leave_group(done)
-
-
-def _leave_group(done: bool) -> None:
-    """Leave the process group together: a barrier first, then destroy it.
-
-    A worker started by `run_local` (its launcher's pid in the environment) that finished its
-    run (`done`) has written its report by now and ends right after the barrier with
-    ``os._exit(0)``: with torch 2.4.1's gloo, tearing the group and the interpreter down could
-    now and then hang a finished rank. A failed run only destroys the group and lets its error
-    end the process with a non-zero code.
-    """
-    import torch.distributed as dist
-
-    from .runtime import PARENT_ENV
-
-    if not done:
-        dist.destroy_process_group()
-        return
-    try:
-        dist.barrier()
-    except Exception:  # noqa: BLE001 - a failed peer must not keep this rank from exiting
-        pass
-    if os.environ.get(PARENT_ENV):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    dist.destroy_process_group()
+        leave_group(done)
 
 
 def _print_summary(reports: list[dict], prompts, tok) -> None:
@@ -175,8 +143,10 @@ def _print_summary(reports: list[dict], prompts, tok) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .runtime import watch_parent
+
     args = parse_args(argv)
-    _watch_parent()
+    watch_parent()
     run_rank(args)
     return 0
 

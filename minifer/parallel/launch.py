@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import check_int, check_number
 from ..config import GPTConfig
 from ..pretrained import PRETRAINED, model_files, save_checkpoint
 from ..sampling import SamplingParams
@@ -75,6 +76,116 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Workers:
+    """N local processes started with torchrun's environment, watched and always ended.
+
+    The process-management core shared by tensor parallelism (:func:`launch`) and the
+    disaggregated prefill/decode pair (`minifer.serve.disagg`): rank ``r`` runs
+    ``python -m MODULE *argv_per_rank[r]`` with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``OMP_NUM_THREADS=threads`` and this
+    process's pid (so a worker whose launcher dies exits). Its stderr (and its stdout unless
+    `pipes`) go to ``rankR.log`` in `logdir`; with `pipes` each worker's stdin and stdout are
+    pipes the caller talks through (``procs[r].stdin`` / ``.stdout``). `extra_env` adds variables to
+    every worker's environment (this process's own is left as it is).
+
+    Use it as a context manager, or call :meth:`end` in a ``finally``: every process is
+    terminated, then killed, and reaped. :meth:`check` raises :class:`WorkerError` as soon as
+    one rank has failed, with the output of every failed rank.
+    """
+
+    def __init__(self, argv_per_rank: list[list[str]], logdir: str | Path, *,
+                 module: str = "minifer.parallel", threads: int = 1, pipes: bool = False,
+                 what: str = "tensor-parallel run", extra_env: dict[str, str] | None = None
+                 ) -> None:
+        world = len(argv_per_rank)
+        if world < 1:
+            raise ValueError("argv_per_rank must hold one argument list per rank (at least one)")
+        check_int("threads", threads, 1)
+        self.what = what
+        self.procs: list[subprocess.Popen] = []
+        self.logs = []
+        port = free_port()
+        try:
+            for rank, args in enumerate(argv_per_rank):
+                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads),
+                           PYTHONUNBUFFERED="1", **{PARENT_ENV: str(os.getpid())},
+                           **(extra_env or {}))
+                log = open(Path(logdir) / f"rank{rank}.log", "w+b")  # noqa: SIM115 (closed in end)
+                self.logs.append(log)
+                pipe = subprocess.PIPE if pipes else None
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", module, *args], env=env,
+                    stdout=pipe if pipes else log, stderr=log,
+                    stdin=pipe if pipes else subprocess.DEVNULL))
+        except BaseException:
+            self.end()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.end()
+
+    def tail(self, rank: int, n: int = 3000) -> str:
+        """The last `n` characters rank `rank` wrote to its log."""
+        return _tail(self.logs[rank], n)
+
+    def check(self) -> list[int | None]:
+        """Each rank's exit code (None: still running); raise WorkerError if one failed.
+
+        One failure usually brings down the ranks waiting on it ("connection reset"): give
+        them a moment, then show every failed rank's output, first failure first.
+        """
+        codes = [p.poll() for p in self.procs]
+        if any(c not in (None, 0) for c in codes):
+            first = next(r for r, c in enumerate(codes) if c not in (None, 0))
+            time.sleep(0.5)
+            codes = [p.poll() for p in self.procs]
+            failed = [first] + [r for r, c in enumerate(codes) if c not in (None, 0) and r != first]
+            details = "\n".join(f"--- rank {r} (exit code {codes[r]}), last output:\n"
+                                f"{self.tail(r, 1500)}" for r in failed)
+            self.end()
+            raise WorkerError(f"rank {first} of {len(self.procs)} exited with code "
+                              f"{codes[first]}; failed ranks: {failed}\n{details}", self.pids)
+        return codes
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait until every rank has exited with code 0; WorkerError on a failure or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if all(c == 0 for c in self.check()):
+                return
+            if time.monotonic() > deadline:
+                message = (f"{self.what} timed out after {timeout_s:g} s; rank 0's output ends "
+                           f"with:\n{self.tail(0)}")
+                self.end()
+                raise WorkerError(message, self.pids)
+            time.sleep(0.05)
+
+    def end(self, grace_s: float = 3.0) -> None:
+        """Terminate every process still running, then kill what is left; reap them all.
+
+        Safe to call more than once; closes the pipes and logs."""
+        _end_all(self.procs, grace_s)
+        for p in self.procs:
+            for f in (p.stdin, p.stdout):
+                if f is not None:
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
+        for log in self.logs:
+            if not log.closed:
+                log.close()
+
+
 def launch(args_per_rank: list[list[str]], *, threads: int = 1, timeout_s: float = 120.0,
            workdir: str | Path | None = None) -> list[int]:
     """Start ``python -m minifer.parallel --device cpu ARGS`` once per rank (gloo on the CPU,
@@ -84,66 +195,23 @@ def launch(args_per_rank: list[list[str]], *, threads: int = 1, timeout_s: float
     if any rank exits non-zero or the whole run takes longer than `timeout_s`; every process is
     ended before this returns or raises, KeyboardInterrupt included.
     """
-    world = len(args_per_rank)
-    if world < 1:
+    if len(args_per_rank) < 1:
         raise ValueError("args_per_rank must hold one argument list per rank (at least one)")
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive integer, got {threads!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    check_int("threads", threads, 1)
+    check_number("timeout_s", timeout_s, gt=0)
     with tempfile.TemporaryDirectory(prefix="minifer-tp-") as tmp:
-        logdir = Path(workdir or tmp)
-        port = free_port()
-        procs: list[subprocess.Popen] = []
-        logs = []
-        try:
-            for rank, args in enumerate(args_per_rank):
-                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads),
-                           **{PARENT_ENV: str(os.getpid())})
-                log = open(logdir / f"rank{rank}.log", "w+b")  # noqa: SIM115 (closed below)
-                logs.append(log)
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "minifer.parallel", "--device", "cpu", "--threads",
-                     str(threads), *args],
-                    env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-            _wait_all(procs, logs, timeout_s)
-            return [p.pid for p in procs]
-        finally:
-            _end_all(procs)
-            for log in logs:
-                log.close()
+        argv = [["--device", "cpu", "--threads", str(threads), *args] for args in args_per_rank]
+        with Workers(argv, workdir or tmp, threads=threads) as workers:
+            workers.wait(timeout_s)
+            return workers.pids
 
 
 def _tail(log, n: int = 3000) -> str:
+    if log.closed:
+        return ""
     log.flush()
     log.seek(0)
     return log.read().decode(errors="replace")[-n:]
-
-
-def _wait_all(procs: list[subprocess.Popen], logs, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    pids = [p.pid for p in procs]
-    while True:
-        codes = [p.poll() for p in procs]
-        if any(c not in (None, 0) for c in codes):
-            # One failure usually brings down the ranks waiting on it ("connection reset"):
-            # give them a moment, then show every failed rank's output, first failure first.
-            first = next(r for r, c in enumerate(codes) if c not in (None, 0))
-            time.sleep(0.5)
-            codes = [p.poll() for p in procs]
-            failed = [first] + [r for r, c in enumerate(codes) if c not in (None, 0) and r != first]
-            details = "\n".join(f"--- rank {r} (exit code {codes[r]}), last output:\n"
-                                f"{_tail(logs[r], 1500)}" for r in failed)
-            raise WorkerError(f"rank {first} of {len(procs)} exited with code {codes[first]}; "
-                              f"failed ranks: {failed}\n{details}", pids)
-        if all(c == 0 for c in codes):
-            return
-        if time.monotonic() > deadline:
-            raise WorkerError(f"tensor-parallel run timed out after {timeout_s:g} s; rank 0's "
-                              f"output ends with:\n{_tail(logs[0])}", pids)
-        time.sleep(0.05)
 
 
 def _end_all(procs: list[subprocess.Popen], grace_s: float = 3.0) -> None:

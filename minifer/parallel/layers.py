@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..cache import AttentionInputs
+from ..checks import check_int
 from ..config import GPTConfig
 from ..model import MLP, CausalSelfAttention
 
@@ -66,10 +68,8 @@ def shard_plan(config: GPTConfig, world_size: int, rank: int, *,
     accepts counts that do not divide, giving the first ranks one extra head: the shipped
     Shakespeare model has 5 heads, so 2 ranks hold 3 and 2. The slowest rank sets the pace.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must lie in [0, {world_size}), got {rank!r}")
+    check_int("world_size", world_size, 1)
+    check_int("rank", rank, 0, world_size - 1, allowed=f"lie in [0, {world_size})")
     nh, nkv, hidden = config.n_head, config.kv_heads, 4 * config.n_embd
     if world_size > nkv:
         which = f"n_head={nh}" if nkv == nh else f"n_kv_head={nkv}"
@@ -132,8 +132,8 @@ class TPAttention(CausalSelfAttention):
         self.proj_bias = None if attn.c_proj.bias is None else nn.Parameter(
             attn.c_proj.bias.detach().clone(), requires_grad=False)
 
-    def forward(self, x, mask, is_causal, cache, slot=None, kv_len=None):
-        y = self.all_reduce(self.c_proj(self.attend(x, mask, is_causal, cache, slot, kv_len)))
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        y = self.all_reduce(self.c_proj(self.attend(x, inputs)))
         return y if self.proj_bias is None else y + self.proj_bias
 
 
@@ -178,8 +178,9 @@ def sharded_parameter_names(model: nn.Module) -> list[str]:
                                                   or n.endswith("c_proj.weight"))]
 
 
-def weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of this rank's parameters: ``{"sharded", "replicated", "total"}`` (tied tensors once)."""
+def rank_weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes this rank's parameters hold: ``{"sharded", "replicated", "total"}`` (tied tensors
+    once). (`minifer.roofline.weight_bytes` estimates a model's weights from its size instead.)"""
     sharded = set(sharded_parameter_names(model))
     out = {"sharded": 0, "replicated": 0}
     seen: set[int] = set()
@@ -190,3 +191,6 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         out["sharded" if name in sharded else "replicated"] += p.numel() * p.element_size()
     out["total"] = out["sharded"] + out["replicated"]
     return out
+
+
+weight_bytes = rank_weight_bytes  # the older name, kept for code written against it

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -19,9 +22,10 @@ import torch.distributed as dist
 
 from ..cache import StaticKVCache
 from ..device import as_device, sync
-from ..sampling import SamplingParams, make_generators, mask_padded_vocab, sample
-from ..sequence import Sequence
-from .layers import ShardPlan, shard_gpt, shard_plan, weight_bytes
+from ..generation import Sampler, run_batch
+from ..sampling import SamplingParams
+from ..sequence import Prepared, Sequence
+from .layers import ShardPlan, rank_weight_bytes, shard_gpt, shard_plan
 
 PARENT_ENV = "MINIFER_TP_PARENT_PID"
 """Set by `run_local`: a worker whose launching process dies exits instead of lingering."""
@@ -147,6 +151,10 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
     does). Rank 0 samples each token with `params` and broadcasts it. A row stops at
     `eos_token_id` (unless ``params.ignore_eos``) or after ``params.max_new_tokens``.
     `vocab`: sample only among the first `vocab` ids (a tokenizer smaller than the model).
+
+    The loop is `minifer.generation.run_batch`'s, the one every generation goes through: this
+    function only brings the rank's cache (its own K/V heads), the sampler (rank 0 samples,
+    everyone receives) and forward hooks that time the prefill and each decode step.
     """
     params = params or SamplingParams()
     cfg = model.config
@@ -160,49 +168,52 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
     if max_len > cfg.context_length:
         raise ValueError(f"longest prompt ({T} tokens) + max_new_tokens={params.max_new_tokens} "
                          f"- 1 exceeds the context of {cfg.context_length}")
-    ids = torch.zeros(B, T, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, T - len(p):] = torch.tensor(p)
-    ids = ids.to(device)
     cache = rank_cache(model, plan, B, max_len, device=device)
-    cache.reset([T - len(p) for p in prompts])
-    gens = make_generators(params, B, device) if plan.rank == 0 else None
-    logits_kept: list[list[float]] = []
     report = RankReport(rank=plan.rank, world_size=plan.world_size, device=str(device),
                         q_heads=plan.q_heads, kv_heads=plan.kv_heads, mlp_units=plan.mlp,
-                        weight_bytes=weight_bytes(model), kv_bytes=cache.nbytes,
+                        weight_bytes=rank_weight_bytes(model), kv_bytes=cache.nbytes,
                         token_ids=[s.output_ids for s in seqs], finish_reasons=[])
     token = torch.zeros(B, dtype=torch.long, device=device)
-    with torch.inference_mode():
-        sync(device)
-        start = t0 = time.perf_counter()
-        logits = model(ids, cache=cache, last_only=True)[:, -1]
-        sync(device)
-        report.prefill_s = time.perf_counter() - t0
-        for _ in range(params.max_new_tokens):
+    logits_kept: list[list[float]] = []
+
+    def rank0_samples(default: Sampler) -> Sampler:
+        def pick(logits: torch.Tensor) -> torch.Tensor:
             if keep_logits:
                 logits_kept.append(logits[0].float().tolist())
             if plan.rank == 0:
-                if vocab is not None:
-                    mask_padded_vocab(logits, vocab)
-                token.copy_(sample(logits, params, None, gens))
-            comm.broadcast(token, src=0)
-            host = token.tolist()
-            for s in seqs:
-                if not s.finished:
-                    s.append(host[s.index], time.perf_counter() - start)
-            if all(s.finished for s in seqs):
-                break
-            comm.reset()
-            sync(device)
-            t0 = time.perf_counter()
-            logits = model(token.view(B, 1), cache=cache)[:, -1]
-            sync(device)
-            report.decode_s += time.perf_counter() - t0
-            report.decode_comm_s += comm.seconds
-            report.decode_steps += 1
-            report.allreduce_calls_per_step = comm.calls
-            report.allreduce_bytes_per_step = comm.bytes
+                token.copy_(default(logits))
+            return comm.broadcast(token, src=0)
+        return pick
+
+    calls = [0.0, 0]  # the current call's start time, forward calls so far
+
+    def before(module, args, kwargs) -> None:  # every forward call: the prefill, then steps
+        comm.reset()
+        sync(device)
+        calls[0] = time.perf_counter()
+
+    def after(module, args, kwargs, output) -> None:
+        sync(device)
+        seconds = time.perf_counter() - calls[0]
+        calls[1] += 1
+        if calls[1] == 1:  # the first call is the prefill
+            report.prefill_s = seconds
+            return
+        report.decode_s += seconds
+        report.decode_comm_s += comm.seconds
+        report.decode_steps += 1
+        report.allreduce_calls_per_step = comm.calls
+        report.allreduce_bytes_per_step = comm.bytes
+
+    hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
+             model.register_forward_hook(after, with_kwargs=True)]
+    try:
+        req = Prepared(seqs, vocab if vocab is not None else cfg.vocab_size, device)
+        for _ in run_batch(model, req, cache=cache, sampler=rank0_samples):
+            pass
+    finally:
+        for h in hooks:
+            h.remove()
     report.finish_reasons = [s.finish_reason for s in seqs]
     report.broadcast_bytes_per_step = token.numel() * token.element_size() if comm.world_size > 1 else 0
     report.logits = logits_kept if keep_logits else None
@@ -242,3 +253,41 @@ def shard_for_rank(model, comm: Comm, rank: int, world_size: int, *,
     # Slice where the full model was loaded (usually the CPU), then move only this rank's share.
     model = shard_gpt(model, plan, comm.all_reduce).to(comm.device)
     return model, plan
+
+
+def watch_parent() -> None:
+    """Exit if the process that launched us dies (a killed notebook kernel leaves no orphans)."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != int(parent):
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def leave_group(done: bool) -> None:
+    """Leave the process group together: a barrier first, then destroy it.
+
+    A worker started by `run_local` (its launcher's pid in the environment) that finished its
+    run (`done`) has written its report by now and ends right after the barrier with
+    ``os._exit(0)``: with torch 2.4.1's gloo, tearing the group and the interpreter down could
+    now and then hang a finished rank. A failed run only destroys the group and lets its error
+    end the process with a non-zero code.
+    """
+    if not done:
+        dist.destroy_process_group()
+        return
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - a failed peer must not keep this rank from exiting
+        pass
+    if os.environ.get(PARENT_ENV):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.destroy_process_group()

@@ -1,0 +1,32 @@
+"""The command line of ``python -m minifer.bench``: one module per subcommand, each with
+``add_arguments(parser)`` and ``run_command(args)``.
+
+These modules only parse options and print; the measuring lives in `minifer.bench`'s other
+modules, which the lessons import. Nothing outside `minifer.bench.__main__` imports a command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from ..common import busy_warning
+
+
+def add_machine_options(parser: argparse.ArgumentParser, *, device: bool = True) -> None:
+    """The options every timing command shares: ``--threads`` (and ``--device``)."""
+    if device:
+        parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
+
+
+def set_up_machine(args: argparse.Namespace) -> None:
+    """Apply ``--threads``, and warn on stderr when the CPUs are already busy (CPU runs only)."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    on_cpu = getattr(args, "device", "cpu") == "cpu"
+    if on_cpu and (warning := busy_warning(torch.get_num_threads())):
+        print(warning, file=sys.stderr, flush=True)

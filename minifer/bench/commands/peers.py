@@ -1,0 +1,59 @@
+"""``python -m minifer.bench peers``: minifer beside CTranslate2 on the same weights
+(`minifer.bench.peers` measures). Needs the optional ``peers`` extra; without it, says so."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ..common import loadavg, machine_info
+from ..peers import format_report, peers_problem, run
+from . import add_machine_options, set_up_machine
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="gpt2",
+                        help="model preset, random weights (default: gpt2, GPT-2 124M's shape)")
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "int8"],
+                        choices=["fp32", "int8"], help="precisions (default: fp32 int8)")
+    parser.add_argument("--full", action="store_true",
+                        help="batches 1 16 64 and 5 rounds (default: batches 1 16, 3 rounds)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="batch sizes (default: 1 16; --full: 1 16 64)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="new tokens (default 32)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds in which the engines alternate (default 3; --full: 5)")
+    add_machine_options(parser, device=False)
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the rows as JSON to PATH")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if problem := peers_problem():
+        print(f"python -m minifer.bench peers: skipped, it {problem}", file=sys.stderr)
+        return 0
+    set_up_machine(args)
+    load = loadavg()
+    print(f"{args.preset} (random weights), prompt {args.prompt_len} + {args.new_tokens} new "
+          f"tokens, greedy, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"load average {load}")
+    batches = args.batches or ([1, 16, 64] if args.full else [1, 16])
+    rounds = args.rounds or (5 if args.full else 3)
+    rows = run(args.preset, tuple(args.precisions), tuple(batches), args.prompt_len,
+               args.new_tokens, rounds, threads=torch.get_num_threads())
+    print(format_report(rows))
+    print(f"load average after: {loadavg()}")
+    if args.json:
+        out = {"command": "python -m minifer.bench " + " ".join(sys.argv[1:]),
+               "machine": machine_info(), "loadavg_before": load, "loadavg_after": loadavg(),
+               "rows": [{"precision": r.precision, "batch": r.batch,
+                         "tokens_per_s": r.tokens_per_s, "spread": r.spread,
+                         "agreement": r.agreement, "ratio": r.ratio} for r in rows]}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0

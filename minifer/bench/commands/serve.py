@@ -1,0 +1,96 @@
+"""``python -m minifer.bench serve``: static against continuous batching, and prefix caching
+(`minifer.bench.serve` measures); ``serve --offline``: the saturating long-tailed load, all
+requests at t=0 (`minifer.bench.serve_offline` measures), optionally engine against engine
+(``--compare-roots``: checkouts run alternately in subprocesses)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from ..serve import format_report, run
+from . import add_machine_options, set_up_machine
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--full", action="store_true",
+                        help="both models, 64 + 24 requests; default: a short run on the "
+                        "shipped Shakespeare target, 32 + 12 requests")
+    parser.add_argument("--models", nargs="+", default=None,
+                        help="presets with random weights, or 'shakespeare' for the shipped "
+                        "target (default: shakespeare; --full: reference shakespeare)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests in the mixed workload (default: 32; --full: 64)")
+    parser.add_argument("--rate", type=float, default=16.0,
+                        help="Poisson arrival rate, requests/s (default: 16; inf: all at once)")
+    parser.add_argument("--prefix-requests", type=int, default=None,
+                        help="requests sharing the system prompt (default: 12; --full: 24)")
+    parser.add_argument("--system-prompt", type=int, default=200,
+                        help="shared system prompt tokens (default: 200)")
+    parser.add_argument("--max-num-seqs", type=int, default=16,
+                        help="requests running at once; the static group size (default: 16)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size (default: 16)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs per variant, alternating; the fastest is kept (default: 2)")
+    offline = parser.add_argument_group("offline long-tailed load (--offline)")
+    offline.add_argument("--offline", action="store_true",
+                         help="128 requests at t=0, prompts 16-64, outputs 80%% 8-32 / 20%% "
+                         "128-192, greedy, ignore_eos: static vs continuous, medians")
+    offline.add_argument("--rounds", type=int, default=5,
+                         help="alternating rounds per policy (default: 5)")
+    offline.add_argument("--compare-roots", nargs="+", default=None, metavar="LABEL=PATH",
+                         help="engine checkouts to run alternately in subprocesses "
+                         "(PYTHONPATH=PATH), e.g. old=/tmp/old new=.")
+    add_machine_options(parser)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    set_up_machine(args)
+    if args.offline:
+        return _run_offline(args)
+    full = args.full
+    if args.models is None:
+        args.models = ["reference", "shakespeare"] if full else ["shakespeare"]
+    if args.requests is None:
+        args.requests = 64 if full else 32
+    if args.prefix_requests is None:
+        args.prefix_requests = 24 if full else 12
+    reports = run(args.models, requests=args.requests, rate=args.rate,
+                  prefix_requests=args.prefix_requests, system_prompt=args.system_prompt,
+                  max_num_seqs=args.max_num_seqs, block_size=args.block_size, seed=args.seed,
+                  repeats=args.repeats, device=args.device)
+    header = (f"serve: {args.requests} requests at {args.rate:g}/s, max_num_seqs="
+              f"{args.max_num_seqs}, block {args.block_size}, chunked prefill (256 tokens/step),"
+              f" {args.device}, {torch.get_num_threads()} threads, fastest of {args.repeats} "
+              f"alternating runs")
+    print(format_report(reports, header))
+    return 0
+
+
+def _run_offline(args: argparse.Namespace) -> int:
+    from ..common import loadavg
+    from ..serve_offline import compare_policies_offline, compare_roots, format_offline
+
+    model = (args.models or ["shakespeare"])[0]
+    requests = args.requests or 128
+    kw = dict(rounds=args.rounds, requests=requests, max_num_seqs=args.max_num_seqs,
+              seed=args.seed)
+    before = loadavg()
+    if args.compare_roots:
+        roots = dict(r.split("=", 1) if "=" in r else (r, r) for r in args.compare_roots)
+        runs = compare_roots(roots, model, threads=torch.get_num_threads(), **kw,
+                             on_run=lambda r: print(f"  {r.engine} {r.policy}: "
+                                                    f"{r.tokens_per_s:.0f} tok/s, wall "
+                                                    f"{r.wall_s:.1f}s, forward {r.forward_s:.1f}s",
+                                                    file=sys.stderr, flush=True))
+    else:
+        runs = compare_policies_offline(model, **kw)
+    header = (f"serve --offline: {model}, {requests} requests at t=0, max_num_seqs="
+              f"{args.max_num_seqs}, {torch.get_num_threads()} threads, medians of "
+              f"{args.rounds} alternating rounds; load average {before} before, {loadavg()} "
+              f"after")
+    print(format_offline(runs, header))
+    return 0

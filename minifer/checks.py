@@ -1,0 +1,72 @@
+"""Argument checks shared by the whole package: one wording for "an integer in this range".
+
+Every public function checks its numeric arguments up front, so a bad value fails here, with the
+parameter's name, the allowed range and the value given, rather than later inside torch. A bool
+is never taken for an integer (``True`` is an int to Python, but never what a caller meant).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from typing import Any
+
+__all__ = ["check_int", "check_number", "int_range_text"]
+
+
+def int_range_text(lo: int | None = 1, hi: int | None = None) -> str:
+    """How an allowed integer range reads in an error message: "a positive integer (>= 1)",
+    "an integer >= 0", "an integer in [1, 64]"."""
+    if hi is not None:
+        return f"an integer in [{'-inf' if lo is None else lo}, {hi}]"
+    if lo is None:
+        return "an integer"
+    return "a positive integer (>= 1)" if lo == 1 else f"an integer >= {lo}"
+
+
+def _is_int(value: Any) -> bool:
+    """A Python or NumPy integer, not a bool (nor NumPy's bool)."""
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and type(value).__name__ != "bool_")
+
+
+def check_int(name: str, value: Any, lo: int | None = 1, hi: int | None = None, *,
+              why: str = "", allowed: str | None = None) -> int:
+    """`value` as a Python int if it is an integer (Python or NumPy, not a bool) with
+    ``lo <= value <= hi`` (None: unbounded), else a ValueError saying
+    ``"{name} must be {allowed}{why}, got {value!r}"``.
+
+    `allowed` (what follows "must ") defaults to "be " and the range in words
+    (`int_range_text`); `why` follows it, e.g. ``" (the model's context)"``.
+    """
+    ok = _is_int(value)
+    if ok:
+        v = operator.index(value)
+        ok = (lo is None or v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        raise ValueError(f"{name} must {allowed or 'be ' + int_range_text(lo, hi)}{why}, "
+                         f"got {value!r}")
+    return v
+
+
+def check_number(name: str, value: Any, *, gt: float | None = None, ge: float | None = None,
+                 lt: float | None = None, le: float | None = None, finite: bool = False,
+                 why: str = "") -> float:
+    """`value` if it is a real number (int or float, not a bool, not NaN) within the given bounds
+    (``gt``/``lt`` exclusive, ``ge``/``le`` inclusive; `finite`: not ±inf), else a ValueError
+    naming `name`, the bounds and the value."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
+    if ok:
+        ok = ((gt is None or value > gt) and (ge is None or value >= ge)
+              and (lt is None or value < lt) and (le is None or value <= le)
+              and (not finite or math.isfinite(value)))
+    if not ok:
+        bounds = [f"{op} {b:g}" for op, b in ((">", gt), (">=", ge), ("<", lt), ("<=", le))
+                  if b is not None and not (op == ">" and b == 0)]
+        what = ("a positive " if gt == 0 else "a ") + ("finite number" if finite else "number")
+        what += " (> 0)" if gt == 0 else ""
+        text = " and ".join(bounds)
+        raise ValueError(f"{name} must be {what}{' ' + text if text else ''}{why}, "
+                         f"got {value!r}")
+    return value
