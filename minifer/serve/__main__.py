@@ -1,20 +1,31 @@
 """``python -m minifer.serve --model shakespeare``: the OpenAI-compatible server from a shell.
 
 Serves on http://127.0.0.1:8000 by default (loopback only; ``--host 0.0.0.0`` exposes it to
-your network, deliberately). Try it::
+your network, deliberately: then give it an ``--api-key``). Try it::
 
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "shakespeare", "prompt": "ROMEO:", "max_tokens": 32, "temperature": 0}'
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "shakespeare", "messages": [{"role": "user", "content": "Art thou well?"}]}'
+
+With ``--api-key KEY`` (or the environment variable ``MINIFER_API_KEY``) every route but
+``/health`` needs ``Authorization: Bearer KEY``, as OpenAI's clients send it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
+API_KEY_ENV = "MINIFER_API_KEY"
+
 
 def build_parser() -> argparse.ArgumentParser:
+    from .api import MAX_CONNECTIONS, MAX_HEADER_BYTES, READ_TIMEOUT_S, SCHEDULING_POLICIES
+    from .async_engine import DEFAULT_MAX_WAITING
+
     p = argparse.ArgumentParser(prog="python -m minifer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="shakespeare",
@@ -25,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best present)")
+    sec = p.add_argument_group("security")
+    sec.add_argument("--api-key", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on every route but /health "
+                          f"(default: ${API_KEY_ENV}, else no key)")
+    sec.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                     help="Host header names to answer ('*': any; default: the loopback names "
+                          "when bound to loopback, any otherwise)")
     e = p.add_argument_group("engine (vLLM's option names)")
     e.add_argument("--policy", choices=["continuous", "static"], default="continuous")
     e.add_argument("--block-size", type=int, default=16)
@@ -33,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--enable-chunked-prefill", action="store_true")
     e.add_argument("--enable-prefix-caching", action="store_true")
+    e.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="fcfs: first come, first served (a request's priority is refused); "
+                        "priority: lower priority value first")
     e.add_argument("--aging", type=float, default=0.0,
                    help="priority points a waiting request gains per step (0: strict priority)")
     lim = p.add_argument_group("limits (claim MET-5)")
@@ -41,10 +62,31 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-tokens", type=int, default=None,
                      help="most output tokens a request may ask for")
     lim.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
-    lim.add_argument("--max-waiting", type=int, default=64,
-                     help="requests that may wait for their first step; more get 429")
+    lim.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                     help="requests that may wait for their first token; more get 429 with "
+                          "Retry-After")
+    lim.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S,
+                     help="seconds for a request's headers, and then its body, to arrive")
+    lim.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                     help="connections at once; more get 503")
+    lim.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES,
+                     help="largest request headers (431 past it)")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def server_options(args: argparse.Namespace) -> dict:
+    """`create_app`'s options from the command line (the API key from the environment too)."""
+    from .api import LOOPBACK_HOSTS
+
+    hosts = args.allowed_hosts
+    if hosts is None:
+        hosts = list(LOOPBACK_HOSTS) if args.host in LOOPBACK_HOSTS else None
+    return dict(max_model_len=args.max_model_len, max_tokens=args.max_tokens,
+                request_timeout_s=args.request_timeout, max_waiting=args.max_waiting,
+                api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                allowed_hosts=hosts, scheduling_policy=args.scheduling_policy,
+                read_timeout_s=args.read_timeout, max_header_bytes=args.max_header_bytes)
 
 
 def load_model(name: str, device=None):
@@ -66,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import minifer as mf
 
-    from .api import create_app
+    from .api import create_app, server_config
     from .engine import LLMEngine
 
     device = args.device or str(mf.default_device())
@@ -76,15 +118,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_chunked_prefill=args.enable_chunked_prefill,
                        enable_prefix_caching=args.enable_prefix_caching, aging=args.aging)
+    options = server_options(args)
     app = create_app(engine, model_name=args.served_model_name or args.model,
-                     max_model_len=args.max_model_len, max_tokens=args.max_tokens,
-                     request_timeout_s=args.request_timeout, max_waiting=args.max_waiting)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+                     model_root=args.model, **options)
+    if options["api_key"] is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"minifer: warning: --host {args.host} makes the server reachable from other "
-              "machines, and it has no authentication", file=sys.stderr)
-    print(f"minifer: serving {args.model!r} ({engine!r}) on http://{args.host}:{args.port}",
-          file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+              f"machines, and it has no API key (--api-key or ${API_KEY_ENV})", file=sys.stderr)
+    print(f"minifer: serving {args.model!r} ({engine!r}) on http://{args.host}:{args.port}"
+          f"{' (API key required)' if options['api_key'] else ''}", file=sys.stderr)
+    uvicorn.Server(server_config(app, max_connections=args.max_connections,
+                                 log_level=args.log_level, host=args.host,
+                                 port=args.port)).run()
     return 0
 
 

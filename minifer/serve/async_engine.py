@@ -14,9 +14,15 @@ Each HTTP handler gets a `RequestHandle` whose asyncio queue receives that reque
 continuous batching meets many concurrent clients.
 
 Admission control (claim MET-5): at most `max_waiting` requests may wait for their first step;
-past that, `add` refuses with 429 at once instead of letting the queue (and everyone's TTFT)
-grow without bound. An engine error in `step()` fails the requests in flight with a 500 and
+past that, `add` refuses with 429 at once (with ``Retry-After``, which OpenAI's clients honour
+when they retry) instead of letting the queue (and everyone's TTFT) grow without bound. The
+default, `DEFAULT_MAX_WAITING`, is large enough that a burst of a few hundred requests is queued,
+as other servers do. An engine error in `step()` fails the requests in flight with a 500 and
 aborts them; the thread keeps serving the next ones.
+
+A request that asks for its prompt's logprobs (``echo`` with ``logprobs``) gets them here, in
+the engine thread, by one forward pass over the prompt (`minifer.serve.logprobs`), so the model
+is only ever run from this thread.
 """
 
 from __future__ import annotations
@@ -30,11 +36,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .protocol import APIError
+from .errors import APIError
 
-__all__ = ["AsyncEngine", "RequestHandle", "engine_stats", "engine_max_model_len"]
+__all__ = ["AsyncEngine", "RequestHandle", "engine_stats", "engine_max_model_len",
+           "DEFAULT_MAX_WAITING", "RETRY_AFTER_S"]
 
 log = logging.getLogger("minifer.serve")
+
+DEFAULT_MAX_WAITING = 256  # requests that may wait for their first token; more get 429
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (seconds)
 
 
 def engine_stats(engine: Any) -> dict[str, float]:
@@ -75,6 +85,7 @@ class RequestHandle:
     request_id: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    prompt_logprobs: list | None = None  # set before `add` returns, if they were asked for
 
     async def next(self, timeout: float | None = None):
         """The next `RequestOutput` (raises `APIError` if the engine failed, TimeoutError)."""
@@ -94,7 +105,7 @@ class AsyncEngine:
     `on_step()` after every step (metrics).
     """
 
-    def __init__(self, engine: Any, *, max_waiting: int = 64,
+    def __init__(self, engine: Any, *, max_waiting: int = DEFAULT_MAX_WAITING,
                  on_finish: Callable[[Any], None] | None = None,
                  on_step: Callable[[], None] | None = None) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
@@ -139,9 +150,12 @@ class AsyncEngine:
         with self._cv:
             return len(self._unstarted)
 
-    async def add(self, prompt, params, priority: int = 0) -> RequestHandle:
+    async def add(self, prompt, params, priority: int = 0, *,
+                  prompt_logprobs: int | None = None, **options) -> RequestHandle:
         """Queue a request; its handle once the engine accepted it.
 
+        `options` go to `engine.add_request` (``logprobs``, ``min_tokens``); `prompt_logprobs`:
+        score the prompt with that many alternatives per token (`RequestHandle.prompt_logprobs`).
         Raises `APIError` 429 when `max_waiting` requests already wait, 400 when the engine
         rejects the request (it could never run), 503 when the engine loop is not running.
         """
@@ -155,12 +169,14 @@ class AsyncEngine:
             if waiting >= self.max_waiting:
                 raise APIError(429, f"server over capacity: {waiting} requests are already "
                                f"waiting for their first token (max_waiting={self.max_waiting});"
-                               " retry later", type="rate_limit_error", code="queue_full")
+                               f" retry in {RETRY_AFTER_S} s", type="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
             self._counter += 1
             rid = f"srv-{self._counter}"
             handle = RequestHandle(rid)
             self._unstarted.add(rid)
-            self._inbox.append(("add", rid, prompt, params, priority, loop, handle, accepted))
+            self._inbox.append(("add", rid, prompt, params, priority, dict(options),
+                                prompt_logprobs, loop, handle, accepted))
             self._cv.notify()
         try:
             await accepted  # raises the engine's rejection as an APIError
@@ -202,9 +218,15 @@ class AsyncEngine:
             if self._handles.pop(rid, None) is not None:
                 self.engine.abort(rid)
             return
-        _, rid, prompt, params, priority, loop, handle, accepted = cmd
+        _, rid, prompt, params, priority, options, num_prompt_lp, loop, handle, accepted = cmd
         try:
-            self.engine.add_request(prompt, params, request_id=rid, priority=priority)
+            self.engine.add_request(prompt, params, request_id=rid, priority=priority, **options)
+            if num_prompt_lp is not None:
+                try:
+                    handle.prompt_logprobs = self._score_prompt(prompt, num_prompt_lp)
+                except Exception:
+                    self.engine.abort(rid)
+                    raise RuntimeError("scoring the prompt failed") from None
         except Exception as err:  # ValueError/TypeError: the engine says it can never run
             with self._cv:
                 self._unstarted.discard(rid)
@@ -218,6 +240,17 @@ class AsyncEngine:
             return
         self._handles[rid] = (loop, handle)
         loop.call_soon_threadsafe(_settle, accepted, None)
+
+    def _score_prompt(self, prompt: list[int], num_top: int) -> list:
+        from .logprobs import prompt_logprobs
+
+        engine = self.engine
+        tok = getattr(engine, "tokenizer", None)
+        vocab = engine.model.config.vocab_size
+        if tok is not None:
+            vocab = min(vocab, tok.vocab_size)
+        return prompt_logprobs(engine.model, prompt, num_top, vocab,
+                               getattr(engine, "device", None))
 
     def _step(self) -> None:
         try:

@@ -23,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from ..checks import check_int
+
 __all__ = ["Block", "BlockManager", "block_hash"]
 
 
@@ -60,11 +62,8 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
                  bytes_per_token: int = 0) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(bytes_per_token, bool) or not isinstance(bytes_per_token, int) \
-                or bytes_per_token < 0:
-            raise ValueError(f"bytes_per_token must be an integer >= 0, got {bytes_per_token!r}")
+            check_int(name, value, 1)
+        check_int("bytes_per_token", bytes_per_token, 0)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.bytes_per_token = bytes_per_token
@@ -181,6 +180,10 @@ class BlockManager:
         self.num_tokens[seq] = len(tokens)
         self._hashed[seq] = len(hits)
         return len(hits) * self.block_size
+
+    def block_table(self, seq: Hashable) -> list[int]:
+        """`seq`'s block table: the block id of its tokens ``i * block_size ..`` at index ``i``."""
+        return self.tables[seq]
 
     def can_append(self, seq: Hashable, num_tokens: int) -> bool:
         """Whether `seq` can grow to hold `num_tokens` tokens."""

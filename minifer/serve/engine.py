@@ -1,14 +1,15 @@
 """`LLMEngine`: many requests through one model, one scheduler step at a time.
 
 The interface is that of serving engines (vLLM's names): `add_request` queues a request,
-`step()` runs one iteration — the scheduler picks which requests run and how many tokens each
-feeds, the model runs, one token is sampled for every request whose tokens are all fed — and
-returns a `RequestOutput` for each request that moved. `generate` is the offline convenience:
-add everything, step until done.
+`step()` runs one iteration and returns a `RequestOutput` for each request that moved, `abort`
+drops one, and `generate` is the offline convenience: add everything, step until done.
 
-One step runs one forward call for all the rows that feed a single token (the decode batch) and
-one forward call per prompt chunk (batch 1, on top of that request's cached tokens). All K/V live
-in a paged pool (`kv_pool`), shared between requests block by block when prefix caching is on.
+A step has three parts, in three places (nano-vllm's split): the `Scheduler` picks which
+requests run and how many tokens each feeds (`schedule`), the `ModelRunner` packs all those
+tokens — decode rows and prompt chunks together — into **one forward call** and samples
+(`execute`), and the scheduler records the results: tokens computed, blocks named, tokens
+appended, requests finished (`postprocess`). All K/V live in a paged pool (`kv_pool`), shared
+between requests block by block when prefix caching is on.
 
 Greedy outputs are token-identical to `minifer.generate` of each prompt alone (tested): every
 row attends over exactly its own tokens at its own positions, whatever else is in the batch.
@@ -23,12 +24,16 @@ from collections.abc import Sequence
 
 import torch
 
-from ..sampling import SamplingParams, mask_padded_vocab, sample
-from ..sequence import prepare
+from ..checks import check_int
+from ..sampling import SamplingParams
+from ..sequence import check_weights, prepare
 from ..tokenizer import TokenizerLike
 from .block_manager import BlockManager
-from .kv_pool import DecodeWorkspace, PagedKVPool
-from .request import Request, RequestOutput, Status
+from .handoff import Handoff
+from .kv_pool import PagedKVPool
+from .model_runner import ModelRunner
+from .options import check_options, check_request, generate_arguments
+from .request import Request, RequestOutput
 from .scheduler import POLICIES, Chunk, Scheduler, SchedulerOutput
 
 __all__ = ["LLMEngine", "RequestOutput", "StepStats"]
@@ -49,14 +54,8 @@ class StepStats:
                 f"preempted={self.preempted}, {self.duration_s * 1e3:.1f} ms)")
 
 
-def _token_at(req: Request, i: int) -> int:
-    """Token `i` of prompt + output, without building the joined list."""
-    prompt = req.seq.prompt_ids
-    return prompt[i] if i < len(prompt) else req.seq.output_ids[i - len(prompt)]
-
-
 def _decodes(c: Chunk) -> bool:
-    """A one-token chunk right after cached tokens: it can join the batched decode call."""
+    """A one-token chunk right after cached tokens: a decode step."""
     return c.num_new == 1 and c.start > 0
 
 
@@ -71,6 +70,8 @@ class LLMEngine:
     - `enable_chunked_prefill`: split long prompts across steps, beside other requests' decode.
     - `enable_prefix_caching`: share full blocks with equal contents (a common system prompt).
     - `aging`: priority points a waiting request gains per step (0 = strict priority).
+    - `sample_vocab`: sample only among the first `sample_vocab` token ids (default: the
+      tokenizer's vocabulary, else the model's); a worker without the tokenizer gets its size.
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class LLMEngine:
         enable_prefix_caching: bool = False,
         device: torch.device | str | None = None,
         aging: float = 0.0,
+        sample_vocab: int | None = None,
     ) -> None:
         from ..device import as_device
 
@@ -95,16 +97,18 @@ class LLMEngine:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, value, 1)
         ctx = model.config.context_length
         if num_blocks is None:
             num_blocks = max_num_seqs * -(-ctx // block_size)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = min(256, ctx) if enable_chunked_prefill else ctx
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, 1)
+        if sample_vocab is not None:
+            check_int("sample_vocab", sample_vocab, 1, model.config.vocab_size)
+        self.sample_vocab = sample_vocab
         self.model, self.tokenizer = model, tokenizer
+        check_weights(model)
         model_device = next(model.parameters()).device
         self.device = as_device(device) if device is not None else model_device
         if self.device != model_device and not (self.device.type == model_device.type
@@ -118,65 +122,135 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, policy=policy, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=enable_chunked_prefill, aging=aging)
+        self.runner = ModelRunner(model, self.pool, self.device)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._order = itertools.count()
         self.last_step: StepStats | None = None
-        self.num_prefill_tokens = 0  # prompt (and recomputed) tokens fed to the model
-        self.num_decode_tokens = 0  # sampled tokens fed back, one per request per decode step
-        self.num_decode_calls = 0  # batched decode forward calls (decode tokens / calls = batch)
-        self._workspace: DecodeWorkspace | None = None  # the decode batch's K/V, contiguous
-        self._ws_storage: list[torch.Tensor] | None = None  # its memory, reused by rebuilds
-        self.num_workspace_builds = 0
+
+    # counters of the model runner (see `ModelRunner`)
+    num_prefill_tokens = property(lambda self: self.runner.num_prefill_tokens,
+                                  doc="prompt (and recomputed) tokens fed to the model")
+    num_decode_tokens = property(lambda self: self.runner.num_decode_tokens,
+                                 doc="sampled tokens fed back, one per request per decode step")
+    num_decode_calls = property(lambda self: self.runner.num_decode_calls,
+                                doc="forward calls with decode rows (decode tokens / calls = batch)")
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, *, logprobs: int | None = None,
+                    min_tokens: int = 0) -> str:
         """Queue one request (text with a tokenizer, or a list of token ids); returns its id.
 
         Raises ValueError for a request that could never run: bad input (see
         `minifer.sequence.prepare`), prompt + max_new_tokens - 1 beyond the context window, more
         blocks than the whole pool, or (without chunked prefill) a prompt larger than one step.
-        `arrival_time` (``time.perf_counter()`` seconds) defaults to now.
+        `arrival_time` (``time.perf_counter()`` seconds) defaults to now. Without `request_id`
+        the engine picks ``req-N``, skipping ids of requests in flight. `priority` (at most 2**53
+        either way), `logprobs` (reported in `RequestOutput.logprobs`) and `min_tokens`: see
+        `minifer.serve.options`.
         """
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer (lower = served first), got {priority!r}")
-        if isinstance(prompt, (list, tuple)) and prompt and not all(
-                isinstance(p, int) or hasattr(p, "__index__") for p in prompt):
-            raise ValueError("add_request takes one prompt (text or a flat list of token ids); "
-                             "use generate() for a list of prompts")
+        check_request(prompt, priority)
+        req = self._new_request(prompt, params, request_id, priority, arrival_time)
+        check_options(req.seq, logprobs, min_tokens)
+        if logprobs is not None:
+            req.num_logprobs, req.logprobs = logprobs, []
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req.request_id
+
+    def _new_request(self, prompt, params: SamplingParams | None, request_id: str | None,
+                     priority: int, arrival_time: float | None) -> Request:
+        """A checked `Request` with its id chosen (not yet queued)."""
         prep = prepare(self.model, [prompt], params, self.tokenizer, device=self.device)
         seq = prep.sequences[0]
-        need = seq.max_len
-        bm, sch = self.block_manager, self.scheduler
-        if bm.blocks_for(need) > bm.num_blocks:
-            raise ValueError(
-                f"request needs {bm.blocks_for(need)} blocks of {bm.block_size} tokens for "
-                f"{need} tokens (prompt {len(seq.prompt_ids)} + max_new_tokens "
-                f"{seq.params.max_new_tokens} - 1) but the pool has only num_blocks="
-                f"{bm.num_blocks}; raise num_blocks or lower max_new_tokens")
-        if not sch.chunked and need > sch.max_num_batched_tokens:
-            raise ValueError(
-                f"without chunked prefill a request must fit one step: prompt + max_new_tokens - 1"
-                f" = {need} > max_num_batched_tokens={sch.max_num_batched_tokens} (a preempted "
-                f"request recomputes all its tokens at once); raise max_num_batched_tokens or "
-                f"pass enable_chunked_prefill=True")
-        if request_id is None:
-            request_id = f"req-{next(self._order)}"
-            order = int(request_id[4:])
-        else:
-            if not isinstance(request_id, str) or not request_id:
-                raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-            order = next(self._order)
+        self.scheduler.check_fits(seq)
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        order = next(self._order)
+        if request_id is None:
+            request_id = f"req-{order}"
+            while request_id in self.requests:  # a caller chose this id: take the next one
+                order = next(self._order)
+                request_id = f"req-{order}"
         seq.index = seq.result.index = order
         now = time.perf_counter() if arrival_time is None else float(arrival_time)
-        req = Request(request_id, seq, prep.vocab, priority, now, order, self.device,
-                      vocab_size=self.model.config.vocab_size)
-        self.requests[request_id] = req
-        sch.add(req)
-        return request_id
+        vocab = prep.vocab if self.sample_vocab is None else min(prep.vocab, self.sample_vocab)
+        return Request(request_id, seq, vocab, priority, now, order, self.device,
+                       vocab_size=self.model.config.vocab_size)
+
+    # ---- disaggregated serving: hand a prefilled request from one engine to another ------
+    def export_prefilled(self, request_id: str) -> Handoff:
+        """Take a request whose prompt is computed and whose first token was just sampled out
+        of this engine, with a copy of its prompt's K/V (`serve.handoff.Handoff`).
+
+        Call it right after the `step` that returned the request's first token. Its blocks
+        are freed here; it produces no more outputs in this engine. A request that the first
+        token finished has left already: build its `Handoff` from the output instead.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no unfinished request {request_id!r} in this engine")
+        prompt = req.seq.prompt_ids
+        if len(req.seq.output_ids) != 1 or req.num_computed != len(prompt):
+            raise ValueError(f"request {request_id!r} is not just prefilled: {len(prompt)} prompt "
+                             f"tokens, {req.num_computed} computed, {len(req.seq.output_ids)} "
+                             f"sampled (export it right after the step of its first token)")
+        kv = self.pool.read_tokens(self.block_manager.block_table(request_id), len(prompt))
+        self.scheduler.finish(req)  # frees its blocks
+        del self.requests[request_id]
+        m = req.metrics
+        state = req.generator.get_state() if req.generator is not None else None
+        return Handoff(request_id, list(prompt), req.seq.output_ids[0], req.params, kv,
+                       m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                       priority=req.priority, generator_state=state)
+
+    def add_prefilled(self, handoff: Handoff) -> bool:
+        """Continue a request another engine prefilled (`export_prefilled`): allocate blocks
+        in this pool, write its prompt's K/V into them, and decode it from the next step.
+
+        Returns False, changing nothing, when it does not fit now (`max_num_seqs` running or
+        too few free blocks): try again after a step. Raises ValueError for a handoff that
+        could never run here (see `add_request`), one already finished, or K/V of the wrong
+        shape. Its metrics keep the prefill engine's timestamps (arrival, first token).
+        """
+        h = handoff
+        if h.finish_reason is not None or h.kv is None:
+            raise ValueError(f"request {h.request_id!r} finished at its first token "
+                             f"({h.finish_reason}); there is nothing to decode")
+        expect = (self.pool.n_layer, 2, len(h.prompt_ids), self.pool.n_kv_head,
+                  self.pool.head_dim)
+        if tuple(h.kv.shape) != expect:
+            raise ValueError(f"handoff K/V has shape {tuple(h.kv.shape)}, this engine's model "
+                             f"needs {expect}")
+        sch = self.scheduler
+        if len(sch.running) >= sch.max_num_seqs or not self.block_manager.can_allocate(
+                [*h.prompt_ids, h.first_token]):
+            return False  # checked first: a request waiting for room is not prepared again
+        req = self._new_request(list(h.prompt_ids), h.params, h.request_id, h.priority,
+                                h.arrival_time)
+        event = req.seq.append(h.first_token, h.first_token_time - h.arrival_time)
+        req.text += event.text
+        if event.finish_reason is not None:
+            raise ValueError(f"request {h.request_id!r}: its first token finishes it "
+                             f"({event.finish_reason}); there is nothing to decode")
+        if req.seen is not None:
+            req.seen[h.first_token] = True
+        if req.generator is not None and h.generator_state is not None:
+            req.generator.set_state(h.generator_state)
+        cached = self.scheduler.add_prefilled(req, len(h.prompt_ids))
+        if cached is None:
+            return False
+        if cached < len(h.prompt_ids):
+            self.pool.write_tokens(self.block_manager.block_table(req.request_id),
+                                   h.kv[:, :, cached:], start=cached)
+        m = req.metrics
+        m.on_scheduled(h.first_scheduled_time)
+        m.on_token(h.first_token_time)
+        self.requests[req.request_id] = req
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished.
@@ -187,7 +261,6 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.finish(req)
-        self._workspace = None
         now = time.perf_counter()
         req.metrics.finished_time, req.metrics.finish_reason = now, "abort"
         return True
@@ -204,94 +277,14 @@ class LLMEngine:
         """Run one scheduler iteration; return the outputs of requests that produced a token."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        if plan.preempted:
-            self._workspace = None  # belt and braces: preempted rows will be recomputed
         for c in plan.chunks:
-            if c.request.metrics.first_scheduled_time is None:
-                c.request.metrics.first_scheduled_time = t0
-        logits = self._forward(plan.chunks)
-        outputs = self._sample(plan.chunks, logits) if plan.chunks else []
+            c.request.metrics.on_scheduled(t0)
+        tokens = self.runner.execute(plan.chunks)
+        outputs = self.scheduler.postprocess(plan, tokens)
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
         self.last_step = StepStats(plan, time.perf_counter() - t0)
-        return outputs
-
-    def _forward(self, chunks: list[Chunk]) -> dict[int, torch.Tensor]:
-        """Run the model over every chunk; next-token logits of the chunks that complete."""
-        bm, pool = self.block_manager, self.pool
-        logits: dict[int, torch.Tensor] = {}
-        decode = [i for i, c in enumerate(chunks) if _decodes(c)]
-        with torch.inference_mode():
-            if decode:
-                rows = [chunks[i] for i in decode]
-                ids = torch.tensor([[_token_at(c.request, c.start)] for c in rows],
-                                   dtype=torch.long, device=self.device)
-                keys = [c.request.request_id for c in rows]
-                tables = [bm.tables[k] for k in keys]
-                context = [c.start for c in rows]
-                ws = self._workspace
-                if ws is None or not ws.matches(keys, context):
-                    ws = self._workspace = DecodeWorkspace(pool, keys, tables, context,
-                                                           storage=self._ws_storage)
-                    self._ws_storage = ws.storage
-                    self.num_workspace_builds += 1
-                out = self.model(ids, cache=ws.prepare(tables))[:, -1]
-                self.num_decode_calls += 1
-                for j, i in enumerate(decode):
-                    logits[i] = out[j]
-            for i, c in enumerate(chunks):
-                if _decodes(c):
-                    continue
-                toks = c.request.tokens[c.start:c.start + c.num_new]
-                ids = torch.tensor([toks], dtype=torch.long, device=self.device)
-                cache = pool.batch([bm.tables[c.request.request_id]], [c.start], c.num_new)
-                out = self.model(ids, cache=cache, last_only=True)[:, -1]
-                logits[i] = out[0]
-        for c in chunks:
-            if c.num_new == 1 and c.completes and c.request.seq.output_ids:
-                self.num_decode_tokens += 1  # the last sampled token, fed back
-            else:
-                self.num_prefill_tokens += c.num_new  # prompt (or recomputed) tokens
-            c.request.num_computed = c.start + c.num_new
-            if bm.enable_prefix_caching:
-                bm.commit(c.request.request_id, c.request.tokens, c.request.num_computed)
-        return logits
-
-    def _sample(self, chunks: list[Chunk], logits: dict[int, torch.Tensor]) -> list[RequestOutput]:
-        due = [i for i, c in enumerate(chunks) if c.completes]
-        tokens: dict[int, int] = {}
-        # rows that share a SamplingParams object are sampled together
-        groups: dict[int, list[int]] = {}
-        for i in due:
-            groups.setdefault(id(chunks[i].request.params), []).append(i)
-        with torch.inference_mode():
-            for rows in groups.values():
-                reqs = [chunks[i].request for i in rows]
-                params = reqs[0].params
-                lg = torch.stack([logits[i] for i in rows])
-                lg = mask_padded_vocab(lg, reqs[0].vocab)
-                seen = torch.stack([r.seen for r in reqs]) if reqs[0].seen is not None else None
-                gens = [r.generator for r in reqs] if reqs[0].generator is not None else None
-                picked = sample(lg, params, seen, gens).tolist()
-                for i, r, t in zip(rows, reqs, picked):
-                    tokens[i] = t
-                    if r.seen is not None:
-                        r.seen[t] = True
-        now = time.perf_counter()
-        outputs = []
-        for i in due:
-            req = chunks[i].request
-            if req.status is not Status.RUNNING:
-                continue
-            event = req.seq.append(tokens[i], now - req.metrics.arrival_time)
-            req.text += event.text
-            m = req.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.token_times.append(now)
-            if event.finish_reason is not None:
-                m.finished_time, m.finish_reason = now, event.finish_reason
-                self.scheduler.finish(req)
-                del self.requests[req.request_id]
-            outputs.append(req.output(event.text))
         return outputs
 
     # ---- offline -----------------------------------------------------------------------
@@ -301,17 +294,7 @@ class LLMEngine:
 
         `params`: one `SamplingParams` for all prompts, or one per prompt.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(p, int) for p in prompts)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of prompts (texts or id lists)")
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)  # one object: its rows are sampled together
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        prompts, params = generate_arguments(prompts, params)
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, params):

@@ -29,6 +29,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..checks import check_number
+
 __all__ = ["RequestMetrics", "summarize", "percentile", "STATS", "LATENCIES", "SLO_KEYS",
            "FINISH_REASONS"]
 
@@ -144,16 +146,14 @@ def _check_slo(slo: dict[str, float] | None) -> dict[str, float]:
     for key, value in slo.items():
         if key not in SLO_KEYS:
             raise ValueError(f"slo keys must be among {SLO_KEYS}, got {key!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"slo[{key!r}] must be a positive number of seconds, got {value!r}")
+        check_number(f"slo[{key!r}]", value, gt=0, why=" of seconds")
     return slo
 
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0 ≤ q ≤ 100) of ``values``, interpolating linearly between the
     two nearest ranks (numpy's default method); nan for no values."""
-    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
-        raise ValueError(f"q must be a number in [0, 100], got {q!r}")
+    check_number("q", q, ge=0, le=100)
     xs = sorted(values)
     if not xs:
         return NAN
@@ -183,9 +183,7 @@ def summarize(metrics: Iterable[RequestMetrics], duration_s: float,
     * with ``slo`` (seconds, keys among :data:`SLO_KEYS`): ``"good"`` (requests that met every
       target) and ``"goodput"`` (good requests/s).
     """
-    if isinstance(duration_s, bool) or not isinstance(duration_s, (int, float)) \
-            or not duration_s > 0:
-        raise ValueError(f"duration_s must be a positive number of seconds, got {duration_s!r}")
+    check_number("duration_s", duration_s, gt=0, why=" of seconds")
     slo = _check_slo(slo)
     metrics = list(metrics)
     for m in metrics:

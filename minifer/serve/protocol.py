@@ -1,54 +1,58 @@
-"""The OpenAI completions protocol, as plain functions: check a request body, shape the replies.
+"""The OpenAI protocol: request bodies checked into engine requests, replies shaped.
 
-`parse_completion_request` turns the JSON body of ``POST /v1/completions`` into a
-`CompletionRequest` (prompt ids + `SamplingParams`) or raises `APIError` with the HTTP status and
-an OpenAI-style error body that names the offending parameter and what is allowed. Nothing here
-knows about HTTP frameworks or the engine, so every rule is testable on its own.
+**Requests.** Each body is a Pydantic model (`CompletionBody` for ``POST /v1/completions``,
+`ChatCompletionBody` for ``POST /v1/chat/completions``): strict types (``"5"`` is not a number,
+``1`` is not ``true``), every number bounded and finite, unknown fields refused. The same models
+make the server's OpenAPI schema, so what the schema documents is exactly what is accepted.
+`parse_completion_request` / `parse_chat_request` then apply what depends on the server (the
+model name, its context window and ``max_tokens`` limit, the tokenizer, whether priorities are
+on) and return a `CompletionRequest`: prompt ids, `SamplingParams` and how to answer. Every
+refusal is an `APIError` (400) whose OpenAI-style body names the parameter and what is allowed.
 
-Fields follow OpenAI's completions API: ``model``, ``prompt`` (text or token ids; one prompt per
-request), ``max_tokens`` (default 16), ``temperature`` (default 1), ``top_p``, ``stop`` (up to
-4 strings), ``seed``, ``stream``, ``stream_options.include_usage``, ``n`` (only 1), ``user``.
-Extensions, as vLLM names them: ``top_k``, ``repetition_penalty``, ``priority`` (lower = served
-first), ``ignore_eos``. Fields we do not implement are refused at anything but their neutral
-value, rather than silently ignored.
+Integers may be written as integral numbers (``16.0``), as JSON Schema counts them.
 
-OpenAI's ``finish_reason`` is ``"stop"`` for a natural end (the end-of-sequence token or a stop
-string) and ``"length"`` when ``max_tokens`` ran out.
+Fields follow OpenAI's APIs: ``model``, ``prompt`` (text or token ids; one prompt per request)
+or ``messages``, ``max_tokens`` (completions: default 16; chat: default what the context has
+left; chat also takes ``max_completion_tokens``), ``temperature`` (default 1), ``top_p``,
+``stop`` (up to 4 strings), ``seed``, ``stream``, ``stream_options.include_usage``,
+``logprobs`` (completions: how many alternatives per token, 0–20; chat: true/false plus
+``top_logprobs`` 0–20), ``echo`` (completions: the prompt comes back before the completion, with
+its logprobs if asked), ``logit_bias`` (token id → −100…100), ``n`` (only 1), ``user``.
+Extensions, as vLLM names them: ``top_k``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``, ``priority`` (lower = served first; only when the server schedules by priority).
+OpenAI fields we do not implement are refused at anything but their neutral value, rather than
+silently ignored.
+
+The replies are shaped in `minifer.serve.replies`; their OpenAPI models are in
+`minifer.serve.schema`.
+
+Needs pydantic (the ``serve`` extra, with FastAPI); nothing here knows about HTTP.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import typing
 import uuid
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from ..sampling import SamplingParams
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-__all__ = ["APIError", "CompletionRequest", "Limits", "parse_completion_request",
-           "openai_finish_reason", "completion_body", "chunk_body", "usage_body", "error_body"]
+from ..sampling import SEED_RANGE, SamplingParams
+from ..sequence import encode_prompts
+from .chat import END_OF_TURN, render_chat
+from .errors import APIError, error_body
+from .logprobs import MAX_TOP_LOGPROBS
+from .scheduler import PRIORITY_LIMIT
+
+__all__ = ["APIError", "CompletionRequest", "Limits", "CompletionBody", "ChatCompletionBody",
+           "parse_completion_request", "parse_chat_request", "validation_error", "error_body"]
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
-
-
-class APIError(Exception):
-    """An error the client caused (4xx) or the server cannot take now (429/503), OpenAI-shaped."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-
-    def body(self) -> dict:
-        return error_body(self.message, param=self.param, type=self.type, code=self.code)
-
-
-def error_body(message: str, *, param: str | None = None, type: str = "invalid_request_error",
-               code: str | None = None) -> dict:
-    """``{"error": {"message", "type", "param", "code"}}`` — what OpenAI's API returns."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+NEG_INF_LOGPROB = -9999.0  # what vLLM reports for a logprob of -inf
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
@@ -70,13 +74,16 @@ class Limits:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         t = self.request_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
             raise ValueError(f"request_timeout_s must be a positive number, got {t!r}")
 
 
 @dataclass
 class CompletionRequest:
-    """A checked completion request: what the engine needs, and how to answer."""
+    """A checked request: what the engine needs, and how to answer.
+
+    `kind`: ``"text"`` (completions) or ``"chat"``; `logprobs`: alternatives per token (None:
+    no logprobs); `echo`: the prompt (`prompt_text`, and its logprobs) comes back first."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -86,174 +93,354 @@ class CompletionRequest:
     model: str = ""
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
+    kind: str = "text"
+    logprobs: int | None = None
+    echo: bool = False
+    prompt_text: str | None = None
+    min_tokens: int = 0
+
+    def engine_options(self) -> dict:
+        """Keyword arguments for `LLMEngine.add_request` beyond prompt, params and priority."""
+        opts: dict[str, Any] = {}
+        if self.logprobs is not None:
+            opts["logprobs"] = self.logprobs
+        if self.min_tokens:
+            opts["min_tokens"] = self.min_tokens
+        return opts
 
 
-# neutral values of OpenAI fields we do not implement: anything else is refused
-_NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v in (None, 1),
-    "best_of": lambda v: v in (None, 1),
-    "echo": lambda v: v in (None, False),
-    "logprobs": lambda v: v is None,
-    "suffix": lambda v: v in (None, ""),
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: v in (None, {}),
-    "user": lambda v: True,  # an end-user id for abuse monitoring: accepted, unused
-}
-_KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream",
-          "stream_options", "top_k", "repetition_penalty", "priority", "ignore_eos", *_NEUTRAL}
+# ---- request bodies ------------------------------------------------------------------------
+def _f(default: Any, allowed: str, doc: str = "", *, unsupported: bool = False) -> Any:
+    """A field whose schema says what is allowed (``x-allowed``, also used in error messages)."""
+    extra: dict[str, Any] = {"x-allowed": allowed}
+    if unsupported:
+        extra["x-unsupported"] = True
+    return Field(default, description=f"{doc} Allowed: {allowed}.".strip(),
+                 json_schema_extra=extra)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _integral(value: Any) -> Any:
+    """JSON Schema's integers include 3.0: take an integral float as the int it is."""
+    return int(value) if type(value) is float and value.is_integer() else value
 
 
-def _number(body: dict, name: str, default: float, allowed: str, ok: Callable[[float], bool]):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not ok(v):
-        raise _bad(name, f"must be {allowed}, got {v!r}")
-    return v
+def Int(**bounds: int) -> Any:  # noqa: N802 - used as a type
+    """An integer field (strict otherwise: not ``"3"``, not ``true``) within `bounds`."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 
-def _prompt_ids(prompt: Any, tokenizer, vocab_size: int) -> list[int]:
-    """One prompt: text, a list of token ids, or a list holding exactly one of those."""
+NonEmpty = Annotated[str, Field(min_length=1)]
+TokenId = Int(ge=0, le=2**31 - 1)
+Stop = NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP)]
+Penalty = Annotated[float, Field(ge=0, le=0)]  # presence/frequency penalties: only 0
+Bias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+            Annotated[float, Field(ge=-100, le=100)]]
+Priority = Int(ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = _f(None, "true or false", "Send a last chunk with usage.")
+
+
+class _Sampling(_Body):
+    """The fields completions and chat share."""
+
+    model: NonEmpty = _f(..., "the name of a served model (see GET /v1/models)")
+    max_tokens: Int(ge=1) | None = _f(
+        None, "an integer >= 1, at most the server's --max-tokens", "Most tokens to generate.")
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = _f(
+        None, "a number in [0, 2]", "Sampling temperature; 0 = greedy. Default 1.")
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = _f(None, "a number in (0, 1]",
+                                                          "Nucleus sampling. Default 1.")
+    top_k: Int(ge=-1, le=2**31 - 1) | None = _f(
+        None, "an integer >= 0 (0 or -1 = off)", "Keep the k most likely tokens (vLLM).")
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = _f(
+        None, "a number > 0", "CTRL's penalty on tokens already seen; 1 = off (vLLM).")
+    stop: Stop | None = _f(None, f"a non-empty string or a list of at most {MAX_STOP} of them",
+                           "Generation stops before the first stop string.")
+    seed: Int(ge=SEED_RANGE[0], lt=SEED_RANGE[1]) | None = _f(
+        None, "an integer in [0, 2**64) or null", "Makes sampling reproducible.")
+    stream: bool | None = _f(None, "true or false", "Answer as server-sent events.")
+    stream_options: StreamOptions | None = _f(
+        None, 'an object like {"include_usage": true}, only with stream', "Streaming options.")
+    n: Int(ge=1, le=1) | None = _f(None, "1", "Choices per request.",
+                                                    unsupported=True)
+    presence_penalty: Penalty | None = _f(None, "0", unsupported=True)
+    frequency_penalty: Penalty | None = _f(None, "0", unsupported=True)
+    logit_bias: Bias | None = _f(None, "an object mapping token ids (strings) to numbers in "
+                                 "[-100, 100]", "Added to those tokens' logits.")
+    user: str | None = _f(None, "any string", "An end-user id (accepted, unused).")
+    ignore_eos: bool | None = _f(None, "true or false",
+                                 "Keep going past the end-of-sequence token (vLLM).")
+    min_tokens: Int(ge=0) | None = _f(
+        None, "an integer >= 0, at most max_tokens",
+        "The end-of-sequence token is not sampled before this many tokens, and stop strings "
+        "count only in the text after them (vLLM).")
+    priority: Priority | None = _f(
+        None, "an integer in [-2**53, 2**53]; non-zero only if the server schedules by "
+        "priority", "Lower = served first (vLLM).")
+
+
+class CompletionBody(_Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: (NonEmpty | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=1)]) = _f(
+        ..., "a non-empty string or a non-empty list of token ids (one prompt per request: "
+        "send several requests, they are batched on the server)", "The prompt.")
+    echo: bool | None = _f(None, "true or false", "Return the prompt before the completion.")
+    logprobs: Int(ge=0, le=MAX_TOP_LOGPROBS) | None = _f(
+        None, f"an integer in [0, {MAX_TOP_LOGPROBS}] or null",
+        "Report each token's logprob and this many alternatives.")
+    best_of: Int(ge=1, le=1) | None = _f(None, "1", unsupported=True)
+    suffix: Annotated[str, Field(max_length=0)] | None = _f(None, '""', unsupported=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"] = _f(..., '"text"')
+    text: str = _f(..., "a string")
+
+
+SpeakerName = Annotated[str, Field(pattern=r"^[^:\s]([^:\r\n]{0,62}[^:\s])?$")]
+
+
+class ChatMessage(_Body):
+    """One message; ``name`` is the speaker in the chat template (see `minifer.serve.chat`)."""
+
+    role: Literal["system", "developer", "user", "assistant"] = _f(
+        ..., '"system", "developer", "user" or "assistant"')
+    content: str | Annotated[list[TextPart], Field(min_length=1)] = _f(
+        ..., 'a string or a list of {"type": "text", "text": ...} parts')
+    name: SpeakerName | None = _f(None, "1 to 64 characters, no colon or line break",
+                                  "The speaker's name.")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"] = _f(..., '"text"', unsupported=True)
+
+
+class ChatCompletionBody(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] = _f(
+        ..., "a non-empty list of messages", "The conversation so far.")
+    max_completion_tokens: Int(ge=1) | None = _f(
+        None, "an integer >= 1, at most the server's --max-tokens",
+        "Most tokens to generate (OpenAI's newer name for max_tokens).")
+    logprobs: bool | None = _f(None, "true or false", "Report each token's logprob.")
+    top_logprobs: Int(ge=0, le=MAX_TOP_LOGPROBS) | None = _f(
+        None, f"an integer in [0, {MAX_TOP_LOGPROBS}], only with logprobs",
+        "Alternatives reported per token.")
+    response_format: ResponseFormat | None = _f(None, '{"type": "text"}', unsupported=True)
+    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = _f(
+        None, "an empty list or null (no tool calling)", unsupported=True)
+    tool_choice: Literal["none"] | None = _f(None, '"none" or null', unsupported=True)
+    parallel_tool_calls: bool | None = _f(None, "true or false (no tool calling)")
+
+
+# ---- validation errors ---------------------------------------------------------------------
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The model class inside an annotation (``list[ChatMessage] | None`` → ChatMessage)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _submodel(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _short(value: Any) -> str:
+    try:
+        return f"{value!r:.60}"
+    except ValueError:  # an int too large to print
+        return "a huge number"
+
+
+def validation_error(errors: Sequence[dict], model: type[BaseModel]) -> APIError:
+    """Pydantic's errors for a `model` body as one OpenAI-style 400 naming the parameter
+    (``messages[0].content``) and what it allows."""
+    e = errors[0]
+    loc = list(e.get("loc", ()))
+    if loc and loc[0] == "body":  # FastAPI's prefix
+        loc = loc[1:]
+    if e.get("type") == "json_invalid":
+        why = (e.get("ctx") or {}).get("error", e.get("msg", ""))
+        return APIError(400, f"the request body is not valid JSON: {why}", code="invalid_json")
+    names: list[str] = []
+    cls: type[BaseModel] | None = model
+    allowed, unsupported = None, False
+    for part in loc:
+        if isinstance(part, int):
+            if names:
+                names[-1] += f"[{part}]"
+            continue
+        if cls is None or part not in cls.model_fields:
+            if e.get("type") == "extra_forbidden":
+                names.append(str(part))
+            break
+        info = cls.model_fields[part]
+        names.append(part)
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        allowed, unsupported = extra.get("x-allowed"), bool(extra.get("x-unsupported"))
+        cls = _submodel(info.annotation)
+    param = ".".join(names) or None
+    kind = e.get("type")
+    if param is None:
+        return APIError(400, "the request body must be a JSON object with the fields of "
+                        f"{model.__name__} (see /openapi.json), got {_short(e.get('input'))}")
+    if kind == "extra_forbidden":
+        known = sorted(cls.model_fields) if cls is not None else []
+        return _bad(param, f"unrecognized request argument (supported: {', '.join(known)})",
+                    code="unknown_parameter")
+    if kind == "missing":
+        return _bad(param, f"required: {allowed}" if allowed else "required", code="missing")
+    if unsupported:
+        return _bad(param, f"{_short(e.get('input'))} is not supported by this server (allowed: "
+                    f"{allowed})", code="unsupported")
+    what = allowed or e.get("msg", "valid")
+    return _bad(param, f"must be {what}, got {_short(e.get('input'))}")
+
+
+def _validate(cls: type[BaseModel], body: Any) -> Any:
+    if isinstance(body, cls):
+        return body
+    try:
+        return cls.model_validate(body)
+    except ValidationError as err:
+        raise validation_error(err.errors(include_url=False), cls) from None
+
+
+# ---- server-dependent checks ---------------------------------------------------------------
+def _encode(text: str, tokenizer, vocab_size: int, param: str) -> list[int]:
+    """Text to ids through `minifer.sequence.encode_prompts`: the engine's own checks."""
+    if tokenizer is None:
+        raise _bad(param, "this server has no tokenizer: send token ids (a list of integers)")
+    try:
+        [ids] = encode_prompts([text], tokenizer, vocab_size)
+    except (ValueError, TypeError) as err:
+        raise _bad(param, str(err).removeprefix("prompt 0 ").removeprefix("prompt 0: ")) from None
+    return ids
+
+
+def _prompt_ids(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int], str | None]:
+    """One prompt (text or ids, possibly OpenAI's one-element batch form) → ids, text."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # OpenAI's batch form with a single prompt
+        prompt = prompt[0]
     if isinstance(prompt, str):
-        if not prompt:
-            raise _bad("prompt", "must not be empty")
-        if tokenizer is None:
-            raise _bad("prompt", "this server has no tokenizer: send token ids (a list of integers)")
-        return list(tokenizer.encode(prompt))
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise _bad("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise _bad("prompt", f"got {len(prompt)} prompts; this server takes one prompt per "
-                   "request (send several requests: they are batched on the server)")
-    raise _bad("prompt", "must be a non-empty string or a non-empty list of token ids, got "
-               f"{type(prompt).__name__} {prompt!r:.60}")
+        return _encode(prompt, tokenizer, vocab_size, "prompt"), prompt
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise _bad("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return list(prompt), (tokenizer.decode(prompt) if tokenizer is not None else None)
 
 
-def parse_completion_request(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
-                             vocab_size: int) -> CompletionRequest:
-    """Check a ``/v1/completions`` JSON body; raise `APIError` (400) naming the bad parameter."""
-    if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - _KNOWN)
-    if unknown:
-        raise _bad(unknown[0], "unrecognized request argument (supported: "
-                   f"{', '.join(sorted(_KNOWN))})", code="unknown_parameter")
-    for name, neutral in _NEUTRAL.items():
-        if name in body and not neutral(body[name]):
-            raise _bad(name, f"{body[name]!r} is not supported by this server", code="unsupported")
-
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("model", "required: the name of a served model (see GET /v1/models)")
+def _check_model(model: str, model_name: str) -> None:
     if model != model_name:
-        raise _bad("model", f"the model {model!r} does not exist; this server serves "
+        raise _bad("model", f"the model {_short(model)} does not exist; this server serves "
                    f"{model_name!r}", code="model_not_found")
-    if "prompt" not in body:
-        raise _bad("prompt", "required")
-    ids = _prompt_ids(body["prompt"], tokenizer, vocab_size)
 
-    max_tokens = body.get("max_tokens", 16)
-    max_tokens = 16 if max_tokens is None else max_tokens
-    if not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_tokens:
-        raise _bad("max_tokens", f"must be an integer in [1, {limits.max_tokens}], "
-                   f"got {max_tokens!r}")
+
+def _check_length(ids: list[int], max_tokens: int, limits: Limits, param: str) -> None:
+    if not 1 <= max_tokens <= limits.max_tokens:
+        raise _bad(param, f"must be an integer in [1, {limits.max_tokens}], got {max_tokens!r}")
     need = len(ids) + max_tokens - 1  # the last token is never fed back
     if need > limits.max_model_len:
         raise APIError(400, f"prompt: this model's maximum context length is "
                        f"{limits.max_model_len} tokens; the prompt has {len(ids)} tokens and "
-                       f"max_tokens={max_tokens} (prompt + max_tokens - 1 = {need}); shorten the "
-                       "prompt or lower max_tokens", param="prompt",
+                       f"{param}={max_tokens} (prompt + {param} - 1 = {need}); shorten the "
+                       f"prompt or lower {param}", param="prompt",
                        code="context_length_exceeded")
 
-    temperature = _number(body, "temperature", 1.0, "a number in [0, 2]", lambda t: 0 <= t <= 2)
-    top_p = _number(body, "top_p", 1.0, "a number in (0, 1]", lambda p: 0 < p <= 1)
-    penalty = _number(body, "repetition_penalty", 1.0, "a number > 0", lambda r: 0 < r < math.inf)
-    top_k = body.get("top_k")
-    top_k = 0 if top_k in (None, -1) else top_k  # vLLM: -1 = off
-    if not _is_int(top_k) or top_k < 0:
-        raise _bad("top_k", f"must be an integer >= 0 (0 or -1 = off), got {top_k!r}")
 
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if (not isinstance(stop, list) or len(stop) > MAX_STOP
-            or not all(isinstance(s, str) and s for s in stop)):
-        raise _bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP} of them, "
-                   f"got {body.get('stop')!r:.60}")
+def _sampling(b: _Sampling, max_tokens: int, stop: list[str], tokenizer, vocab_size: int,
+              priorities: bool) -> tuple[SamplingParams, int, int]:
+    """`SamplingParams`, priority and min_tokens from the shared fields."""
     if stop and tokenizer is None:
         raise _bad("stop", "stop strings are matched on text, and this server has no tokenizer")
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not -2**63 <= seed < 2**64):
-        raise _bad("seed", f"must be an integer in [-2**63, 2**64) or null, got {seed!r:.40}")
-    priority = body.get("priority", 0)
-    priority = 0 if priority is None else priority
-    if not _is_int(priority):
-        raise _bad("priority", f"must be an integer (lower = served first), got {priority!r}")
-    flags = {}
-    for name in ("stream", "ignore_eos"):
-        v = body.get(name, False)
-        if v is not None and not isinstance(v, bool):
-            raise _bad(name, f"must be true or false, got {v!r}")
-        flags[name] = bool(v)
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not flags["stream"]:
-            raise _bad("stream_options", "only allowed when stream is true")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise _bad("stream_options", f"must be an object like {{\"include_usage\": true}}, "
-                       f"got {options!r:.60}")
-        include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise _bad("stream_options.include_usage", f"must be true or false, got "
-                       f"{include_usage!r}")
-
-    params = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
-                            repetition_penalty=float(penalty), max_new_tokens=max_tokens,
-                            stop=tuple(stop), seed=seed, ignore_eos=flags["ignore_eos"])
-    return CompletionRequest(ids, params, stream=flags["stream"], include_usage=include_usage,
-                             priority=priority, model=model)
+    if b.stream_options is not None and not b.stream:
+        raise _bad("stream_options", "only allowed when stream is true")
+    priority = b.priority or 0
+    if priority and not priorities:
+        raise _bad("priority", f"{priority} is not honoured: this server schedules first come, "
+                   "first served (start it with --scheduling-policy priority)", code="unsupported")
+    min_tokens = b.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise _bad("min_tokens", f"must be at most max_tokens={max_tokens}, got {min_tokens}")
+    bias = {}
+    for key, value in (b.logit_bias or {}).items():
+        if int(key) >= vocab_size:
+            raise _bad("logit_bias", f"token id {key} is outside the vocabulary [0, {vocab_size})")
+        bias[int(key)] = value
+    top_k = 0 if b.top_k in (None, -1) else b.top_k  # vLLM: -1 = off
+    params = SamplingParams(
+        temperature=1.0 if b.temperature is None else float(b.temperature),
+        top_p=1.0 if b.top_p is None else float(b.top_p), top_k=top_k,
+        repetition_penalty=1.0 if b.repetition_penalty is None else float(b.repetition_penalty),
+        max_new_tokens=max_tokens, stop=tuple(stop), seed=b.seed,
+        ignore_eos=bool(b.ignore_eos), logit_bias=bias)
+    return params, priority, min_tokens
 
 
-# ---- replies -------------------------------------------------------------------------------
-def openai_finish_reason(reason: str | None) -> str | None:
-    """The engine's reason as OpenAI spells it: "eos" and "stop" are both a natural "stop"."""
-    return {"eos": "stop", "stop": "stop", "length": "length"}.get(reason, reason)
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def parse_completion_request(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
+                             vocab_size: int, priorities: bool = False) -> CompletionRequest:
+    """Check a ``/v1/completions`` body (a dict or a `CompletionBody`); raise `APIError` (400)
+    naming the bad parameter. `priorities`: whether the server honours ``priority``."""
+    b = _validate(CompletionBody, body)
+    _check_model(b.model, model_name)
+    ids, text = _prompt_ids(b.prompt, tokenizer, vocab_size)
+    max_tokens = 16 if b.max_tokens is None else b.max_tokens
+    _check_length(ids, max_tokens, limits, "max_tokens")
+    params, priority, min_tokens = _sampling(b, max_tokens, _stops(b.stop), tokenizer,
+                                             vocab_size, priorities)
+    include_usage = bool(b.stream_options and b.stream_options.include_usage)
+    return CompletionRequest(ids, params, stream=bool(b.stream), include_usage=include_usage,
+                             priority=priority, model=b.model, logprobs=b.logprobs,
+                             echo=bool(b.echo), prompt_text=text, min_tokens=min_tokens)
 
 
-def completion_body(req: CompletionRequest, text: str, finish_reason: str | None,
-                    completion_tokens: int) -> dict:
-    """The whole answer of a non-streamed completion."""
-    return {"id": req.id, "object": "text_completion", "created": req.created,
-            "model": req.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": openai_finish_reason(finish_reason)}],
-            "usage": usage_body(len(req.prompt_ids), completion_tokens)}
+def _message_text(m: ChatMessage) -> str:
+    return m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
 
 
-def chunk_body(req: CompletionRequest, text: str | None, finish_reason: str | None = None,
-               usage: dict | None = None) -> dict:
-    """One server-sent event of a streamed completion. ``text=None``: the usage-only last chunk
-    (``choices`` empty), sent when ``stream_options.include_usage`` is true."""
-    body = {"id": req.id, "object": "text_completion", "created": req.created,
-            "model": req.model,
-            "choices": [] if text is None else [
-                {"index": 0, "text": text, "logprobs": None,
-                 "finish_reason": openai_finish_reason(finish_reason)}]}
-    if req.include_usage:
-        body["usage"] = usage  # null on every chunk but the last, as OpenAI does
-    return body
+def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
+                       vocab_size: int, priorities: bool = False) -> CompletionRequest:
+    """Check a ``/v1/chat/completions`` body; render its messages with the chat template
+    (`minifer.serve.chat`), whose end of turn is always a stop string."""
+    b = _validate(ChatCompletionBody, body)
+    _check_model(b.model, model_name)
+    if tokenizer is None:
+        raise _bad("messages", "this server has no tokenizer, and chat needs one")
+    prompt, _ = render_chat([{"role": m.role, "content": _message_text(m), "name": m.name}
+                             for m in b.messages])
+    ids = _encode(prompt, tokenizer, vocab_size, "messages")
+    param = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
+    if b.max_tokens is not None and b.max_completion_tokens is not None \
+            and b.max_tokens != b.max_completion_tokens:
+        raise _bad("max_completion_tokens", f"{b.max_completion_tokens} contradicts max_tokens="
+                   f"{b.max_tokens}; give one of them")
+    max_tokens = b.max_completion_tokens or b.max_tokens
+    if max_tokens is None:  # what the context window has left, within the server's limit
+        max_tokens = max(1, min(limits.max_tokens, limits.max_model_len - len(ids) + 1))
+    _check_length(ids, max_tokens, limits, param)
+    if b.top_logprobs is not None and not b.logprobs:
+        raise _bad("top_logprobs", "only allowed when logprobs is true")
+    stop = _stops(b.stop)
+    params, priority, min_tokens = _sampling(b, max_tokens, [*stop, END_OF_TURN], tokenizer,
+                                             vocab_size, priorities)
+    include_usage = bool(b.stream_options and b.stream_options.include_usage)
+    return CompletionRequest(ids, params, stream=bool(b.stream), include_usage=include_usage,
+                             priority=priority, model=b.model, kind="chat",
+                             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+                             logprobs=(b.top_logprobs or 0) if b.logprobs else None,
+                             prompt_text=prompt, min_tokens=min_tokens)

@@ -41,6 +41,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
+    logprobs: list | None = None  # a `serve.logprobs.TokenLogprob` per token, if asked for
 
 
 class Request:
@@ -51,6 +52,9 @@ class Request:
     whole prompt at first, one token per decode step, everything again after a preemption —
     and samples its next token once ``num_computed == len(tokens)``.
     """
+
+    num_logprobs: int | None = None  # alternatives to report per token (None: no logprobs)
+    logprobs: list | None = None  # the TokenLogprob of each generated token so far
 
     def __init__(self, request_id: str, seq: Sequence, vocab: int, priority: int,
                  arrival_time: float, order: int, device: torch.device,
@@ -98,7 +102,8 @@ class Request:
         s = self.seq
         return RequestOutput(self.request_id, s.prompt_ids, list(s.output_ids),
                              self.text if s.stopper is not None else None, delta,
-                             self.finished, self.metrics.finish_reason, self.metrics)
+                             self.finished, self.metrics.finish_reason, self.metrics,
+                             None if self.logprobs is None else list(self.logprobs))
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, priority={self.priority}, {self.status.value}, "

@@ -21,6 +21,10 @@ running request (lowest priority, then latest arrival) gives up all its blocks a
 waiting; when readmitted it recomputes prompt + generated-so-far in a prefill (vLLM's
 *recompute* mode), keeping the tokens it already produced.
 
+**After the step** (`postprocess`): each scheduled request's cached-token count moves on by
+the tokens it fed, full blocks are named for prefix caching, the sampled tokens are appended,
+and requests that reached a stop condition leave and free their blocks.
+
 **Priorities** (BATCH-9): lower value = served first (vLLM's convention), ties by arrival.
 Strict priority can starve low priority forever under a steady stream of important requests;
 ``aging > 0`` lowers a waiting request's effective priority value by `aging` per step it waits,
@@ -29,14 +33,19 @@ so every request eventually reaches the front.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..checks import check_int, check_number
+from ..sequence import Sequence as SequenceState
 from .block_manager import BlockManager
-from .request import Request, Status
+from .request import Request, RequestOutput, Status
 
-__all__ = ["POLICIES", "Chunk", "SchedulerOutput", "Scheduler"]
+__all__ = ["POLICIES", "PRIORITY_LIMIT", "Chunk", "SchedulerOutput", "Scheduler"]
 
 POLICIES = ("static", "continuous")
+PRIORITY_LIMIT = 2**53  # |priority| at most this: `rank`'s float arithmetic stays exact
 
 
 @dataclass
@@ -46,6 +55,7 @@ class Chunk:
     request: Request
     start: int
     num_new: int
+    block_table: list[int] = field(default_factory=list)  # where the request's K/V live
 
     @property
     def completes(self) -> bool:
@@ -62,6 +72,11 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.num_new for c in self.chunks)
 
+    @property
+    def due(self) -> list[Chunk]:
+        """The chunks after which a token is sampled, in order."""
+        return [c for c in self.chunks if c.completes]
+
 
 class Scheduler:
     """Waiting and running queues over a `BlockManager`; `schedule()` plans one step."""
@@ -73,11 +88,9 @@ class Scheduler:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         for name, value in (("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(aging, bool) or not isinstance(aging, (int, float)) or not aging >= 0:
-            raise ValueError(f"aging must be a number >= 0 (priority points per step waited; "
-                             f"0 = strict priority), got {aging!r}")
+            check_int(name, value, 1)
+        check_number("aging", aging, ge=0,
+                     why=" (priority points per step waited; 0 = strict priority)")
         self.bm, self.policy = block_manager, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.chunked, self.aging = enable_chunked_prefill, float(aging)
@@ -94,6 +107,53 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def add_prefilled(self, req: Request, num_computed: int) -> int | None:
+        """Admit `req` straight into `running` with the K/V of its first `num_computed` tokens
+        computed elsewhere (disaggregated serving: the prefill engine's, `serve.handoff`).
+
+        Allocates blocks for all of ``req.tokens`` (prompt + the first sampled token) and
+        returns how many leading tokens were already in this pool's prefix cache (their K/V
+        need not be written; 0 without prefix caching), or None, changing nothing, when the
+        request does not fit now: `max_num_seqs` requests already run, or too few blocks are
+        free. The caller writes the K/V of tokens ``cached .. num_computed - 1`` into the
+        block table. The next step feeds the remaining token(s) as a decode step. Preempted
+        later, the request recomputes here like any other (`preempt`).
+        """
+        check_int("num_computed", num_computed, 1, req.num_tokens - 1,
+                  why=" (at least one token must be left to feed)")
+        if self.policy != "continuous":
+            raise ValueError("add_prefilled needs the continuous policy (a static group would "
+                             "not admit a request mid-group)")
+        tokens = req.tokens
+        if len(self.running) >= self.max_num_seqs or not self.bm.can_allocate(tokens):
+            return None
+        cached = min(self.bm.allocate(req.request_id, tokens), num_computed)
+        req.num_computed = num_computed
+        req.status = Status.RUNNING
+        self.running.append(req)
+        if self.bm.enable_prefix_caching:
+            self.bm.commit(req.request_id, tokens, num_computed)
+        return cached
+
+    def check_fits(self, seq: SequenceState) -> None:
+        """Raise ValueError for a request (its prepared `minifer.sequence.Sequence`) this
+        scheduler could never run: too many blocks for the whole pool, or, without chunked
+        prefill, more tokens than one step."""
+        bm = self.bm
+        need = seq.max_len
+        if bm.blocks_for(need) > bm.num_blocks:
+            raise ValueError(
+                f"request needs {bm.blocks_for(need)} blocks of {bm.block_size} tokens for "
+                f"{need} tokens (prompt {len(seq.prompt_ids)} + max_new_tokens "
+                f"{seq.params.max_new_tokens} - 1) but the pool has only num_blocks="
+                f"{bm.num_blocks}; raise num_blocks or lower max_new_tokens")
+        if not self.chunked and need > self.max_num_batched_tokens:
+            raise ValueError(
+                f"without chunked prefill a request must fit one step: prompt + max_new_tokens - 1"
+                f" = {need} > max_num_batched_tokens={self.max_num_batched_tokens} (a preempted "
+                f"request recomputes all its tokens at once); raise max_num_batched_tokens or "
+                f"pass enable_chunked_prefill=True")
 
     def rank(self, req: Request) -> tuple[float, int]:
         """Sort key, most important first: effective priority, then arrival order."""
@@ -148,7 +208,45 @@ class Scheduler:
             budget = self._admit(out, budget)
         for req in self.waiting:
             req.waited_steps += 1
+        for c in out.chunks:
+            c.block_table = self.bm.block_table(c.request.request_id)
         return out
+
+    def postprocess(self, out: SchedulerOutput, tokens: Sequence[int],
+                    now: float | None = None) -> list[RequestOutput]:
+        """Record a step's results: `tokens` holds one sampled token per chunk of ``out.due``.
+
+        Every scheduled request now has K/V for the tokens it fed (`num_computed` moves on, and
+        full blocks are named for prefix caching); each due request gets its token, and one
+        that finishes leaves the running queue and frees its blocks. Returns an output for
+        every request that received a token. `now` (default ``time.perf_counter()``) stamps
+        the tokens: the scheduler never reads a clock of its own otherwise, so a simulator can
+        drive it on simulated time.
+        """
+        for c in out.chunks:
+            req = c.request
+            req.num_computed = c.start + c.num_new
+            if self.bm.enable_prefix_caching:
+                self.bm.commit(req.request_id, req.tokens, req.num_computed)
+        due = out.due
+        if len(tokens) != len(due):
+            raise ValueError(f"postprocess needs one token per due chunk ({len(due)}), got "
+                             f"{len(tokens)}")
+        if now is None:
+            now = time.perf_counter()
+        outputs = []
+        for c, token in zip(due, tokens):
+            req, m = c.request, c.request.metrics
+            if req.status is not Status.RUNNING:
+                continue
+            event = req.seq.append(token, now - m.arrival_time)
+            req.text += event.text
+            m.on_token(now)
+            if event.finish_reason is not None:
+                m.on_finish(now, event.finish_reason)
+                self.finish(req)
+            outputs.append(req.output(event.text))
+        return outputs
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         candidates = sorted(self.waiting, key=self.rank)

@@ -28,15 +28,19 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Request", "Uniform", "LogNormal", "poisson_workload", "corpus_ids", "as_lengths",
+from ..checks import check_int, check_number
+
+__all__ = ["Arrival", "Request", "Uniform", "LogNormal", "poisson_workload", "corpus_ids", "as_lengths",
            "SOURCES"]
 
 SOURCES = ("shakespeare", "random")
 
 
 @dataclass(frozen=True)
-class Request:
-    """One request of a workload: what to send, how many tokens to ask for, and when."""
+class Arrival:
+    """One request of a workload as it arrives: what to send, how many tokens to ask for, and
+    when. (Inside the serving engine a request is a `minifer.serve.request.Request`: a
+    `Sequence` with a place in the scheduler.)"""
 
     prompt: list[int] | str
     max_new_tokens: int
@@ -59,6 +63,9 @@ class Request:
         return SamplingParams(**kw)
 
 
+Request = Arrival  # the older name, kept for code written against it
+
+
 @dataclass(frozen=True)
 class Uniform:
     """Integers from ``lo`` to ``hi``, both included, equally likely."""
@@ -67,8 +74,8 @@ class Uniform:
     hi: int
 
     def __post_init__(self) -> None:
-        _check_int(self.lo, "lo", 1)
-        _check_int(self.hi, "hi", self.lo)
+        check_int("lo", self.lo, 1)
+        check_int("hi", self.hi, self.lo)
 
     def sample(self, rng: random.Random) -> int:
         return rng.randint(self.lo, self.hi)
@@ -87,10 +94,9 @@ class LogNormal:
     def __post_init__(self) -> None:
         for name in ("median", "sigma"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
-        _check_int(self.lo, "lo", 1)
-        _check_int(self.hi, "hi", self.lo)
+            check_number(name, v, gt=0)
+        check_int("lo", self.lo, 1)
+        check_int("hi", self.hi, self.lo)
 
     def sample(self, rng: random.Random) -> int:
         x = round(rng.lognormvariate(math.log(self.median), self.sigma))
@@ -100,24 +106,18 @@ class LogNormal:
 Lengths = int | tuple[int, int] | Uniform | LogNormal
 
 
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def as_lengths(spec: Lengths, name: str = "lengths") -> Uniform | LogNormal:
     """A length distribution from an ``int`` (always that), a ``(lo, hi)`` range, or a
     :class:`Uniform` / :class:`LogNormal` (returned as is)."""
     if isinstance(spec, (Uniform, LogNormal)):
         return spec
     if isinstance(spec, int) and not isinstance(spec, bool):
-        _check_int(spec, name, 1)
+        check_int(name, spec, 1)
         return Uniform(spec, spec)
     if isinstance(spec, tuple) and len(spec) == 2:
         lo, hi = spec
-        _check_int(lo, f"{name}[0]", 1)
-        _check_int(hi, f"{name}[1]", lo)
+        check_int(f"{name}[0]", lo, 1)
+        check_int(f"{name}[1]", hi, lo)
         return Uniform(lo, hi)
     raise TypeError(f"{name} must be an int, a (lo, hi) tuple, Uniform or LogNormal, "
                     f"got {spec!r}")
@@ -162,7 +162,7 @@ def poisson_workload(n: int, rate: float, prompt_len: Lengths = (16, 64),
                      output_len: Lengths = (16, 64), *, seed: int = 0, tokenizer: Any = None,
                      source: str = "shakespeare", system_prompt_len: int = 0,
                      vocab_size: int | None = None, burstiness: float = 1.0,
-                     first_at_zero: bool = True) -> list[Request]:
+                     first_at_zero: bool = True) -> list[Arrival]:
     """``n`` requests arriving as a Poisson process of ``rate`` requests/s, sorted by arrival.
 
     ``prompt_len`` and ``output_len`` (tokens) are length specs (see :func:`as_lengths`);
@@ -172,16 +172,11 @@ def poisson_workload(n: int, rate: float, prompt_len: Lengths = (16, 64),
     ``vocab_size``. ``first_at_zero`` shifts the arrivals so the first request arrives at 0
     (the benchmark starts with work to do). Same arguments, same workload.
     """
-    _check_int(n, "n", 1)
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
-        raise ValueError(f"rate must be a positive number of requests/s (math.inf: all at "
-                         f"once), got {rate!r}")
-    if isinstance(burstiness, bool) or not isinstance(burstiness, (int, float)) \
-            or not 0 < burstiness < math.inf:
-        raise ValueError(f"burstiness must be a positive finite number (1: Poisson), "
-                         f"got {burstiness!r}")
-    _check_int(seed, "seed", 0)
-    _check_int(system_prompt_len, "system_prompt_len", 0)
+    check_int("n", n, 1)
+    check_number("rate", rate, gt=0, why=" of requests/s (math.inf: all at once)")
+    check_number("burstiness", burstiness, gt=0, finite=True, why=" (1: Poisson)")
+    check_int("seed", seed, 0)
+    check_int("system_prompt_len", system_prompt_len, 0)
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     prompts = as_lengths(prompt_len, "prompt_len")
@@ -203,7 +198,7 @@ def poisson_workload(n: int, rate: float, prompt_len: Lengths = (16, 64),
     if source == "random":
         if vocab_size is None:
             raise ValueError("source='random' needs vocab_size (ids are drawn below it)")
-        _check_int(vocab_size, "vocab_size", 1)
+        check_int("vocab_size", vocab_size, 1)
 
         def window(length: int, rng: random.Random = rng_text) -> list[int]:
             return [rng.randrange(vocab_size) for _ in range(length)]
@@ -221,6 +216,6 @@ def poisson_workload(n: int, rate: float, prompt_len: Lengths = (16, 64),
     # its own stream: the requests' own parts are the same with or without a system prompt
     system = window(system_prompt_len, random.Random(f"{seed}-system")) \
         if system_prompt_len else []
-    return [Request(prompt=system + window(p), max_new_tokens=o, arrival_s=a,
+    return [Arrival(prompt=system + window(p), max_new_tokens=o, arrival_s=a,
                     request_id=f"req-{i}", prefix_len=system_prompt_len)
             for i, (a, p, o) in enumerate(zip(arrivals, p_lens, o_lens))]

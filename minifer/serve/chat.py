@@ -1,0 +1,64 @@
+"""The chat template: a conversation rendered as a scene of a play.
+
+Chat models are trained on conversations wrapped in special tokens (``<|im_start|>user ...``);
+their chat template turns OpenAI's ``messages`` into that text. minifer's shipped model was
+trained on Shakespeare's plays instead, where a conversation looks like this::
+
+    ROMEO:
+    But, soft! what light through yonder window breaks?
+
+    JULIET:
+    Ay me!
+
+So that is the template (`render_chat`): every ``user`` or ``assistant`` message is a speaker's
+turn — the speaker's name, a colon, a new line, the speech, a blank line — and a ``system`` (or
+``developer``) message is a stage direction: a plain paragraph, as "Enter ROMEO and JULIET" is
+in the plays. The prompt ends with the replying speaker's name and a colon, so the model's most
+likely continuation is that character's speech; the reply ends at the blank line that ends a
+turn (`END_OF_TURN`, always a stop string of a chat request), or at the end-of-text token.
+
+Speakers: a message's ``name`` if it has one (OpenAI's optional field: ``{"role": "user",
+"name": "HAMLET", ...}``), else ``USER`` for user messages and ``ASSISTANT`` for assistant
+messages. The reply is spoken by the name of the latest named assistant message, else
+``ASSISTANT``. A speech is normalized so that it stays one turn: line endings become ``\\n``,
+blank lines inside it are dropped, and leading and trailing white space is removed.
+
+Plain Python: no web stack, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+__all__ = ["USER", "ASSISTANT", "END_OF_TURN", "render_chat", "speech"]
+
+USER = "ROMEO"  # who speaks a user message without a name
+ASSISTANT = "JULIET"  # who speaks an assistant message (and the reply) without a name
+END_OF_TURN = "\n\n"  # a blank line: the end of a speaker's turn in the plays
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def speech(text: str) -> str:
+    """A message's text as one turn: ``\\n`` line endings, no blank lines, no outer space."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return re.sub(r"\n[ \t\f\v]*(?:\n[ \t\f\v]*)+", "\n", text).strip()
+
+
+def render_chat(messages: Iterable[Mapping]) -> tuple[str, str]:
+    """``(prompt, reply speaker)`` for OpenAI-style messages (``role``, ``content`` text, optional
+    ``name``). See the module docstring for the format."""
+    parts, reply = [], ASSISTANT
+    for i, m in enumerate(messages):
+        role, text, name = m["role"], speech(m["content"]), m.get("name")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {ROLES}, got {role!r}")
+        if role in ("system", "developer"):
+            if text:
+                parts.append(f"{text}{END_OF_TURN}")
+            continue
+        speaker = name or (USER if role == "user" else ASSISTANT)
+        if role == "assistant" and name:
+            reply = name
+        parts.append(f"{speaker}:\n{text}{END_OF_TURN}" if text else f"{speaker}:{END_OF_TURN}")
+    return "".join(parts) + f"{reply}:\n", reply

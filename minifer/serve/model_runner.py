@@ -1,0 +1,125 @@
+"""`ModelRunner`: turn one scheduled step into tensors, run the model once, sample.
+
+The scheduler decides *what* runs (which requests, how many of their tokens, in which
+blocks); the runner does the tensor work: it packs every scheduled token — the decode rows'
+single tokens and the prompt chunks' many — into one sequence, with each token's position and
+pool slot (`kv_pool.PackedBatch`), makes **one forward call** for the whole step, and samples
+one token for every request whose tokens are all fed. nano-vllm's `model_runner` has the same
+job (it adds CUDA graphs and tensor parallelism).
+
+Greedy rows are token-identical to `minifer.generate` of each prompt alone (tests): packing
+changes which tokens share a matrix multiply, never what any row attends to. Seeded sampling
+uses each request's own generator, so it does not depend on the batch either.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..sampling import mask_padded_vocab, sample
+from .kv_pool import GROUP_COST, PackedBatch, PagedKVPool
+from .options import ban_early_eos, record_logprobs
+from .request import Request
+from .scheduler import Chunk
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    """Runs the scheduled chunks of one step through `model` over the paged `pool`.
+
+    `read` picks how attention reads the pool (`kv_pool.READS`): whole blocks by the block
+    table (the default) or token slots (the reference). Counters (for benchmarks and lessons): `num_forward_calls` and `forward_time_s` (the time
+    spent inside the forward calls), `num_prefill_tokens` (prompt and recomputed tokens fed),
+    `num_decode_tokens` (sampled tokens fed back) and `num_decode_calls` (calls with at least
+    one decode row: decode tokens / calls is the mean decode batch).
+    """
+
+    def __init__(self, model: torch.nn.Module, pool: PagedKVPool,
+                 device: torch.device, read: str = "blocks") -> None:
+        self.model, self.pool, self.device = model, pool, device
+        self.read = read  # how attention reads the pool: "blocks" or "slots" (`PackedBatch`)
+        self.group_cost = GROUP_COST  # padded tokens worth one more decode attention call
+        self.num_forward_calls = 0
+        self.forward_time_s = 0.0
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self.num_decode_calls = 0
+
+    def execute(self, chunks: list[Chunk]) -> list[int]:
+        """One forward call over every chunk; the sampled token of each chunk that completes
+        its request's tokens (in the order of `chunks`)."""
+        if not chunks:
+            return []
+        # one-token rows first (PackedBatch batches their attention); order kept otherwise
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new != 1)
+        rows = [chunks[i] for i in order]
+        due = [j for j, c in enumerate(rows) if c.completes]
+        ids: list[int] = []
+        for c in rows:
+            ids.extend(_tokens(c.request, c.start, c.num_new))
+        batch = PackedBatch(self.pool, [c.block_table for c in rows], [c.start for c in rows],
+                            [c.num_new for c in rows], logits_rows=due, read=self.read,
+                            group_cost=self.group_cost)
+        self._count(rows)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            idx = torch.tensor([ids], dtype=torch.long, device=self.device)
+            logits = self.model(idx, cache=batch)  # (len(due), vocab): the rows that sample
+            self.forward_time_s += time.perf_counter() - t0
+            self.num_forward_calls += 1
+            if not due:
+                return []
+            picked = self.sample([rows[j].request for j in due], logits)
+        by_row = dict(zip(due, picked))
+        pos = {i: j for j, i in enumerate(order)}  # chunk index -> packed row
+        return [by_row[pos[i]] for i, c in enumerate(chunks) if c.completes]
+
+    def sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
+        """One token per request from its logits row; requests sharing a `SamplingParams`
+        object are sampled together, each with its own generator. ``min_tokens`` bans the
+        end-of-sequence token early; requests that asked for logprobs get them recorded from
+        the raw (vocabulary-masked) logits."""
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(id(r.params), []).append(i)
+        tokens = [0] * len(requests)
+        for rows in groups.values():
+            reqs = [requests[i] for i in rows]
+            lg = logits[rows[0]:rows[0] + 1] if len(rows) == 1 else logits[rows]
+            lg = mask_padded_vocab(lg.clone(), reqs[0].vocab)
+            raw = lg.clone() if any(r.logprobs is not None for r in reqs) else None
+            ban_early_eos(lg, [r.seq for r in reqs])  # min_tokens
+            seen = torch.stack([r.seen for r in reqs]) if reqs[0].seen is not None else None
+            gens = [r.generator for r in reqs] if reqs[0].generator is not None else None
+            picked = sample(lg, reqs[0].params, seen, gens).tolist()
+            for i, r, t in zip(rows, reqs, picked):
+                tokens[i] = t
+                if r.seen is not None:
+                    r.seen[t] = True
+            if raw is not None:
+                record_logprobs(raw, reqs, picked)
+        return tokens
+
+    def _count(self, rows: list[Chunk]) -> None:
+        decode = 0
+        for c in rows:
+            if c.num_new == 1 and c.completes and c.request.seq.output_ids:
+                decode += 1  # the last sampled token, fed back
+            else:
+                self.num_prefill_tokens += c.num_new  # prompt (or recomputed) tokens
+        self.num_decode_tokens += decode
+        self.num_decode_calls += decode > 0
+
+
+def _tokens(req: Request, start: int, n: int) -> list[int]:
+    """Tokens ``start .. start + n - 1`` of prompt + output, without joining the two lists."""
+    prompt, out = req.seq.prompt_ids, req.seq.output_ids
+    p = len(prompt)
+    if start >= p:
+        return out[start - p:start - p + n]
+    if start + n <= p:
+        return prompt[start:start + n]
+    return prompt[start:] + out[:start + n - p]

@@ -1,0 +1,98 @@
+"""What `LLMEngine.add_request` takes beyond a prompt and `SamplingParams`, checked, and the two
+things those options do inside a step.
+
+- ``priority``: an integer of at most ``PRIORITY_LIMIT`` = 2**53 either way, so the scheduler's
+  float arithmetic on it (``priority - aging * steps``) is exact and can never overflow;
+- ``logprobs``: report each sampled token's logprob and that many alternatives (0–20; see
+  `minifer.serve.logprobs`) — `record_logprobs` scores a step's sampled tokens;
+- ``min_tokens``: the end-of-sequence token is not sampled before that many tokens
+  (`ban_early_eos`), and stop strings count only in the text after them (`Sequence.min_tokens`).
+
+A prompt must be one prompt: text, a list of token ids or a 1-D tensor — a bare integer or a 0-d
+tensor is not silently taken as a one-token prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..sampling import SamplingParams
+from .logprobs import MAX_TOP_LOGPROBS, token_logprobs
+from .scheduler import PRIORITY_LIMIT
+
+__all__ = ["check_request", "check_options", "ban_early_eos", "record_logprobs",
+           "generate_arguments"]
+
+
+def generate_arguments(prompts, params) -> tuple[list, list]:
+    """An engine's ``generate(prompts, params)`` arguments as one prompt and one
+    `SamplingParams` per request: a single prompt (a text or a list of ids) becomes a list of
+    one; one `SamplingParams` (None: the defaults) serves every prompt — the same object, so
+    its rows are sampled together."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and all(isinstance(p, int) for p in prompts)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts (texts or id lists)")
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+    return list(prompts), list(params)
+
+
+def check_request(prompt, priority) -> None:
+    """ValueErrors naming `priority` or `prompt` (before the prompt is encoded)."""
+    if isinstance(priority, bool) or not isinstance(priority, int) \
+            or abs(priority) > PRIORITY_LIMIT:
+        raise ValueError(f"priority must be an integer in [-2**53, 2**53] (lower = served "
+                         f"first), got {priority!r:.40}")
+    if isinstance(prompt, (list, tuple)) and prompt and not all(
+            isinstance(p, int) or hasattr(p, "__index__") for p in prompt):
+        raise ValueError("add_request takes one prompt (text or a flat list of token ids); "
+                         "use generate() for a list of prompts")
+    if not isinstance(prompt, (str, list, tuple, torch.Tensor)) or (
+            isinstance(prompt, torch.Tensor) and prompt.dim() != 1):
+        raise ValueError(f"prompt must be text, a list of token ids or a 1-D tensor of them, "
+                         f"got {type(prompt).__name__} {prompt!r:.60}")
+
+
+def check_options(seq, logprobs: int | None, min_tokens: int) -> None:
+    """Check ``logprobs`` and ``min_tokens`` for a prepared `Sequence`; set its `min_tokens`."""
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                         f"got {logprobs!r}")
+    n = seq.params.max_new_tokens
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) \
+            or not 0 <= min_tokens <= n:
+        raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens={n}], "
+                         f"got {min_tokens!r}")
+    if min_tokens and seq.eos_id is not None \
+            and seq.params.logit_bias.get(seq.eos_id) == float("inf"):
+        raise ValueError("min_tokens bans the end-of-sequence token that logit_bias forces")
+    seq.min_tokens = min_tokens
+
+
+def ban_early_eos(logits: torch.Tensor, seqs: Sequence) -> None:
+    """Rows of ``logits (B, V)`` whose sequence has fewer than ``min_tokens`` tokens: their
+    end-of-sequence token gets -inf (in place), so it cannot be sampled yet."""
+    for row, seq in enumerate(seqs):
+        if seq.eos_id is not None and len(seq.output_ids) < seq.min_tokens:
+            logits[row, seq.eos_id] = float("-inf")
+
+
+def record_logprobs(logits: torch.Tensor, requests: Sequence, picked: Sequence[int]) -> None:
+    """Append each request's `TokenLogprob` for its `picked` token, for those that asked
+    (``request.logprobs`` is a list). `logits`: the rows' raw (vocabulary-masked) logits."""
+    rows = [j for j, r in enumerate(requests) if r.logprobs is not None]
+    if not rows:
+        return
+    scored = token_logprobs(logits[rows], [picked[j] for j in rows],
+                            [requests[j].num_logprobs for j in rows])
+    for j, lp in zip(rows, scored):
+        requests[j].logprobs.append(lp)
