@@ -65,6 +65,23 @@ def missing(nb: dict) -> Iterator[tuple[int, str]]:
                 yield i, "slider panel"
 
 
+CAPTION_CHAR_PX = 6.2  # a generous average width of one character at the caption's size 11
+
+
+def wrap_caption(caption: str, width_px: float) -> list[str]:
+    """`caption` in lines that fit `width_px` (broken after commas or spaces), so a long list of
+    control values is never cut off at the figure's right edge."""
+    room = max(20, int((width_px - 20) / CAPTION_CHAR_PX))
+    lines, line = [], ""
+    for word in caption.split(" "):
+        if line and len(line) + 1 + len(word) > room:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return lines + [line]
+
+
 def caption_figure(figure: dict, caption: str) -> dict:
     """A copy of ``figure`` with ``caption`` in small grey type under the plot, in room added
     to the bottom margin (so it never covers the axis title)."""
@@ -72,11 +89,12 @@ def caption_figure(figure: dict, caption: str) -> dict:
     layout = fig.setdefault("layout", {})
     margin = layout.setdefault("margin", {})
     bottom = margin.get("b", 80)  # plotly's default
-    margin["b"] = bottom + CAPTION_PX
-    layout["height"] = layout.get("height", HEIGHT) + CAPTION_PX
+    lines = wrap_caption(caption, layout.get("width", WIDTH))
+    margin["b"] = bottom + CAPTION_PX * len(lines)
+    layout["height"] = layout.get("height", HEIGHT) + CAPTION_PX * len(lines)
     layout.setdefault("annotations", []).append(dict(
-        text=caption, showarrow=False, xref="paper", yref="paper", x=0, y=0, xanchor="left",
-        yanchor="top", yshift=-bottom - 4, font=dict(size=11, color="#666666")))
+        text="<br>".join(lines), showarrow=False, xref="paper", yref="paper", x=0, y=0, xanchor="left",
+        yanchor="top", yshift=-bottom - 4, align="left", font=dict(size=11, color="#666666")))
     return fig
 
 

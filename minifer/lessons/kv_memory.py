@@ -8,6 +8,7 @@ of spec sheets and weights: "8B parameters × 2 bytes = 16 GB"). Titles say whic
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from .. import roofline as rl
-from ..bench.decode import random_ids
+from ..bench.common import random_ids
 from ..cache import StaticKVCache
 from ..generation import prefill
 from .common import (
@@ -102,6 +103,10 @@ def kv_figure(context: int = 4096, batch: int = 1, precision: str = "fp16",
     fig.add_trace(go.Scatter(x=CONTEXTS, y=[sig((hw.memory_bytes - weights) / scale)]
                              * len(CONTEXTS), mode="lines", name="room after weights",
                              line=dict(dash="dash", color=REFERENCE)), 1, 2)
+    # the dotted line is labelled where it ends (the legend names only the left panel's bars)
+    fig.add_annotation(x=1, xref="x2 domain", y=math.log10(weights / scale), yref="y2",
+                       text=f"weights {weights / scale:,.4g} {unit}", showarrow=False,
+                       xanchor="right", yanchor="bottom", font=dict(color=_WEIGHTS))
     fig.add_trace(go.Scatter(x=[context], y=[sig(cache / scale)], mode="markers",
                              showlegend=False, marker=dict(size=12, color="crimson")), 1, 2)
     log_axis(fig, "xaxis2", values=CONTEXTS, labels=[_tokens_label(c) for c in CONTEXTS],

@@ -195,3 +195,23 @@ def best_degrees(bandwidth_gbs: float, batch: int = 1, model: str = "llama-2-70b
         raise ValueError(f"{model} does not fit on {DEGREES[-1]} × {hardware} at batch {batch}")
     return {"lowest latency": min(runs, key=lambda t: t.tpot_s).degree,
             "highest throughput per device": max(runs, key=lambda t: t.tokens_per_s_per_device).degree}
+
+
+def best_throughput_rows(bandwidth_gbs: float = 450, model: str = "llama-2-70b",
+                         hardware: str = "h100", context: int = 4096,
+                         latency_us: float = LATENCY_US) -> list[dict]:
+    """For each degree at which the model fits, its best point on the latency/throughput panel
+    of :func:`tp_figure`: the largest batch of ``BATCHES`` whose KV cache still fits beside the
+    weights, and the tokens/s per device and ms/token there (PAR-2 read off the figure)."""
+    lk = link(bandwidth_gbs, latency_us)
+    rows = []
+    for d in DEGREES:
+        pts = [p for p in (rl.tp_decode(model, hardware, d, lk, b, context) for b in BATCHES)
+               if p.fits]
+        if not pts:
+            continue
+        best = max(pts, key=lambda p: p.tokens_per_s_per_device)
+        rows.append({"TP degree": d, "largest batch that fits": pts[-1].batch,
+                     "best tok/s per device": round(best.tokens_per_s_per_device, 1),
+                     "at batch": best.batch, "ms/token there": round(best.tpot_ms, 2)})
+    return rows

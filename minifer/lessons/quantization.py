@@ -17,12 +17,28 @@ from plotly.subplots import make_subplots
 
 from .. import roofline as rl
 from ..bench.quant import time_variants
-from ..quality import greedy_agreement, max_logit_diff, top1_agreement, validation_perplexity
-from ..quantization import PRECISIONS, model_bytes, quantize, quantize_int8
+from ..evaluate import score_windows
+from ..quality import (
+    greedy_agreement,
+    max_logit_diff,
+    validation_perplexity,
+)
+from ..quantization import PRECISIONS, model_bytes, quantize
 from .common import control, precision_options, style, table
 from .common import panel as _panel
+from .int_math import (  # noqa: F401 (the lesson's Q.*)
+    int8_operands,
+    int8_units,
+    int_math_sentence,
+    int_mm_verdict,
+    matmul_rows,
+    pair_saturating_mm,
+)
+from .outliers import outlier_figure, outlier_rows  # noqa: F401
 
 __all__ = ["PrecisionRow", "quantized_models", "precision_rows", "rows_table", "quality_figure",
+           "quality_detail_figure", "matmul_rows", "int8_units", "int_math_sentence",
+           "int8_operands", "int_mm_verdict", "pair_saturating_mm",
            "measure_speed", "speed_figure", "roofline_rows", "roofline_figure", "outlier_rows",
            "outlier_figure", "panel_figure", "QuantPanel", "panel", "speed_notes", "greedy_note",
            "BATCHES"]
@@ -66,6 +82,23 @@ class PrecisionRow:
                 "max |Δlogit|": self.max_dlogit}
 
 
+def _perplexity_and_top1(model: torch.nn.Module, tokenizer, text: str, ctx: int
+                         ) -> tuple[float, torch.Tensor]:
+    """Perplexity on `text` (windows of the whole context) and, from the same forward calls,
+    the most likely next token at every scored position, each once: one pass over the text
+    gives both (`quality.top1_agreement` would run the model over it again)."""
+    rows: list[torch.Tensor] = []  # every window's argmax row, in the order the windows ran
+    handle = model.register_forward_hook(lambda _m, _args, out: rows.extend(out.argmax(-1).cpu()))
+    try:
+        result = validation_perplexity(model, tokenizer, text, stride=ctx)
+    finally:
+        handle.remove()
+    windows = score_windows(result.tokens + 1, ctx, ctx)  # the windows `perplexity` scored
+    top1 = torch.cat([row[first_new - 1 - begin:] for row, (begin, _end, first_new)
+                      in zip(rows, windows, strict=True)])
+    return result.perplexity, top1
+
+
 def precision_rows(models: dict[str, torch.nn.Module], tokenizer, prompt: str,
                    n_tokens: int = 32, text: str | None = None, max_chars: int = 10_000
                    ) -> list[PrecisionRow]:
@@ -77,19 +110,20 @@ def precision_rows(models: dict[str, torch.nn.Module], tokenizer, prompt: str,
     from ..pretrained import load_validation_text
 
     text = (load_validation_text() if text is None else text)[:max_chars]
-    ids = tokenizer.encode(text)
     ref = models["fp32"]
     ref_tokens = greedy_agreement(ref, ref, prompt, n_tokens, tokenizer).reference_tokens
     ctx = ref.config.context_length
+    ref_ppl, ref_top1 = _perplexity_and_top1(ref, tokenizer, text, ctx)
     rows = []
     for name, m in models.items():
         mb = model_bytes(m)
-        ppl = validation_perplexity(m, tokenizer, text, stride=ctx).perplexity
+        ppl, top1 = (ref_ppl, ref_top1) if m is ref else _perplexity_and_top1(m, tokenizer, text, ctx)
         greedy = greedy_agreement(ref, m, prompt, n_tokens, tokenizer, reference_tokens=ref_tokens)
         first = greedy.first_divergence
         d = max_logit_diff(ref, m, prompt, tokenizer)
+        agree = float((top1 == ref_top1).sum()) / ref_top1.numel()
         rows.append(PrecisionRow(name, round(mb.total / 1e6, 2), round(mb.linear / 1e6, 2),
-                                 round(ppl, 3), round(top1_agreement(ref, m, ids), 3),
+                                 round(ppl, 3), round(agree, 3),
                                  n_tokens if first is None else first, float(f"{d:.3g}")))
     return rows
 
@@ -141,6 +175,29 @@ def quality_figure(rows: list[PrecisionRow], highlight: str | None = None) -> go
     return style(fig, "Quality vs size (held-out Shakespeare)", "model size (MB, 10⁶ bytes)",
                  "perplexity − fp32's")
 
+
+
+def quality_detail_figure(rows: list[PrecisionRow]) -> go.Figure:
+    """Both quality measures of each precision at full precision: left, perplexity's rise over
+    fp32's (to 3 decimals: the digits :func:`quality_figure` rounds away); right, how often the
+    top-1 next token differs from fp32's along the held-out text, the measure that separates
+    int4 from int8 (QUANT-3). The low digits depend on the CPU's kernels."""
+    base = next(r for r in rows if r.precision == "fp32").perplexity
+    names = [r.precision for r in rows]
+    colors = [COLORS.get(p, "#7f7f7f") for p in names]
+    rise = [round(r.perplexity - base, 3) + 0.0 for r in rows]
+    miss = [round(100 * (1 - r.agreement), 1) + 0.0 for r in rows]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
+        "perplexity − fp32's", "top-1 token differs from fp32's (%)"))
+    fig.add_trace(go.Bar(x=names, y=rise, marker_color=colors, text=[f"{v:+.3f}" for v in rise],
+                         textposition="outside", cliponaxis=False), 1, 1)
+    fig.add_trace(go.Bar(x=names, y=miss, marker_color=colors, text=[f"{v:.1f}%" for v in miss],
+                         textposition="outside", cliponaxis=False), 1, 2)
+    fig.update_layout(showlegend=False)
+    fig.update_yaxes(title_text="perplexity points", row=1, col=1)
+    fig.update_yaxes(title_text="% of held-out positions", row=1, col=2)
+    return style(fig, "Quality on held-out Shakespeare: perplexity hardly moves, top-1 choices do",
+                 width=860, height=380, top=80)
 
 def measure_speed(models: dict[str, torch.nn.Module], batch: int = 1, context: int = 64,
                   rounds: int = 3, steps: int = 3) -> dict[str, float]:
@@ -240,58 +297,6 @@ def roofline_figure(rows: list[dict], title: str = "LLaMA-7B on an A100: TPOT mo
         go.Bar(name="TTFT (prefill of the prompt)", x=names, y=[r["TTFT ms"] for r in rows]),
     ])
     style(fig, title, "weight precision", "ms (roofline prediction)")
-    fig.update_layout(barmode="group")
-    return fig
-
-
-# ---- the outlier experiment (QUANT-4) ------------------------------------------------------
-def _per_tensor_int8(w: torch.Tensor) -> torch.Tensor:
-    scale = w.abs().max() / 127
-    return torch.round(w / scale).clamp(-127, 127) * scale
-
-
-def _per_channel_int8(w: torch.Tensor) -> torch.Tensor:
-    q, scale = quantize_int8(w)
-    return q.float() * scale[:, None]
-
-
-def _keep_channels(w: torch.Tensor, channels: torch.Tensor) -> torch.Tensor:
-    """LLM.int8()-style decomposition: the outlier input channels stay in float, the rest int8."""
-    rest = w.clone()
-    rest[:, channels] = 0
-    out = _per_channel_int8(rest)
-    out[:, channels] = w[:, channels]
-    return out
-
-
-def outlier_rows(w: torch.Tensor, n_outliers: int = 4, magnitude: float = 20.0, seed: int = 0,
-                 tokens: int = 256) -> list[dict]:
-    """Relative output error ``‖x Ŵᵀ − x Wᵀ‖ / ‖x Wᵀ‖`` of three int8 schemes, for a real
-    weight ``w`` [out, in], before and after `n_outliers` input channels are made
-    `magnitude`× larger (as the few "salient" feature dimensions of large LLMs are)."""
-    w = w.detach().float()
-    gen = torch.Generator().manual_seed(seed)
-    channels = torch.randperm(w.shape[1], generator=gen)[:n_outliers]
-    x = torch.randn(tokens, w.shape[1], generator=gen)
-    w_out = w.clone()
-    w_out[:, channels] *= magnitude
-    rows = []
-    for case, ww in (("as trained", w), (f"{n_outliers} outlier channels ×{magnitude:g}", w_out)):
-        y = x @ ww.T
-        row = {"weights": case}
-        for name, fn in (("per-tensor", _per_tensor_int8), ("per-channel", _per_channel_int8),
-                         ("per-channel + outliers in float", lambda t: _keep_channels(t, channels))):
-            err = (x @ fn(ww).T - y).norm() / y.norm()
-            row[name] = float(f"{err:.3g}")
-        rows.append(row)
-    return rows
-
-
-def outlier_figure(rows: list[dict]) -> go.Figure:
-    schemes = [k for k in rows[0] if k != "weights"]
-    fig = go.Figure([go.Bar(name=s, x=[r["weights"] for r in rows], y=[r[s] * 100 for r in rows])
-                     for s in schemes])
-    style(fig, "int8 error of one layer's output", "weights", "relative output error (%)")
     fig.update_layout(barmode="group")
     return fig
 

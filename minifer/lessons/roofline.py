@@ -13,6 +13,7 @@ from plotly.subplots import make_subplots
 
 from .. import roofline as rl
 from ..bench.probes import this_machine
+from ..bench.reference import DECODE
 from .common import control, log_axis, precision_options, sig, style, table
 from .common import panel as _panel
 
@@ -44,6 +45,8 @@ def _title(s: rl.DecodeEstimate) -> str:
             f"{s.tokens_per_s_total:,.0f} tok/s total ({s.tokens_per_s_per_user:,.0f} per user)")
 
 
+_MAX_LINE = dict(width=8, color="rgba(214,39,40,0.3)")  # max(read, compute): wide, pale, underneath
+
 def decode_figure(model: str = "llama-3-8b", precision: str = "bf16", batch: int = 1,
                   hardware: str = "illustrative", context: int = 0) -> go.Figure:
     """Three views of one decode step as the batch grows.
@@ -69,11 +72,13 @@ def decode_figure(model: str = "llama-3-8b", precision: str = "bf16", batch: int
                              name=f"batch {batch}", marker=dict(size=12, color="crimson")), 1, 1)
 
     x = BATCHES
-    for name, ys, dash in (("read", [s.read_s for s in steps], "dot"),
-                           ("compute", [s.compute_s for s in steps], "dash"),
-                           ("TPOT", [s.tpot_s for s in steps], "solid")):
+    # TPOT = max(read, compute) lies on one of the two: drawn first, wide and pale, so the
+    # thin read and compute lines stay visible on top of it
+    for name, ys, line in (("TPOT", [s.tpot_s for s in steps], _MAX_LINE),
+                           ("read", [s.read_s for s in steps], dict(dash="dot", width=2.5)),
+                           ("compute", [s.compute_s for s in steps], dict(dash="dash", width=2.5))):
         fig.add_trace(go.Scatter(x=x, y=[sig(y * 1e3) for y in ys], mode="lines", name=name,
-                                 line=dict(dash=dash)), 1, 2)
+                                 line=line), 1, 2)
     fig.add_trace(go.Scatter(x=[batch], y=[sig(this.tpot_s * 1e3)], mode="markers",
                              showlegend=False, marker=dict(size=12, color="crimson")), 1, 2)
 
@@ -104,11 +109,11 @@ def prefill_figure(model: str = "llama-3-8b", precision: str = "bf16",
     p = rl.prefill_time(model, hardware, prompt_tokens, precision=precision)
     runs = [rl.prefill_time(model, hardware, t, precision=precision) for t in PROMPTS]
     fig = go.Figure()
-    for name, ys, dash in (("read weights", [s.read_s for s in runs], "dot"),
-                           ("compute", [s.compute_s for s in runs], "dash"),
-                           ("TTFT", [s.ttft_s for s in runs], "solid")):
+    for name, ys, line in (("TTFT", [s.ttft_s for s in runs], _MAX_LINE),
+                           ("read weights", [s.read_s for s in runs], dict(dash="dot", width=2.5)),
+                           ("compute", [s.compute_s for s in runs], dict(dash="dash", width=2.5))):
         fig.add_trace(go.Scatter(x=PROMPTS, y=[sig(y * 1e3) for y in ys], mode="lines",
-                                 name=name, line=dict(dash=dash)))
+                                 name=name, line=line))
     fig.add_trace(go.Scatter(x=[prompt_tokens], y=[sig(p.ttft_s * 1e3)], mode="markers",
                              name=f"{prompt_tokens:,} tokens",
                              marker=dict(size=12, color="crimson")))
@@ -193,8 +198,7 @@ def prefill_panel(model: str = "llama-3-8b", precision: str = "bf16", prompt_tok
 # This machine: measured decode steps laid over its own (measured) roofline
 # --------------------------------------------------------------------------------------------
 
-# Claim BATCH-1's reference CPU figures (4-thread laptop, reference model, fp32), ms per step.
-BATCH1_REFERENCE_MS = {1: 6.7, 8: 20.6, 32: 47.9, 64: 73.9}
+BATCH1_REFERENCE_MS = DECODE["batch_ms"]  # claim BATCH-1's reference CPU, ms per step
 MEASURED_BATCHES = [2**i for i in range(9)]  # 1 ... 256: the roofline curves of the figure
 
 

@@ -17,6 +17,8 @@ from .generation import show_token
 from .generation import top_tokens as top_tokens  # the lesson's table of the likeliest tokens
 
 CUT_COLOR = "#d62728"  # tokens the processors cut: they can no longer be drawn
+BOUNDARY = 6  # tokens shown around the cut when it falls beyond the top ones
+GAP = "⋯"  # the axis label between the top tokens and those around the cut
 
 
 def _unique(labels: list[str]) -> list[str]:
@@ -74,15 +76,27 @@ def distribution_figure(logits: torch.Tensor, tokenizer, seen: torch.Tensor | No
     at its old height) and the probability it is drawn with now (blue; none for a cut token).
     Tokens already in the prompt are outlined."""
     d = reshape(logits, seen, temperature, top_k, top_p, repetition_penalty)
-    order = d.before.argsort(descending=True)[:show].tolist()
-    labels = _unique([show_token(tokenizer, i) for i in order])
-    cut = [not bool(d.kept[i]) for i in order]
-    outline = [2 if seen is not None and seen[i] else 0 for i in order]
+    ranked = d.before.argsort(descending=True).tolist()
+    order: list[int | None] = ranked[:show]
+    first_cut = next((r for r, i in enumerate(ranked) if not d.kept[i]), None)
+    edge = ""
+    if first_cut is not None and first_cut >= show and show > BOUNDARY + 2:
+        # every shown token is kept, yet some are cut (a top-p of 0.95 keeps hundreds): show
+        # where the cut falls instead of the last few of the top ones, after a gap
+        lo = max(show - BOUNDARY - 1, first_cut - BOUNDARY // 2)
+        order = ranked[:show - BOUNDARY - 1] + [None] + ranked[lo:lo + BOUNDARY]
+        edge = f"; past {GAP}: ranks {lo + 1}–{lo + BOUNDARY}, where the cut falls"
+    rank = {i: r for r, i in enumerate(ranked)}
+    labels = _unique([GAP if i is None else (show_token(tokenizer, i) if rank[i] < show
+                      else f"#{rank[i] + 1} {show_token(tokenizer, i)}") for i in order])
+    cut = [i is not None and not bool(d.kept[i]) for i in order]
+    outline = [2 if i is not None and seen is not None and seen[i] else 0 for i in order]
+    before = [0.0 if i is None else round(float(d.before[i]), 4) for i in order]
+    after = [0.0 if i is None else round(float(d.after[i]), 4) for i in order]
     fig = go.Figure([
-        go.Bar(x=labels, y=[round(float(d.before[i]), 4) for i in order],
-               name="model's probability (T=1, nothing cut)",
+        go.Bar(x=labels, y=before, name="model's probability (T=1, nothing cut)",
                marker=dict(color=[CUT_COLOR if c else "#bbbbbb" for c in cut])),
-        go.Bar(x=labels, y=[round(float(d.after[i]), 4) for i in order], name="drawn with now",
+        go.Bar(x=labels, y=after, name="drawn with now",
                marker=dict(color="#1f77b4", line=dict(width=outline, color="black"))),
         # a legend entry only: the red bars are the model's probability of a cut token
         go.Scatter(x=[None], y=[None], mode="markers", name="red: cut, never drawn now",
@@ -95,7 +109,7 @@ def distribution_figure(logits: torch.Tensor, tokenizer, seen: torch.Tensor | No
     fig.update_layout(barmode="group", bargap=0.15, bargroupgap=0.0)
     title = (f"T={temperature:g}, top-k={top_k or 'off'}, top-p={top_p:g}, penalty={repetition_penalty:g}: "
              f"{d.n_kept:,} of {logits.shape[-1]:,} tokens can be drawn")
-    return style(fig, title, "token (most likely first; ⏎ newline, ␣ space)", "probability",
+    return style(fig, title, f"token (most likely first; ⏎ newline, ␣ space{edge})", "probability",
                  width=820)
 
 

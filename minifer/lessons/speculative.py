@@ -14,7 +14,8 @@ import torch
 from plotly.subplots import make_subplots
 
 from .. import speculative as spec
-from ..bench.spec import REFERENCE, SpecPoint, measure
+from ..bench.reference import SPEC as REFERENCE
+from ..bench.spec import SpecPoint, measure
 from ..bench.timing import round_robin
 from ..cache import StaticKVCache
 from ..config import GPTConfig
@@ -48,9 +49,19 @@ def reference_rows(stats: SpecStats, target_params: int, draft_params: int) -> l
 
 
 def stats_row(name: str, s: SpecStats) -> dict:
+    """One run's counts. α = accepted ÷ *tested* (drafts up to and including each round's
+    first rejection); ``proposed`` also counts the drafts after a rejection, never tested."""
     return {"run": name, "k": s.k, "tokens": s.tokens, "target passes": s.target_passes,
-            "accepted": s.accepted, "proposed": s.proposed, "alpha": round(s.alpha, 3),
-            "tokens/pass": round(s.tokens_per_pass, 2)}
+            "accepted": s.accepted, "tested": s.accepted + s.rejections, "proposed": s.proposed,
+            "alpha": round(s.alpha, 3), "tokens/pass": round(s.tokens_per_pass, 2)}
+
+
+def alpha_line(s: SpecStats) -> str:
+    """α with its one denominator spelled out, beside the summary's accepted/proposed."""
+    tested = s.accepted + s.rejections
+    return (f"α = accepted / tested = {s.accepted}/{tested} = {s.alpha:.2f} (tested: the drafts "
+            f"up to each round's first rejection; the {s.proposed - tested} proposed after a "
+            f"rejection were never checked)")
 
 
 # ---- the k sweep ----------------------------------------------------------------------------
@@ -199,7 +210,8 @@ def acceptance_figure(rows: Sequence[dict]) -> go.Figure:
     for col, key in ((1, "alpha"), (2, "tokens/pass")):
         fig.add_trace(go.Bar(x=labels, y=[r[key] for r in rows], marker_color=colors,
                              showlegend=False), 1, col)
-    return style(fig, "Predictable text is accepted more", height=400, width=860, top=80)
+    return style(fig, "α by text and drafter: prompt lookup's rises on looping text, the draft "
+                      "model's does not", height=400, width=860, top=80)
 
 
 def accept_hist_figure(stats: dict[str, SpecStats]) -> go.Figure:
