@@ -4,8 +4,9 @@ Each request runs on its own static KV cache (batch 1, `minifer.generation.prefi
 `decode_step`), and `step()` advances every running request by one token, so its greedy output
 is by construction what `minifer.generate` gives for that prompt alone. It lets the server be
 tested against the documented engine interface on its own (and shows that the server needs
-nothing else): `add_request`, `step`, `has_unfinished`, `abort`, `RequestOutput`, plus
-``scheduler.running/waiting`` and ``block_manager`` counts for the metrics.
+nothing else): `add_request` (with ``logprobs`` and ``min_tokens``), `step`, `has_unfinished`,
+`abort`, `RequestOutput`, plus ``scheduler.running/waiting`` and ``block_manager`` counts for the
+metrics.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from minifer import StaticKVCache, decode_step, prefill
 from minifer.sampling import make_generators, mask_padded_vocab, sample
 from minifer.sequence import prepare
 from minifer.serve.metrics import RequestMetrics
+from minifer.serve.options import ban_early_eos, check_options, record_logprobs
 from minifer.serve.request import RequestOutput
 
 
@@ -28,6 +30,7 @@ class _Req:
         self.cache = None
         self.logits = None
         self.text = ""
+        self.num_logprobs, self.logprobs = None, None
 
 
 class Blocks:
@@ -64,17 +67,21 @@ class StandInEngine:
         self.requests: dict[str, _Req] = {}
         self._n = 0
 
-    def add_request(self, prompt, params, request_id=None, priority=0, arrival_time=None) -> str:
+    def add_request(self, prompt, params, request_id=None, priority=0, arrival_time=None, *,
+                    logprobs=None, min_tokens=0) -> str:
         prep = prepare(self.model, [prompt], params, self.tokenizer, device=self.device)
-        if request_id is None:
-            self._n += 1
-            request_id = f"req-{self._n}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        while request_id is None or request_id in self.requests:
+            self._n += 1
+            request_id = f"req-{self._n}"
         seq = prep.sequences[0]
+        check_options(seq, logprobs, min_tokens)
         now = time.perf_counter() if arrival_time is None else arrival_time
         req = _Req(request_id, seq, prep.vocab, self.device,
                    RequestMetrics(request_id, len(seq.prompt_ids), now))
+        if logprobs is not None:
+            req.num_logprobs, req.logprobs = logprobs, []
         self.requests[request_id] = req
         self.scheduler.waiting.append(req)
         return request_id
@@ -106,7 +113,11 @@ class StandInEngine:
                                                         device=self.device)
                     ids = torch.tensor([seq.prompt_ids], device=self.device)
                     req.logits = prefill(self.model, ids, req.cache)
-                tok = sample(mask_padded_vocab(req.logits, req.vocab), seq.params, None, req.gens)
+                logits = mask_padded_vocab(req.logits, req.vocab)
+                raw = logits.clone()
+                ban_early_eos(logits, [seq])
+                tok = sample(logits, seq.params, None, req.gens)
+                record_logprobs(raw, [req], [int(tok[0])])
                 now = time.perf_counter()
                 event = seq.append(int(tok[0]), now - req.metrics.arrival_time)
                 req.text += event.text
@@ -121,5 +132,20 @@ class StandInEngine:
                     req.logits = decode_step(self.model, tok, req.cache)
                 outputs.append(RequestOutput(req.rid, seq.prompt_ids, list(seq.output_ids),
                                              req.text, event.text, seq.finished,
-                                             seq.finish_reason, m))
+                                             seq.finish_reason, m,
+                                             None if req.logprobs is None else list(req.logprobs)))
         return outputs
+
+
+class Slow:
+    """An engine whose steps take at least `delay` seconds (a bigger model, say): wraps any engine."""
+
+    def __init__(self, engine, delay: float) -> None:
+        self.inner, self.delay = engine, delay
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self):
+        time.sleep(self.delay)
+        return self.inner.step()

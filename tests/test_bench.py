@@ -184,7 +184,7 @@ def test_quant_command_quick_scope_writes_json(tmp_path, capsys):
     assert "b=1 tok/s" in text and "b=32" not in text
 
 
-@pytest.mark.parametrize("engine", ["minifer", "textbook", "int8"])
+@pytest.mark.parametrize("engine", ["minifer", "textbook", "int8", "serve"])
 def test_profile_splits_the_step(engine, tiny):
     from minifer.bench.profile import format_summary, profile_decode
 
@@ -193,6 +193,7 @@ def test_profile_splits_the_step(engine, tiny):
     assert "Self CPU" in p.table
     text = format_summary(p)
     assert "linear layers" in text and "outside torch ops" in text
+    assert ("K/V copies" in text) == (engine == "serve") and (p.kv_copy_s > 0) == (engine == "serve")
 
 
 def test_profile_rejects_bad_arguments(tiny):
@@ -204,3 +205,11 @@ def test_profile_rejects_bad_arguments(tiny):
         profile_decode("minifer", "tiny", dtype="fp8", model=tiny)
     with pytest.raises(ValueError, match="steps"):
         profile_decode("minifer", "tiny", steps=0, model=tiny)
+
+
+def test_the_table_is_its_own_command_and_keeps_its_old_spelling():
+    from minifer.bench.commands.table import from_decode_table
+
+    assert from_decode_table(["decode", "--table", "--presets", "tiny", "--table-prompt-tokens",
+                              "8", "--table-new-tokens=2", "--batches", "1"]) == \
+        ["table", "--presets", "tiny", "--prompt-tokens", "8", "--new-tokens=2", "--batches", "1"]

@@ -157,3 +157,22 @@ def test_constructor_validation(field):
     kwargs[field] = 0
     with pytest.raises(ValueError, match=field):
         StaticKVCache(**kwargs)
+
+
+def test_every_cache_keeps_the_written_contract(tiny):
+    """`StaticKVCache`, the paged batch and the decode workspace are all `KVCache`s, and the
+    model's type hints say so."""
+    import typing
+
+    from minifer.cache import KVCache
+    from minifer.model import GPT
+    from minifer.serve.kv_pool import DecodeWorkspace, PagedKVPool
+
+    pool = PagedKVPool.for_model(tiny, num_blocks=4, block_size=4)
+    caches = [StaticKVCache.for_model(tiny, 2, 8), pool.batch([[0], [1]], [2, 3], 1),
+              DecodeWorkspace(pool, ["a", "b"], [[0], [1]], [2, 3], room=4)]
+    for cache in caches:
+        assert isinstance(cache, KVCache), type(cache).__name__
+    assert not isinstance(object(), KVCache)
+    hints = typing.get_type_hints(GPT.forward)
+    assert KVCache in typing.get_args(hints["cache"])

@@ -153,7 +153,7 @@ def test_textbook_engine_and_minifer_decoder_agree(tiny):
         assert engine.decode(10).tolist() == ref  # the unit can be repeated
 
 
-@pytest.mark.skipif(not hf_available(), reason="transformers is not installed (minifer[hf])")
+@pytest.mark.skipif(not hf_available(), reason="missing package: transformers (minifer[hf])")
 def test_transformers_baseline_agrees(make_lively):
     from minifer.bench.baselines import HFDecoder, to_hf
 

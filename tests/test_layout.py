@@ -80,3 +80,99 @@ def test_users_names_stay_importable_from_the_top_level():
 
     assert mf.generate is minifer.generation.generate
     assert mf.quantize is minifer.quantization.quantize
+
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = (root.name, *path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts).removesuffix(".__init__")
+
+
+def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
+    """Which of the package's modules each module imports, anywhere in its file: at the top,
+    inside a function (a lazy import still closes a cycle, only later), or under a condition.
+
+    ``from . import x`` counts as importing the submodule ``x`` when there is one, else the
+    package; ``from .m import name`` as importing ``m`` (and ``m.name`` if that is a module).
+    """
+    paths = {_module_name(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in paths}
+    for mod, path in paths.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[:len(base) - node.level + 1]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                targets = [source] + [f"{source}.{a.name}" for a in node.names]
+            else:
+                continue
+            graph[mod] |= {t for t in targets if t in paths and t != mod}
+    return graph
+
+
+def import_cycles(root: pathlib.Path) -> list[list[str]]:
+    """Every cycle of `import_graph` (one per strongly connected group of modules), each as
+    the modules in it, sorted."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_import_cycle_even_through_imports_inside_functions():
+    # A fresh interpreter (above) only sees cycles among top-level imports; an import placed
+    # inside a function hides a cycle until that function runs.
+    cycles = import_cycles(PACKAGE)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path):
+    pkg = tmp_path / "cyclic"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import helper\n")
+    (pkg / "b.py").write_text("def helper():\n    from .sub import c\n    return c.X\n")
+    (pkg / "sub" / "c.py").write_text("from .. import a\nX = 1\n")
+    (pkg / "d.py").write_text("from . import a\n")  # imports into the cycle, is not part of it
+    assert import_cycles(pkg) == [["cyclic.a", "cyclic.b", "cyclic.sub.c"]]
+    (pkg / "b.py").write_text("def helper():\n    return 1\n")
+    assert import_cycles(pkg) == []
+
+
+def test_no_lesson_imports_a_benchmark_command():
+    """The lessons measure through `minifer.bench`'s library modules, never its command line."""
+    graph = import_graph(PACKAGE)
+    bad = [f"{m} imports {t}" for m, ts in graph.items() if m.startswith("minifer.lessons")
+           for t in ts if t.startswith(("minifer.bench.commands", "minifer.bench.__main__"))]
+    assert not bad, "\n".join(bad)

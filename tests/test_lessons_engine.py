@@ -93,6 +93,16 @@ def test_compare_uses_prefix_of_the_run():
     cached, recompute = [9.0] + [1.0] * 10, [9.0] + [float(i) for i in range(2, 12)]
     row = kv.compare(cached, recompute, 4)
     assert row["cache ms/token"] == 1.0 and row["no-cache ms/token"] == 3.0 and row["ratio"] == 3.0
+    # the source's way: the whole call (prefill included) over its new tokens
+    whole = kv.compare(cached, recompute, 4, whole_call=True)
+    assert whole["cache ms/token"] == (9 + 3) / 4 and whole["no-cache ms/token"] == (9 + 2 + 3 + 4) / 4
+
+
+def test_step_times_pair_best_of_rounds(tiny):
+    cached, recompute = kv.step_times_pair(tiny, [1, 2, 3], 4, repeats=2, best=True)
+    assert len(cached) == len(recompute) == 4 and all(t > 0 for t in cached + recompute)
+    with pytest.raises(ValueError, match="repeats"):
+        kv.step_times_pair(tiny, [1, 2, 3], 4, repeats=0)
 
 
 def test_kv_panel_measures_once_then_redraws(tiny):

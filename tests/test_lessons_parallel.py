@@ -119,3 +119,11 @@ def test_memory_rows_text_and_figure():
     t = P.timing_rows(res)
     assert t[0]["compute ms/token"] == pytest.approx(75.0)
     assert t[0]["share in communication"] == pytest.approx(0.25)
+
+
+def test_best_throughput_rows_read_the_tradeoff_off_the_figure():
+    rows = {r["TP degree"]: r for r in P.best_throughput_rows()}
+    assert sorted(rows) == [2, 4, 8]  # 70B in bf16 does not fit on one 80 GB device
+    assert rows[2]["largest batch that fits"] == 8 and rows[2]["best tok/s per device"] == 174.9
+    assert rows[4]["at batch"] == 128 and rows[4]["best tok/s per device"] == 1262.5
+    assert rows[8]["ms/token there"] < rows[4]["ms/token there"]  # more devices: lower latency

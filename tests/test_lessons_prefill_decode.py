@@ -56,7 +56,7 @@ def test_time_decode_step_keeps_the_context_fixed(tiny):
     finally:
         handle.remove()
     assert t.repeats == 4 and t.median_s > 0
-    assert seen[0] == (torch.Size([3, 5]), 0)  # one prefill of the context
+    assert seen[0] == (torch.Size([1, 5]), 0)  # one prefill of the context, copied to every row
     assert seen[1:] == [(torch.Size([3, 1]), 5)] * 5  # every step sees exactly 5 cached tokens
 
 
@@ -160,9 +160,12 @@ def test_figures_and_panel():
 
 
 def test_busy_warning(monkeypatch):
-    monkeypatch.setattr(bench_decode.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(bench_decode.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
-    assert "consider --threads 1" in bench_decode.busy_warning(2)
-    assert bench_decode.busy_warning(1) is None
-    monkeypatch.setattr(bench_decode.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
-    assert bench_decode.busy_warning(2) is None
+    from minifer.bench import common
+
+    assert bench_decode.busy_warning is common.busy_warning  # the old home still has it
+    monkeypatch.setattr(common.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(common.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    assert "consider --threads 1" in common.busy_warning(2)
+    assert common.busy_warning(1) is None
+    monkeypatch.setattr(common.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    assert common.busy_warning(2) is None

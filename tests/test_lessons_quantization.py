@@ -125,3 +125,43 @@ def test_greedy_note(rows):
     note = Q.greedy_note(rows)
     assert note.startswith("Greedy tokens identical to fp32's from the prompt, of 8:")
     assert "int4" in note and "fp32 " not in note
+
+
+def test_top1_tokens_batches_windows_like_one_at_a_time(draft):
+    from minifer.quality import top1_agreement, top1_tokens
+
+    model, tok = draft
+    ids = tok.encode(mf.pretrained.load_validation_text()[:3_000])
+    assert len(ids) > 2 * model.config.context_length  # several windows, the last one shorter
+    batched, single = top1_tokens(model, ids), top1_tokens(model, ids, batch_size=1)
+    assert batched.shape == (len(ids),) and torch.equal(batched, single)
+    assert top1_agreement(model, model, ids, reference_top1=batched) == 1.0
+    with pytest.raises(ValueError, match="reference_top1"):
+        top1_agreement(model, model, ids, reference_top1=batched[:-1])
+
+
+def test_perplexity_and_top1_in_one_pass(draft):
+    model, tok = draft
+    text = mf.pretrained.load_validation_text()[:1_500]
+    ctx = model.config.context_length
+    ppl, top1 = Q._perplexity_and_top1(model, tok, text, ctx)
+    assert ppl == mf.quality.validation_perplexity(model, tok, text, stride=ctx).perplexity
+    ids = tok.encode(text)
+    assert top1.numel() == len(ids)  # each scored position once (an EOS goes in front)
+
+
+def test_int16_pair_saturation_model_is_exact_for_small_operands_and_clips_large_ones():
+    """The model of a non-VNNI int8 kernel (lesson 08, QUANT-6) is exact where no pair sum
+    leaves int16 and clips where one does, so the lesson's verdict can tell the two apart."""
+    from minifer.lessons import int_math as IM
+
+    small = IM.int8_operands(8, 64, 8, limit=63)
+    assert torch.equal(IM.pair_saturating_mm(*small), small[0].int() @ small[1].int())
+    a, b = IM.int8_operands(8, 64, 8)
+    exact = a.int() @ b.int()
+    clipped = IM.pair_saturating_mm(a, b)
+    assert not torch.equal(clipped, exact)
+    assert "equals the exact product" in IM.int_mm_verdict(exact, exact, a, b)
+    said = IM.int_mm_verdict(clipped, exact, a, b)
+    assert "DIFFERS" in said and "pair-saturating" in said
+    assert "not modelled" in IM.int_mm_verdict(exact + 1, exact, a, b)

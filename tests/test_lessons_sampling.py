@@ -65,6 +65,14 @@ def test_figure_and_panel(tok):
     # the 5 cut tokens keep their bar, drawn in red, at the model's probability
     assert list(before.marker.color).count(S.CUT_COLOR) == 5 and all(y > 0 for y in before.y)
     assert len(set(before.x)) == 10  # one bar per token, even if two tokens look alike
+    # a cut beyond the shown tokens (top-p keeps most of them): the figure shows where it falls
+    kept = S.reshape(LOGITS, top_p=0.9).n_kept
+    assert 10 < kept < 257
+    fig = S.distribution_figure(LOGITS, tok, top_p=0.9, show=10)
+    before = fig.data[0]
+    assert S.GAP in before.x and list(before.marker.color).count(S.CUT_COLOR) >= 1
+    assert f"ranks {kept - 2}–{kept + 3}" in fig.layout.xaxis.title.text
+    assert fig.layout.title.text.endswith(f"{kept} of 257 tokens can be drawn")
     ui = S.panel(LOGITS, tok)
     assert ui.result.layout.title.text.endswith("257 of 257 tokens can be drawn")
     ui.children[1].value = 4

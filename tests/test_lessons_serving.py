@@ -43,6 +43,9 @@ def test_rate_figure_and_slider_follow_the_sweep():
     assert labels == {"TTFT SLO 500 ms": pytest.approx(math.log10(500)),
                       "TPOT SLO 50 ms": pytest.approx(math.log10(50))}
     assert fig.layout.yaxis.type == "log" and fig.layout.yaxis.ticktext
+    # the capacity line is labelled where it is, on the log rate axis
+    marks = {a.text: a.x for a in fig.layout.annotations if a.xref == "x3"}
+    assert marks == {"selected": pytest.approx(1.0), "capacity 5.0 req/s": pytest.approx(math.log10(5))}
     ui = S.rate_panel(sweep, rate=1)
     assert [label for label, _ in ui.children[0].options] == ["0.2× capacity", "2× capacity"]
     assert "1 requests/s (0.2× capacity): 4 done, 4 within" in ui.result.layout.title.text
@@ -93,5 +96,7 @@ def test_interference_run_records_every_gap(shakespeare):
     assert [len(ts) for ts in run.short_times] == [12, 12]
     assert len(run.itls) == 22 and run.long_first_token_s > run.long_sent_s > 0
     assert run.stall_ms > 0 and run.typical_ms > 0
+    assert run.others_done_s == max(ts[-1] for ts in run.short_times) - run.long_sent_s
+    assert run.others_tokens_within(1e9) == sum(t >= run.long_sent_s for ts in run.short_times for t in ts)
     fig = S.interference_figure([run])
     assert fig.data[0].name == "chunked prefill"

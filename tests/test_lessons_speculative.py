@@ -25,7 +25,9 @@ def test_reference_rows_and_stats_row(pair):
     assert rows[0]["target passes"] == 21 and rows[0]["accepted"] == 59
     assert rows[1]["tokens"] == 20 and rows[1]["target passes"] == s.target_passes
     row = L.stats_row("x", s)
-    assert row["accepted"] <= row["proposed"] and 0 <= row["alpha"] <= 1
+    assert row["accepted"] <= row["tested"] <= row["proposed"] and 0 <= row["alpha"] <= 1
+    assert row["alpha"] == round(row["accepted"] / row["tested"], 3)  # one denominator
+    assert f"{s.accepted}/{row['tested']} = {s.alpha:.2f}" in L.alpha_line(s)
     fig = L.accept_hist_figure({"x": s})
     assert list(fig.data[0].y) == s.accept_hist
 

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minifer.config import GPTConfig
-from minifer.evaluate import _windows, perplexity
+from minifer.evaluate import perplexity, score_windows
 from minifer.model import GPT
 from minifer.pretrained import (
     DATA_ENV,
@@ -244,7 +244,7 @@ def test_perplexity_batching_does_not_change_the_result(make_lively):
 def test_windows_score_every_target_once(n, context, stride_frac):
     stride = max(1, int(context * stride_frac))
     scored = []
-    for begin, end, first_new in _windows(n, context, stride):
+    for begin, end, first_new in score_windows(n, context, stride):
         assert 0 <= begin < first_new <= end - 1 < n and end - 1 - begin <= context
         scored += range(first_new, end)
     assert scored == list(range(1, n))

@@ -447,3 +447,90 @@ def test_int4_default_group_size_error_names_sizes_that_work():
     model = mf.GPT.from_config(ODD, seed=0)  # in_features 72 and 288
     with pytest.raises(ValueError, match=r"group_size.*72.*288.*24"):
         quantize(model, "int4")
+
+
+# ---- W8A8 on integer units (impl="integer") --------------------------------------------------
+def _integer_problem() -> str | None:
+    from minifer.quantization import integer_problem
+
+    return integer_problem()
+
+
+needs_integer = pytest.mark.skipif(_integer_problem() is not None,
+                                   reason=f"no W8A8 integer path here: {_integer_problem()}")
+
+
+@needs_integer
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_integer_layer_close_to_weight_only(rows):
+    lin = _linear(192, 256)
+    ref = QuantizedLinear.from_linear(lin, 8, impl="reference")
+    integer = QuantizedLinear.from_linear(lin, 8, impl="integer")
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    want, got = ref(x), integer(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # the activations are rounded to 7-8 bits with one scale per call: ~1% of the output's scale
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    # it stores the same integers as the weight-only layer (the pack is extra, not a buffer)
+    assert integer.nbytes == ref.nbytes and torch.equal(integer.dequantize(), ref.dequantize())
+
+
+@needs_integer
+def test_integer_layer_survives_copy_load_and_move():
+    import copy
+
+    a, b = _linear(64, 128, seed=1), _linear(64, 128, seed=2)
+    la = QuantizedLinear.from_linear(a, 8, impl="integer")
+    lb = QuantizedLinear.from_linear(b, 8, impl="integer")
+    x = torch.randn(3, 128)
+    y_b = lb(x)
+    assert torch.equal(copy.deepcopy(lb)(x), y_b)
+    la(x)  # packs a's weights
+    la.load_state_dict(lb.state_dict())  # new buffers: the stale pack must not be used
+    assert torch.equal(la(x), y_b)
+    assert torch.equal(lb.to("cpu")(x), y_b)
+
+
+@needs_integer
+def test_integer_int8_model_within_bounds_of_fp32_and_weight_only():
+    """QUANT-3 for W8A8 on the shipped model: held-out perplexity barely moves, and the top-1
+    token mostly agrees with fp32 — less often than weight-only int8 does (activation rounding)."""
+    from minifer.quality import top1_agreement, validation_perplexity
+
+    model, tok = mf.load_pretrained("shakespeare")
+    text = mf.pretrained.load_validation_text()[:4000]
+    ids = tok.encode(text)[:512]
+    integer = quantize(model, "int8", impl="integer")
+    weight_only = quantize(model, "int8", impl="reference")
+    assert all(m.impl == "integer" for m in integer.modules() if isinstance(m, QuantizedLinear))
+    fp32 = validation_perplexity(model, tok, text=text).nats_per_token
+    w8a8 = validation_perplexity(integer, tok, text=text).nats_per_token
+    assert abs(w8a8 - fp32) <= 0.005 * fp32  # measured: +0.03% over 20k chars (+0.055 ppl)
+    agree_integer = top1_agreement(model, integer, ids)
+    agree_weight_only = top1_agreement(model, weight_only, ids)
+    assert agree_integer >= 0.9  # measured over 2,048 tokens: 0.959 (weight-only: 0.993)
+    assert agree_weight_only >= agree_integer - 0.01
+    out = mf.generate(integer, ["ROMEO:"], mf.SamplingParams(temperature=0, max_new_tokens=8),
+                      tok)
+    assert len(out[0].token_ids) == 8
+
+
+def test_integer_path_is_int8_on_cpu_only(tiny):
+    with pytest.raises(ValueError, match="bits=8"):
+        QuantizedLinear.from_linear(_linear(), 4, impl="integer")
+    with pytest.raises(ValueError, match="int8"):
+        quantize(tiny, "int4", impl="integer")
+
+
+def test_integer_path_without_an_engine_says_so(tiny, monkeypatch):
+    import minifer.quantization as q
+
+    monkeypatch.setattr(q, "_quantized_engine", lambda: None)
+    q.integer_problem.cache_clear()
+    try:
+        assert "no quantized engine" in q.integer_problem()
+        with pytest.raises(RuntimeError, match="impl='auto'"):
+            quantize(tiny, "int8", impl="integer")
+    finally:
+        monkeypatch.undo()
+        q.integer_problem.cache_clear()

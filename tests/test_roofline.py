@@ -435,3 +435,14 @@ def test_max_batch_fits_and_one_more_does_not(spec, hw, context, p):
 def test_e2e_latency_is_ttft_plus_n_steps(ttft, tpot, n):
     assert e2e_latency(ttft, tpot, n) == pytest.approx(ttft + tpot * n)
     assert e2e_latency(ttft, tpot, n) >= e2e_latency(ttft, tpot, n, first_token_in_ttft=True)
+
+
+def test_kv_transfer_of_one_prompt():
+    """PD-12's transfer cost: a Llama-3-8B 4,096-token prompt's 16-bit K/V is 512 MiB."""
+    nv = rl.kv_transfer("llama-3-8b", 4096, "nvlink-h100")
+    eth = rl.kv_transfer("llama-3-8b", 4096, "ethernet-100g")
+    assert nv.nbytes == eth.nbytes == 2 * 32 * 8 * 128 * 2 * 4096 == 512 * 2**20
+    assert round(nv.ms, 2) == 1.19 and round(rl.kv_transfer("llama-3-8b", 4096, "pcie-5").ms, 1) == 8.4
+    assert round(eth.ms) == 43 and eth.seconds == pytest.approx(10e-6 + 512 * 2**20 / 12.5e9)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        rl.kv_transfer("llama-3-8b", 0)

@@ -19,11 +19,11 @@ import httpx
 import pytest
 import torch
 from conftest import lively_model, scripted_gpt
-from serve_double import StandInEngine
+from serve_double import Slow, StandInEngine
 
 import minifer as mf
 from minifer.serve.api import running_server
-from minifer.serve.protocol import Limits, parse_completion_request
+from minifer.serve.protocol import APIError, CompletionBody, Limits, parse_completion_request
 
 openai = pytest.importorskip("openai")
 
@@ -209,8 +209,25 @@ BAD = [
     ({"seed": 2**70}, "seed"),  # more than a random generator takes
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"seed": -1}, "seed"),  # SamplingParams takes [0, 2**64): was a 500
     ({"n": 2}, "n"),
-    ({"logprobs": 3}, "logprobs"),
+    ({"best_of": 3}, "best_of"),
+    ({"suffix": "x"}, "suffix"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"echo": "yes"}, "echo"),
+    ({"min_tokens": 5}, "min_tokens"),  # more than max_tokens=4
+    ({"logit_bias": {"999": 1}}, "logit_bias"),  # outside the vocabulary
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ({"priority": 1}, "priority"),  # this server schedules first come, first served
+    ({"repetition_penalty": 10**400}, "repetition_penalty"),  # was a 500 (float overflow)
+    ({"temperature": True}, "temperature"),
+    ({"max_tokens": 4.5}, "max_tokens"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
     ({"frobnicate": 1}, "frobnicate"),
 ]
 
@@ -248,13 +265,20 @@ def test_malformed_json_and_the_server_keeps_serving(served):
 def test_protocol_limits_without_http():
     limits = Limits(max_model_len=64, max_tokens=8)
     tok = mf.ByteTokenizer()
-    ok = parse_completion_request({"model": "m", "prompt": "hi", "max_tokens": 8, "stop": "x",
-                                   "top_k": -1, "priority": 2}, model_name="m", limits=limits,
-                                  tokenizer=tok, vocab_size=257)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 8, "stop": "x", "top_k": -1,
+            "priority": 2}
+    ok = parse_completion_request(body, model_name="m", limits=limits, tokenizer=tok,
+                                  vocab_size=257, priorities=True)
     assert ok.prompt_ids == [104, 105] and ok.params.max_new_tokens == 8 and ok.priority == 2
     assert ok.params.stop == ("x",) and ok.params.top_k == 0
-    with pytest.raises(Exception, match=r"max_tokens: must be an integer in \[1, 8\]"):
+    with pytest.raises(APIError, match="--scheduling-policy priority"):
+        parse_completion_request(body, model_name="m", limits=limits, tokenizer=tok,
+                                 vocab_size=257)
+    with pytest.raises(APIError, match=r"max_tokens: must be an integer in \[1, 8\]"):
         parse_completion_request({"model": "m", "prompt": "hi", "max_tokens": 9},
+                                 model_name="m", limits=limits, tokenizer=tok, vocab_size=257)
+    with pytest.raises(APIError, match="not valid Unicode text"):  # the engine's own check
+        parse_completion_request(CompletionBody.model_construct(model="m", prompt="\ud800"),
                                  model_name="m", limits=limits, tokenizer=tok, vocab_size=257)
 
 
@@ -292,7 +316,7 @@ def test_full_queue_gets_429_timeouts_abort_and_errors_are_contained(kind, tiny_
                 return third, await asyncio.gather(*first)
 
         third, first = asyncio.run(scenario())
-        assert third.status_code == 429
+        assert third.status_code == 429 and third.headers["retry-after"] == "1"
         assert third.json()["error"]["code"] == "queue_full"
         assert "max_waiting=2" in third.json()["error"]["message"]
         # the two queued requests ran past the 1 s timeout while the gate was shut
@@ -307,20 +331,6 @@ def test_full_queue_gets_429_timeouts_abort_and_errors_are_contained(kind, tiny_
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         assert httpx.get(f"{url}/health").status_code == 200
         assert_idle(engine)
-
-
-class Slow:
-    """An engine whose steps take at least `delay` seconds (a bigger model, say)."""
-
-    def __init__(self, engine, delay: float) -> None:
-        self.inner, self.delay = engine, delay
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def step(self):
-        time.sleep(self.delay)
-        return self.inner.step()
 
 
 @pytest.mark.parametrize("kind", ENGINES)

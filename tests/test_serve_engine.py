@@ -310,3 +310,105 @@ def test_seeded_sampling_survives_preemption(tiny):
     squeezed = LLMEngine(tiny, max_num_seqs=8, block_size=4, num_blocks=20)
     assert [o.token_ids for o in squeezed.generate(prompts, params)] == alone
     assert squeezed.scheduler.num_preemptions > 0
+
+
+# ---- the Python API's refusals name the parameter (issue: raw errors deep inside) ----------
+def test_python_api_refusals_name_the_parameter(tiny, tok):
+    engine = LLMEngine(tiny, tok)
+    for prompt in (torch.tensor(5), 5, torch.tensor([[1, 2]])):  # 0-d: not a one-token prompt
+        with pytest.raises(ValueError, match="prompt must be text, a list of token ids or a 1-D"):
+            engine.add_request(prompt)
+    assert engine.add_request(torch.tensor([5, 6]))  # a 1-D tensor is one prompt
+    for priority in (2**53 + 1, -(10**309)):  # would overflow Scheduler.rank's float arithmetic
+        with pytest.raises(ValueError, match=r"priority must be an integer in \[-2\*\*53"):
+            engine.add_request([1], priority=priority)
+    assert engine.add_request([1], priority=2**53)  # the bound itself is fine
+    with pytest.raises(TypeError, match="model must be a minifer GPT"):
+        mf.generate(torch.nn.Linear(2, 2), ["hi"], tokenizer=tok)
+    with pytest.raises(TypeError, match="model must be a minifer GPT"):
+        LLMEngine(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="device='meta'"):
+        mf.generate(tiny, ["hi"], SamplingParams(max_new_tokens=2), tok, device="meta")
+    meta = mf.GPT.from_config("tiny").to("meta")
+    with pytest.raises(ValueError, match="model is on the meta device"):
+        LLMEngine(meta)
+    with pytest.raises(ValueError, match="model is on the meta device"):
+        mf.generate(meta, [[1, 2]], SamplingParams(max_new_tokens=2))
+    for kw, word in (({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+                     ({"min_tokens": 17}, "min_tokens"), ({"min_tokens": -1}, "min_tokens")):
+        with pytest.raises(ValueError, match=word):
+            engine.add_request([1], SamplingParams(max_new_tokens=16), **kw)
+
+
+def test_generated_ids_skip_the_ids_a_caller_chose(tiny):
+    engine = LLMEngine(tiny)
+    params = SamplingParams(temperature=0, max_new_tokens=2)
+    assert engine.add_request([1], params, request_id="req-1") == "req-1"
+    ids = [engine.add_request([2], params) for _ in range(3)]
+    assert "req-1" not in ids and len(set(ids)) == 3
+    taken = f"req-{int(ids[-1][4:]) + 1}"  # the id the engine would pick next
+    assert engine.add_request([3], params, request_id=taken) == taken
+    assert engine.add_request([4], params) != taken and len(engine.requests) == 6
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_logprobs_are_the_models_own_log_softmax(tiny):
+    """Each sampled token's logprob and its alternatives equal the log-softmax of the model's
+    logits at that position (a full forward pass over prompt + output), whatever the sampling
+    settings, batched with other requests."""
+    engine = LLMEngine(tiny, max_num_seqs=4)
+    prompts = [[5, 9, 13], [7] * 11, [100, 3]]
+    plist = [SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0.8, top_k=5, seed=1, max_new_tokens=9, ignore_eos=True),
+             SamplingParams(temperature=1.0, repetition_penalty=1.3, seed=2, max_new_tokens=7)]
+    ids = [engine.add_request(p, sp, logprobs=k) for p, sp, k in zip(prompts, plist, (3, 0, 20))]
+    engine.add_request([1, 2], GREEDY)  # a request without logprobs in the same batch
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    for rid, prompt, k in zip(ids, prompts, (3, 0, 20)):
+        out = final[rid]
+        assert len(out.logprobs) == len(out.token_ids)
+        with torch.no_grad():
+            logits = tiny(torch.tensor([prompt + out.token_ids[:-1]]))[0, len(prompt) - 1:]
+        ref = torch.log_softmax(logits.float(), -1)
+        for pos, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert lp.token_id == tok
+            assert lp.logprob == pytest.approx(ref[pos, tok].item(), abs=1e-4)
+            assert len(lp.top) == k
+            top = ref[pos].topk(k) if k else None
+            if k:
+                assert [t for t, _ in lp.top] == top.indices.tolist()
+                assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert final[ids[0]].token_ids[0] == final[ids[0]].logprobs[0].top[0][0]  # greedy = top-1
+    assert all(o.logprobs is None for rid, o in final.items() if rid not in ids)
+
+
+def test_min_tokens_defers_the_end_of_sequence_and_stop_strings(make_scripted, tok):
+    script = list(b"Hello world. Goodbye!") + [256]
+    engine = LLMEngine(make_scripted(script), tok)
+
+    def run(min_tokens, **kw):
+        rid = engine.add_request("H", SamplingParams(temperature=0, max_new_tokens=40, **kw),
+                                 min_tokens=min_tokens)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    return out
+
+    plain = run(0)
+    assert (plain.text, plain.finish_reason) == ("ello world. Goodbye!", "eos")
+    longer = run(25)  # the script ends after 21 tokens: EOS is banned until 25
+    assert len(longer.token_ids) >= 25 and 256 not in longer.token_ids[:25]
+    assert longer.text.startswith("ello world. Goodbye!")
+    stop = run(0, stop=". G")
+    assert (stop.text, stop.finish_reason) == ("ello world", "stop")
+    # "." is token 11: a stop string that starts after the first min_tokens tokens counts ...
+    late = run(10, stop=". G")
+    assert (late.text, late.finish_reason) == ("ello world", "stop")
+    # ... one that starts within them does not (that text is already out, streamed or not)
+    deferred = run(11, stop=". G")
+    assert deferred.text == "ello world. Goodbye!" and deferred.finish_reason == "eos"

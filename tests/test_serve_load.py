@@ -122,3 +122,13 @@ def test_python_m_minifer_serve_on_loopback():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_load_generator_sends_the_api_key():
+    model, tok = lively_model("tiny"), mf.ByteTokenizer()
+    engine = mf.LLMEngine(model, tok, max_num_seqs=2)
+    with running_server(engine=engine, model_name="tiny", api_key="sekret") as url:
+        refused = run_load(url, [([65, 66], 2, 0.0)], model="tiny")
+        assert refused.summary["completed"] == 0 and "HTTP 401" in refused.errors[0]
+        res = run_load(url, [([65, 66], 2, 0.0)], api_key="sekret")  # also finds the model
+        assert res.summary["completed"] == 1 and not res.errors

@@ -91,3 +91,23 @@ def test_solution_headings_sit_in_markdown_not_code():
         for cell in nbformat.read(path, as_version=4).cells:
             if cell.cell_type == "code":
                 assert not SOLUTION_HEADING.search(cell.source), f"{path.name}: heading in a code cell"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_lesson_ends_with_what_you_saw_then_exercises(lesson):
+    """The summary and the exercises close the lesson: its last cell is markdown with a
+    "What you saw" heading followed by "Exercises", and no earlier cell has either (a section
+    added after them, or a lost heading, would leave the summary stranded mid-lesson)."""
+    cells = nbformat.read(lesson, as_version=4).cells
+    saw = re.compile(r"^#{1,6}\s+What you saw\s*$", re.M)
+    last = cells[-1]
+    assert last.cell_type == "markdown", f"{lesson.name}: the last cell is {last.cell_type}"
+    s, e = saw.search(last.source), EXERCISES_HEADING.search(last.source)
+    assert s and e and s.start() < e.start(), \
+        f"{lesson.name}: the last cell needs '## What you saw' then '## Exercises'"
+    later = HEADING.search(last.source, s.end())
+    assert later and later.start() == e.start(), \
+        f"{lesson.name}: another heading sits between the summary and the exercises"
+    for i, c in enumerate(cells[:-1]):
+        assert not (saw.search(c.source) or EXERCISES_HEADING.search(c.source)), \
+            f"{lesson.name}: cell {i} has the summary or exercises heading before the end"

@@ -212,3 +212,13 @@ def test_shrink_of_a_many_colour_picture_is_lossless():
     small = sf.shrink_png(png)
     if small != png:  # lossless RGB, when it is smaller
         assert (sf._pixels(small) == img[..., :3]).all()
+
+
+def test_a_long_caption_wraps_inside_the_figure():
+    caption = "Saved view (" + ", ".join(f"control{i} = value{i}" for i in range(12)) + ")"
+    lines = sf.wrap_caption(caption, 720)
+    assert len(lines) > 1 and " ".join(lines) == caption
+    assert all(len(line) * sf.CAPTION_CHAR_PX <= 720 for line in lines)
+    fig = sf.caption_figure({"data": [], "layout": {"width": 720}}, caption)
+    assert fig["layout"]["annotations"][-1]["text"] == "<br>".join(lines)
+    assert fig["layout"]["margin"]["b"] == 80 + sf.CAPTION_PX * len(lines)

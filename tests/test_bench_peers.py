@@ -1,0 +1,58 @@
+"""`python -m minifer.bench peers`: the arithmetic always; the engines where the extra is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+from conftest import lively_model
+
+from minifer.bench import peers
+
+
+def test_agreement_counts_equal_positions():
+    assert peers.agreement([[1, 2, 3], [4, 5]], [[1, 2, 0], [4, 5]]) == 4 / 5
+    assert peers.agreement([[1, 2]], [[1]]) == 1 / 2  # a shorter answer counts as different
+
+
+def test_decode_rate_subtracts_the_prompt():
+    # 4 rows, 1 then 11 new tokens: 40 decode tokens in the 2 s between the two calls
+    assert peers.decode_rate(4, 11, t_one=1.0, t_all=3.0) == 20.0
+    assert math.isnan(peers.decode_rate(4, 11, t_one=1.0, t_all=0.9))  # noise, not a rate
+
+
+def test_report_names_the_ratio_against_the_fastest_peer():
+    row = peers.PeerRow("int8", 16, {"minifer int8 weight-only": 100.0, "minifer int8 integer":
+                                     150.0, "ctranslate2 int8": 200.0},
+                        {"minifer int8 weight-only": 1.1, "minifer int8 integer": 1.2,
+                         "ctranslate2 int8": 1.0}, {"ctranslate2 int8": 0.5})
+    assert row.ratio == 0.75
+    text = peers.format_report([row])
+    assert "minifer ÷ fastest peer: 0.75" in text and "ctranslate2 int8" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ctranslate2") is None,
+                    reason="needs the optional peers extra (benchmarks only, not make test)")
+def test_ctranslate2_decodes_the_same_greedy_tokens_in_fp32():
+    # scaled weights: clear argmax margins, so float rounding cannot flip a greedy token
+    rows = peers.run(precisions=("fp32",), batches=(2,), prompt_len=8, new_tokens=8, rounds=1,
+                     threads=1, model=lively_model("tiny"))
+    [row] = rows
+    assert row.agreement == {"ctranslate2 float32": 1.0}
+    assert set(row.tokens_per_s) == {"minifer", "ctranslate2 float32"}
+
+
+def test_without_the_extra_it_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert "pip install 'minifer[peers]'" in peers.peers_problem()
+    with pytest.raises(RuntimeError, match="peers extra"):
+        peers.run("tiny")
+
+
+def test_command_without_the_extra_says_so_and_succeeds(monkeypatch, capsys):
+    from minifer.bench.__main__ import main
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert main(["peers", "--batches", "1"]) == 0
+    assert "skipped" in capsys.readouterr().err
