@@ -25,6 +25,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quant": ("minifer.bench.commands.quant", "bytes and decode tokens/s per precision (fp32 ... int4)"),
     "peers": ("minifer.bench.commands.peers", "minifer beside CTranslate2 on the same weights: "
               "greedy agreement and decode tokens/s, engines alternating (the peers extra)"),
+    "threads": ("minifer.bench.commands.threads",
+                "decode tokens/s per thread count (1, all, auto) and OpenMP wait policy, on the "
+                "quiet machine and beside a busy core: medians and the spread of rounds"),
     "spec": ("minifer.bench.commands.spec", "plain vs speculative decoding (draft model, prompt lookup) on "
              "the shipped Shakespeare pair, greedy, batch 1"),
     "serve": ("minifer.bench.commands.serve", "static vs continuous batching on a Poisson workload, and "

@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from ...threads import apply_threads, parse_threads
 from ..common import busy_warning
 
 
@@ -19,14 +20,14 @@ def add_machine_options(parser: argparse.ArgumentParser, *, device: bool = True)
     """The options every timing command shares: ``--threads`` (and ``--device``)."""
     if device:
         parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=parse_threads, default=None,
+                        help="torch CPU threads, or 'auto': the cores idle now (default: torch's "
+                        "choice)")
 
 
 def set_up_machine(args: argparse.Namespace) -> None:
     """Apply ``--threads``, and warn on stderr when the CPUs are already busy (CPU runs only)."""
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     on_cpu = getattr(args, "device", "cpu") == "cpu"
     if on_cpu and (warning := busy_warning(torch.get_num_threads())):
         print(warning, file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ import sys
 import torch
 
 from ...model import GPT
+from ...threads import apply_threads, parse_threads
 from ..profile import DTYPES, ENGINES, format_summary, profile_decode
 
 
@@ -23,12 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cached tokens before the first step (default: 128)")
     parser.add_argument("--steps", type=int, default=4, help="profiled steps (default: 4)")
     parser.add_argument("--rows", type=int, default=12, help="rows of the op table (default: 12)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=parse_threads, default=None,
+                        help="torch CPU threads, or 'auto': the cores idle now")
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     model = GPT.from_config(args.preset, seed=0, dtype=DTYPES[args.dtype])
     print(f"profile: {args.preset} {args.dtype} batch {args.batch}, {args.prompt_tokens} cached "
           f"tokens, {torch.get_num_threads()} thread(s), torch {torch.__version__}")

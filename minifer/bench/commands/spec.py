@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
+from ...threads import apply_threads, parse_threads
 from ..spec import PROMPT, format_report, run
 
 
@@ -20,13 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=80, help="tokens generated (default 80)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="counted runs (default 3; --full: 5)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=parse_threads, default=None,
+                        help="torch CPU threads, or 'auto': the cores idle now")
     parser.add_argument("--prompt", default=PROMPT, help="the prompt (default: Romeo)")
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     ks = ([1, 2, 3, 4] if args.full else []) if args.ks is None else args.ks
     repeats = (5 if args.full else 3) if args.repeats is None else args.repeats
     print(format_report(run(k=args.k, ks=ks, new_tokens=args.new_tokens,
