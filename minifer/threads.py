@@ -8,10 +8,12 @@ waits, and a 2-thread decode can run several times slower than a 1-thread one
 
 `auto_threads` picks the number of cores that are idle right now (read from the kernel's CPU
 counters over a short interval, not the load average, which trails by a minute), and
-`apply_threads` sets it: ``threads="auto"`` on the benchmark commands. A thread count set once
-cannot follow a load that starts later; ``OMP_WAIT_POLICY=passive`` (set before torch starts)
-makes threads sleep instead of spinning while they wait, which costs a little on an idle machine
-and is measured beside it.
+`apply_threads` sets it: ``threads="auto"`` on the benchmark commands. A count set once cannot
+follow a load that starts later, so a long-running program (the server) keeps a
+`ThreadGovernor`, which looks again every second at how many cores *other* programs used (all
+busy time less this process's own) and re-sets the count between steps.
+``OMP_WAIT_POLICY=passive`` (set before torch starts) makes threads sleep instead of spinning
+while they wait; `python -m minifer.bench threads` measures it beside the counts.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 
 from .checks import check_int
 
-__all__ = ["cpu_times", "idle_cpus", "auto_threads", "apply_threads", "parse_threads"]
+__all__ = ["cpu_times", "idle_cpus", "auto_threads", "apply_threads", "parse_threads",
+           "ThreadGovernor"]
 
 
 def cpu_times() -> tuple[float, float] | None:
@@ -94,3 +97,54 @@ def apply_threads(threads: int | str | None) -> int:
         check_int("threads", threads, 1)
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+class ThreadGovernor:
+    """Keeps torch's thread count at the number of cores other programs leave free.
+
+    `maybe_adjust()` is cheap (a clock read) except once per `period_s`, when it reads the
+    kernel's CPU counters and this process's CPU time: the cores the *others* used since the
+    last look are all busy time less our own, and the count becomes `auto_threads` of what
+    they left. Call it between steps of work; it returns the new count when it changed it.
+    Where the counters cannot be read it never changes anything.
+    """
+
+    def __init__(self, cpus: int | None = None, period_s: float = 1.0, *,
+                 counters=cpu_times, own_cpu_s=time.process_time, clock=time.monotonic,
+                 ticks_per_s: float | None = None) -> None:
+        self.cpus = cpus or os.cpu_count() or 1
+        self.period_s = period_s
+        self._counters, self._own, self._clock = counters, own_cpu_s, clock
+        if ticks_per_s is None:
+            try:
+                ticks_per_s = float(os.sysconf("SC_CLK_TCK"))
+            except (ValueError, OSError, AttributeError):
+                ticks_per_s = 100.0
+        self._hz = ticks_per_s
+        self._last: tuple[float, tuple[float, float], float] | None = None
+        self.others_busy: float | None = None  # cores the others used over the last period
+        self.changes = 0
+
+    def maybe_adjust(self) -> int | None:
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < self.period_s:
+            return None
+        counters = self._counters()
+        if counters is None:
+            return None
+        own = self._own()
+        last, self._last = self._last, (now, counters, own)
+        if last is None:
+            return None
+        d_idle, d_total = counters[0] - last[1][0], counters[1] - last[1][1]
+        if d_total <= 0:
+            return None
+        elapsed = d_total / self._hz / self.cpus  # seconds of wall time the counters cover
+        others = max(0.0, (d_total - d_idle) / self._hz - (own - last[2]))
+        self.others_busy = min(float(self.cpus), others / elapsed)
+        want = auto_threads(idle=self.cpus - self.others_busy, cpus=self.cpus)
+        if want == torch.get_num_threads():
+            return None
+        torch.set_num_threads(want)
+        self.changes += 1
+        return want

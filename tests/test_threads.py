@@ -101,3 +101,82 @@ def test_report_gives_medians_spread_and_the_ratio_to_the_quiet_default():
     assert "background load: 0 busy core(s) of 2" in text and "1 busy core(s)" in text
     line = next(x for x in text.splitlines() if x.startswith("threads=auto"))
     assert line.split()[-4:] == ["50.0", "1.10", "1/2", "0.50"]
+
+
+class FakeMachine:
+    """CPU counters, our own CPU time and a clock that a test moves by hand (100 ticks/s)."""
+
+    def __init__(self, cpus=2):
+        self.cpus, self.t, self.idle, self.total, self.own = cpus, 0.0, 0.0, 0.0, 0.0
+
+    def run(self, seconds, others, ours):
+        """`seconds` pass with `others` cores busy in other programs and `ours` in this one."""
+        self.t += seconds
+        self.total += 100 * seconds * self.cpus
+        self.idle += 100 * seconds * max(0.0, self.cpus - others - ours)
+        self.own += seconds * ours
+
+    def governor(self, **kw):
+        return T.ThreadGovernor(self.cpus, 1.0, counters=lambda: (self.idle, self.total),
+                                own_cpu_s=lambda: self.own, clock=lambda: self.t,
+                                ticks_per_s=100, **kw)
+
+
+def test_the_governor_follows_other_programs_not_its_own_work():
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        m = FakeMachine()
+        g = m.governor()
+        assert g.maybe_adjust() is None  # the first look only starts counting
+        m.run(1.0, others=0.0, ours=2.0)  # we keep both cores busy: nothing to change
+        assert g.maybe_adjust() is None and g.others_busy == 0.0 and torch.get_num_threads() == 2
+        m.run(1.0, others=1.0, ours=1.0)  # another program takes a core
+        assert g.maybe_adjust() == 1 and torch.get_num_threads() == 1
+        m.run(0.5, others=0.0, ours=1.0)  # within the period: no look
+        assert g.maybe_adjust() is None
+        m.run(1.0, others=0.0, ours=1.0)  # it has gone: both cores again
+        assert g.maybe_adjust() == 2 and g.changes == 2
+        m.run(1.0, others=0.4, ours=1.6)  # a little noise is not a busy core
+        assert g.maybe_adjust() is None and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_the_governor_does_nothing_without_counters():
+    g = T.ThreadGovernor(2, 0.0, counters=lambda: None)
+    assert g.maybe_adjust() is None and g.maybe_adjust() is None and g.others_busy is None
+
+
+def test_the_server_takes_threads_from_its_command_line():
+    from minifer.serve.__main__ import build_parser, server_options
+
+    assert server_options(build_parser().parse_args([]))["threads"] is None
+    assert server_options(build_parser().parse_args(["--threads", "auto"]))["threads"] == "auto"
+    assert server_options(build_parser().parse_args(["--threads", "1"]))["threads"] == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--threads", "none"])
+
+
+def test_the_engine_loop_sets_its_threads_and_auto_keeps_a_governor():
+    from conftest import lively_model
+
+    import minifer as mf
+    from minifer.serve.async_engine import AsyncEngine
+    from minifer.serve.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="threads"):
+        AsyncEngine(LLMEngine(lively_model("tiny"), mf.ByteTokenizer()), threads=0)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, "auto"):
+            engine = AsyncEngine(LLMEngine(lively_model("tiny"), mf.ByteTokenizer()),
+                                 threads=threads)
+            engine.start()
+            engine.stop()
+            assert (engine.governor is not None) == (threads == "auto")
+            assert 1 <= engine.threads_in_force <= (os.cpu_count() or 1)
+            if threads == 1:
+                assert engine.threads_in_force == 1
+    finally:
+        torch.set_num_threads(saved)

@@ -71,8 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="connections at once; more get 503")
     lim.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES,
                      help="largest request headers (431 past it)")
+    p.add_argument("--threads", type=_threads, default=None,
+                   help="torch CPU threads for the engine's steps, or 'auto': the cores other "
+                        "programs leave free, followed as they change (default: torch's choice)")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def _threads(value: str) -> int | str:
+    from ..threads import parse_threads  # imports torch: only when the option is given
+
+    return parse_threads(value)
 
 
 def server_options(args: argparse.Namespace) -> dict:
@@ -86,7 +95,8 @@ def server_options(args: argparse.Namespace) -> dict:
                 request_timeout_s=args.request_timeout, max_waiting=args.max_waiting,
                 api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                 allowed_hosts=hosts, scheduling_policy=args.scheduling_policy,
-                read_timeout_s=args.read_timeout, max_header_bytes=args.max_header_bytes)
+                read_timeout_s=args.read_timeout, max_header_bytes=args.max_header_bytes,
+                threads=args.threads)
 
 
 def load_model(name: str, device=None):

@@ -75,7 +75,8 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                api_key: str | None = None,
                allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
                scheduling_policy: str = "fcfs", read_timeout_s: float = READ_TIMEOUT_S,
-               max_body_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES):
+               max_body_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES,
+               threads: int | str | None = None):
     """A FastAPI app serving `engine` (an `LLMEngine`) as model `model_name`.
 
     Limits (claim MET-5): `max_model_len` (prompt + max_tokens - 1; default: what the engine can
@@ -85,8 +86,10 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     (``Host`` names; None or ``["*"]``: any — for a server bound to a network address),
     `read_timeout_s`, `max_body_bytes`, `max_header_bytes`. `scheduling_policy`: ``"fcfs"``
     refuses a non-zero ``priority``, ``"priority"`` passes it to the engine. `model_root`: what
-    ``/v1/models`` reports as the model's source (default: `model_name`). The engine thread
-    starts and stops with the app (its lifespan).
+    ``/v1/models`` reports as the model's source (default: `model_name`). `threads`: torch's
+    CPU threads for the engine's steps (`AsyncEngine`: None, a number, or ``"auto"``, which
+    follows the cores other programs leave free). The engine thread starts and stops with the
+    app (its lifespan).
     """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -129,7 +132,7 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                        max_model_len=limits.max_model_len, permission=[S.ModelPermission(
                            id=f"modelperm-{model_name}", created=created)])
 
-    aengine = AsyncEngine(engine, max_waiting=max_waiting)
+    aengine = AsyncEngine(engine, max_waiting=max_waiting, threads=threads)
     metrics = ServerMetrics(aengine)
     aengine.on_finish = metrics.on_finish
 
@@ -419,7 +422,7 @@ def _free_socket(host: str, port: int) -> socket.socket:
 
 _APP_OPTIONS = ("model_root", "max_model_len", "max_tokens", "request_timeout_s", "max_waiting",
                 "api_key", "allowed_hosts", "scheduling_policy", "read_timeout_s",
-                "max_body_bytes", "max_header_bytes")
+                "max_body_bytes", "max_header_bytes", "threads")
 
 
 @contextlib.contextmanager

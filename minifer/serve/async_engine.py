@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks import check_int
+from ..threads import ThreadGovernor, apply_threads
 from .errors import APIError
 
 __all__ = ["AsyncEngine", "RequestHandle", "engine_stats", "engine_max_model_len",
@@ -102,14 +104,23 @@ class AsyncEngine:
     """Runs `engine.step()` in one background thread whenever there is work (see module doc).
 
     `on_finish(output)` is called in the engine thread for every request's last output,
-    `on_step()` after every step (metrics).
+    `on_step()` after every step (metrics). `threads`: torch's CPU threads for the steps — None
+    leaves torch's choice, a number sets it when the loop starts, ``"auto"`` keeps it at the
+    cores other programs leave free, looked at again every second between steps
+    (`minifer.threads.ThreadGovernor`).
     """
 
     def __init__(self, engine: Any, *, max_waiting: int = DEFAULT_MAX_WAITING,
                  on_finish: Callable[[Any], None] | None = None,
-                 on_step: Callable[[], None] | None = None) -> None:
+                 on_step: Callable[[], None] | None = None,
+                 threads: int | str | None = None) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
             raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
+        if threads not in (None, "auto"):
+            check_int("threads", threads, 1)
+        self.threads = threads
+        self.governor: ThreadGovernor | None = None
+        self.threads_in_force: int | None = None  # torch threads of the engine thread
         self.engine, self.max_waiting = engine, max_waiting
         self.on_finish, self.on_step = on_finish, on_step
         self._cv = threading.Condition()
@@ -195,6 +206,11 @@ class AsyncEngine:
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        if self.threads == "auto":  # set in this thread: torch's OpenMP count is per thread
+            self.governor = ThreadGovernor()
+            self.threads_in_force = apply_threads("auto")
+        else:
+            self.threads_in_force = apply_threads(self.threads)
         while True:
             with self._cv:
                 while not self._inbox and not self._stopping and not engine.has_unfinished():
@@ -205,6 +221,8 @@ class AsyncEngine:
             for cmd in inbox:
                 self._apply(cmd)
             if engine.has_unfinished():
+                if self.governor is not None and (n := self.governor.maybe_adjust()):
+                    self.threads_in_force = n
                 self._step()
             self.stats = engine_stats(engine)
         for rid in list(self._handles):  # shutting down: free everything still in flight
