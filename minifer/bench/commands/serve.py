@@ -44,11 +44,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--compare-roots", nargs="+", default=None, metavar="LABEL=PATH",
                          help="engine checkouts to run alternately in subprocesses "
                          "(PYTHONPATH=PATH), e.g. old=/tmp/old new=.")
+    http = parser.add_argument_group("the standard load over HTTP, server against server (--http)")
+    http.add_argument("--http", action="store_true",
+                      help="start `python -m minifer.serve` per variant and round (fresh "
+                      "process), send the standard load (64-token prompts, 64 output tokens, "
+                      "ignore_eos, streaming), alternating variants")
+    http.add_argument("--server-threads", nargs="+", default=None, metavar="N|auto|default",
+                      help="one variant per --threads value of the server (default: default)")
+    http.add_argument("--rates", type=float, nargs="+", default=[float("inf")],
+                      help="arrival rates, requests/s (default: inf)")
+    http.add_argument("--busy-cores", type=int, nargs="+", default=[0],
+                      help="background loads, in busy cores (default: 0; e.g. 0 1)")
+    http.add_argument("--http-requests", type=int, default=100,
+                      help="requests per run (default: 100)")
+    http.add_argument("--http-rounds", type=int, default=3, help="rounds (default: 3)")
     add_machine_options(parser)
 
 
 def run_command(args: argparse.Namespace) -> int:
     set_up_machine(args)
+    if args.http:
+        return _run_http(args)
     if args.offline:
         return _run_offline(args)
     full = args.full
@@ -93,4 +109,35 @@ def _run_offline(args: argparse.Namespace) -> int:
               f"{args.rounds} alternating rounds; load average {before} before, {loadavg()} "
               f"after")
     print(format_offline(runs, header))
+    return 0
+
+
+def _run_http(args: argparse.Namespace) -> int:
+    from ..common import loadavg, machine_info
+    from ..serve_http import Variant, compare, format_http
+
+    roots = (dict(r.split("=", 1) if "=" in r else (r, r) for r in args.compare_roots)
+             if args.compare_roots else {"minifer": None})
+    threads = args.server_threads or ["default"]
+    variants = []
+    for label, root in roots.items():
+        for t in threads:
+            value = None if t == "default" else (t if t == "auto" else int(t))
+            name = label if len(threads) == 1 else f"{label} threads={t}"
+            variants.append(Variant(name, root, value))
+    model = (args.models or ["shakespeare"])[0]
+    info, before = machine_info(), loadavg()
+
+    def progress(i, row, s):
+        print(f"  round {i + 1}: {row.variant.label}, {row.busy_cores} busy, rate "
+              f"{row.rate:g}: {s['output_throughput']:.0f} tok/s, TTFT mean "
+              f"{s['ttft']['mean']:.2f} s", file=sys.stderr, flush=True)
+
+    rows = compare(variants, rates=tuple(args.rates), busy_cores=tuple(args.busy_cores),
+                   rounds=args.http_rounds, num_requests=args.http_requests, model=model,
+                   max_num_seqs=args.max_num_seqs, seed=args.seed, on_run=progress)
+    print(format_http(rows, f"serve --http: {model}, {args.http_requests} requests of 64 + 64 "
+                      f"tokens, max_num_seqs={args.max_num_seqs}, {args.http_rounds} "
+                      f"alternating rounds; {info['cpu']}, {info['cpus']} CPUs, torch "
+                      f"{info['torch']}; load average {before} before, {loadavg()} after"))
     return 0

@@ -1,0 +1,155 @@
+"""The standard serving load over HTTP, server against server: ``python -m minifer.bench serve
+--http``.
+
+Each run starts a fresh ``python -m minifer.serve`` process (one checkout or another, one
+``--threads`` setting or another), waits for ``/health``, sends a warm-up of 8 requests, then
+the measured load with `serve_load.run_load` (streaming clients, greedy, ``ignore_eos``, token
+ids as prompts so every server sees the same tokens), and stops the server. The variants take
+turns within every round, on the quiet machine and beside a background load
+(`bench.threads.background_load`: processes that keep cores busy), so a slow spell of the
+machine hits all of them. Reported per variant and load: medians over the rounds of output
+tokens/s, mean TTFT and TPOT median / p99 (vLLM's serving-benchmark metrics), and output
+tokens/s against the first variant on the quiet machine.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ..checks import check_int
+from .serve_load import make_requests, run_load
+from .threads import background_load
+
+__all__ = ["Variant", "HttpRow", "free_port", "serve_once", "compare", "format_http"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A server to start: the checkout on ``PYTHONPATH`` (None: this one) and its ``--threads``
+    (None: torch's choice)."""
+
+    label: str
+    root: str | None = None
+    threads: int | str | None = None
+
+
+@dataclass
+class HttpRow:
+    """One variant under one background load at one rate: each round's summary."""
+
+    variant: Variant
+    busy_cores: int
+    rate: float
+    runs: list[dict] = field(default_factory=list)
+
+    def median(self, key: str, stat: str | None = None) -> float:
+        vals = [r[key][stat] if stat else r[key] for r in self.runs]
+        return statistics.median(vals)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the server at {url} was not ready within {timeout_s:g} s")
+
+
+def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
+               max_num_seqs: int = 32, warmup: int = 8, timeout_s: float = 600.0) -> dict:
+    """Start `variant`'s server, warm it up, run `requests` (``make_requests``'s tuples)
+    against it, stop it; returns the load's summary."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "minifer.serve", "--model", model, "--port", str(port),
+           "--max-num-seqs", str(max_num_seqs), "--max-waiting", str(max(len(requests), 64)),
+           "--log-level", "warning"]
+    if variant.threads is not None:
+        cmd += ["--threads", str(variant.threads)]
+    env = dict(os.environ)
+    if variant.root is not None:
+        env["PYTHONPATH"] = os.path.abspath(variant.root)
+    proc = subprocess.Popen(cmd, env=env, cwd=variant.root or None, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_healthy(url, proc, 120.0)
+        if warmup:
+            run_load(url, [(r[0], 8, 0.0) for r in requests[:warmup]], timeout_s=timeout_s)
+        result = run_load(url, requests, timeout_s=timeout_s)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if result.errors:
+        raise RuntimeError(f"{variant.label}: {len(result.errors)} requests failed: "
+                           f"{result.errors[:3]}")
+    return result.summary
+
+
+def compare(variants: list[Variant], *, rates: tuple[float, ...] = (float("inf"),),
+            busy_cores: tuple[int, ...] = (0,), rounds: int = 3, num_requests: int = 100,
+            prompt_len: int = 64, output_len: int = 64, model: str = "shakespeare",
+            max_num_seqs: int = 32, seed: int = 0, on_run=None) -> list[HttpRow]:
+    """Every variant once per round, in turn, for each load and rate; `rounds` rounds."""
+    check_int("rounds", rounds, 1)
+    check_int("num_requests", num_requests, 1)
+    rows = {(v, b, r): HttpRow(v, b, r) for r in rates for b in busy_cores for v in variants}
+    loads = {r: make_requests(num_requests, r, prompt_len=(prompt_len, prompt_len),
+                              output_len=(output_len, output_len), seed=seed,
+                              prompt_format="ids") for r in rates}
+    for i in range(rounds):
+        for rate in rates:
+            for b in busy_cores:
+                with background_load(b):
+                    for v in variants:
+                        summary = serve_once(v, loads[rate], model=model,
+                                             max_num_seqs=max_num_seqs)
+                        rows[v, b, rate].runs.append(summary)
+                        if on_run is not None:
+                            on_run(i, rows[v, b, rate], summary)
+    return list(rows.values())
+
+
+def format_http(rows: list[HttpRow], header: str = "") -> str:
+    """A table per rate: output tok/s, mean TTFT, TPOT median / p99 (medians over rounds), and
+    output tok/s ÷ the first variant's on the quiet machine."""
+    lines = [header] if header else []
+    for rate in sorted({r.rate for r in rows}):
+        base_row = next((r for r in rows if r.rate == rate and r.busy_cores == 0), None)
+        base = base_row.median("output_throughput") if base_row else None
+        lines += ["", f"rate {rate:g} req/s"
+                  f" (÷ {base_row.variant.label} on the quiet machine)" if base_row else "",
+                  f"{'server':<28} {'busy':>4} {'out tok/s':>10} {'per round':>22} "
+                  f"{'TTFT mean':>10} {'TPOT med/p99 ms':>16} {'÷ base':>7}"]
+        for r in (r for r in rows if r.rate == rate):
+            tput = r.median("output_throughput")
+            per = ", ".join(f"{x['output_throughput']:.0f}" for x in r.runs)
+            tpot = f"{r.median('tpot', 'median') * 1e3:.0f} / {r.median('tpot', 'p99') * 1e3:.0f}"
+            ratio = f"{tput / base:.2f}" if base else "-"
+            lines.append(f"{r.variant.label:<28} {r.busy_cores:>4} {tput:>10.0f} {per:>22} "
+                         f"{r.median('ttft', 'mean'):>9.2f}s {tpot:>16} {ratio:>7}")
+    return "\n".join(lines)
