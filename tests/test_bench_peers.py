@@ -30,6 +30,10 @@ def test_report_names_the_ratio_against_the_fastest_peer():
     assert row.ratio == 0.75
     text = peers.format_report([row])
     assert "minifer ÷ fastest peer: 0.75" in text and "ctranslate2 int8" in text
+    # a NaN rate (noise hid the decode time) is no peer's speed: the ratio leaves it out
+    noisy = peers.PeerRow("fp32", 1, {"minifer": 100.0, "ctranslate2 float32": math.nan,
+                                      "openvino fp32": 50.0}, {}, {})
+    assert noisy.ratio == 2.0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ctranslate2") is None,
@@ -37,15 +41,62 @@ def test_report_names_the_ratio_against_the_fastest_peer():
 def test_ctranslate2_decodes_the_same_greedy_tokens_in_fp32():
     # scaled weights: clear argmax margins, so float rounding cannot flip a greedy token
     rows = peers.run(precisions=("fp32",), batches=(2,), prompt_len=8, new_tokens=8, rounds=1,
-                     threads=1, model=lively_model("tiny"))
+                     threads=1, model=lively_model("tiny"), peers=("ctranslate2",))
     [row] = rows
     assert row.agreement == {"ctranslate2 float32": 1.0}
     assert set(row.tokens_per_s) == {"minifer", "ctranslate2 float32"}
 
 
+@pytest.mark.skipif(peers.peer_problems()["openvino"] is not None,
+                    reason="needs openvino-genai and optimum-intel, the optional peers extra "
+                           "(benchmarks only, not make test)")
+def test_openvino_decodes_the_same_greedy_tokens_in_fp32():
+    # fp32 means the f32 precision hint and an f32 K/V cache: the CPU plugin's defaults (bf16
+    # compute on CPUs with AVX512-BF16/AMX, an f16 cache) would round differently
+    rows = peers.run(precisions=("fp32",), batches=(2,), prompt_len=8, new_tokens=8, rounds=1,
+                     threads=1, model=lively_model("tiny"), peers=("openvino",))
+    [row] = rows
+    assert row.agreement == {"openvino fp32": 1.0}
+    assert set(row.tokens_per_s) == {"minifer", "openvino fp32"}
+
+
+@pytest.mark.skipif(peers.peer_problems()["openvino"] is not None,
+                    reason="needs the optional peers extra (benchmarks only, not make test)")
+def test_openvino_left_pads_prompts_of_different_lengths():
+    model = lively_model("tiny")
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    ours = peers.MiniferEngine(model).generate(prompts, 6)
+    assert peers.OpenVINOEngine(model, "fp32", threads=1).generate(prompts, 6) == ours
+
+
+def test_a_missing_peer_is_skipped_with_a_message(monkeypatch, capsys):
+    problems = {"ctranslate2": None, "openvino": "needs openvino_genai (the optional peers extra)"}
+    monkeypatch.setattr(peers, "peer_problems", lambda: problems)
+    monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen:
+                        [peers.MiniferEngine(model)] + [_Echo(p) for p in chosen])
+    [row] = peers.run(precisions=("fp32",), batches=(1,), prompt_len=4, new_tokens=3, rounds=1,
+                      model=lively_model("tiny"))
+    assert set(row.tokens_per_s) == {"minifer", "ctranslate2"}
+    assert "skipping openvino: it needs openvino_genai" in capsys.readouterr().err
+    assert peers.available_peers() == ("ctranslate2",)
+
+
+class _Echo:
+    """A stand-in peer that repeats each prompt's last token."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def generate(self, prompts, new_tokens):
+        return [[p[-1]] * new_tokens for p in prompts]
+
+
 def test_without_the_extra_it_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert "pip install 'minifer[peers]'" in peers.peers_problem()
+    problem = peers.peers_problem()
+    assert "pip install 'minifer[peers]'" in problem
+    assert "ctranslate2 needs" in problem and "openvino needs openvino_genai" in problem
+    assert peers.available_peers() == ()
     with pytest.raises(RuntimeError, match="peers extra"):
         peers.run("tiny")
 

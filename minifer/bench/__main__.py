@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("minifer.bench.commands.profile", "where a decode step's time goes: torch.profiler's top "
                 "ops and the step split into matmuls, attention, other ops and Python"),
     "quant": ("minifer.bench.commands.quant", "bytes and decode tokens/s per precision (fp32 ... int4)"),
-    "peers": ("minifer.bench.commands.peers", "minifer beside CTranslate2 on the same weights: "
+    "peers": ("minifer.bench.commands.peers", "minifer beside CTranslate2 and OpenVINO GenAI on the same weights: "
               "greedy agreement and decode tokens/s, engines alternating (the peers extra)"),
     "threads": ("minifer.bench.commands.threads",
                 "decode tokens/s per thread count (1, all, auto) and OpenMP wait policy, on the "

@@ -1,13 +1,18 @@
-"""minifer beside a CPU engine people pick instead: ``python -m minifer.bench peers``.
+"""minifer beside the CPU engines people pick instead: ``python -m minifer.bench peers``.
 
-The same weights run in minifer and in CTranslate2 (the optional ``peers`` extra:
-``pip install 'minifer[peers]'``): the model is exported to a `transformers` GPT-2 directory
-(`baselines.to_hf`) with a stand-in tokenizer whose token ``i`` is the string ``"t<i>"``, so
-token ids pass through unchanged, and converted with CTranslate2's own converter. Then, for each
-precision and batch size:
+The same weights run in minifer and in each peer engine that is installed (the optional
+``peers`` extra: ``pip install 'minifer[peers]'``; a peer that is missing is skipped with a
+message): CTranslate2 and OpenVINO GenAI. The model is exported to a `transformers` GPT-2
+directory (`baselines.to_hf`) with a stand-in tokenizer whose token ``i`` is the string
+``"t<i>"``, so token ids pass through unchanged. CTranslate2 converts that directory with its
+own converter; for OpenVINO, optimum-intel exports it to the stateful OpenVINO IR (K/V cache
+held inside the model as state) that ``openvino_genai.LLMPipeline`` runs, and the pipeline is
+given token ids directly, so it needs no OpenVINO tokenizer. Then, for each precision and batch
+size:
 
-* **agreement**: both engines decode the same random prompts greedily; the share of identical
-  tokens is reported (fp32 should agree exactly; int8 engines round differently);
+* **agreement**: every engine decodes the same random prompts greedily; the share of tokens
+  identical to minifer's is reported (fp32 should agree exactly; bf16 and int8 engines round
+  differently);
 * **decode tokens/s**: each engine generates 1 and then ``new_tokens`` tokens from the same
   prompts; the difference of the two times is decode alone (the prompt's time subtracted), so
   ``batch × (new_tokens − 1) / (t_N − t_1)`` from the medians of both times over the rounds.
@@ -15,15 +20,29 @@ precision and batch size:
   the spread (max/min) of each engine's ``t_N`` over the rounds is reported: the figure that a
   busy machine moves.
 
-Precisions: ``fp32`` (both float32), ``int8`` (CTranslate2 ``int8``, weights and activations
-8-bit on integer GEMMs, against minifer's weight-only kernel and its W8A8 ``integer`` path).
-CTranslate2 offers bf16 only where the CPU has it (`ctranslate2.get_supported_compute_types`).
+Precisions:
+
+* ``fp32``: every engine in float32. OpenVINO's CPU plugin would otherwise compute in bf16 on
+  CPUs with AVX512-BF16/AMX and keep the K/V cache in f16, so its inference precision hint and
+  its K/V cache precision are both set to f32.
+* ``bf16``: minifer's model cast to bf16; CTranslate2 ``bfloat16`` and OpenVINO's bf16
+  inference precision (K/V cache in bf16 too), each only where the CPU has it
+  (`ctranslate2.get_supported_compute_types`, OpenVINO's ``OPTIMIZATION_CAPABILITIES``).
+* ``int8``: minifer's weight-only kernel and its W8A8 ``integer`` path, against CTranslate2
+  ``int8`` (weights and activations 8-bit on integer GEMMs) and OpenVINO int8 (see
+  `OpenVINOEngine`: weights int8 from the export, activations quantized at run time).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+import io
+import logging
+import math
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -34,18 +53,67 @@ import torch
 
 from ..model import GPT
 
-__all__ = ["PEERS_EXTRA", "peers_problem", "MiniferEngine", "CTranslate2Engine", "PeerRow",
+__all__ = ["PEERS_EXTRA", "PEERS", "PRECISIONS", "peer_problems", "available_peers",
+           "peers_problem", "MiniferEngine", "CTranslate2Engine", "OpenVINOEngine", "PeerRow",
            "agreement", "timed", "decode_rate", "run", "format_report"]
 
 PEERS_EXTRA = "pip install 'minifer[peers]'"
+PEERS = ("ctranslate2", "openvino")
+PRECISIONS = ("fp32", "bf16", "int8")
+# what each peer imports: its runtime, and what exports the model for it
+_PEER_MODULES = {"ctranslate2": ("ctranslate2", "transformers"),
+                 "openvino": ("openvino_genai", "optimum.intel", "transformers")}
+
+
+def _missing(modules: tuple[str, ...]) -> list[str]:
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # "optimum.intel" without "optimum"
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+@functools.lru_cache(maxsize=1)
+def _torchvision_problem() -> str | None:
+    """A torchvision that cannot load breaks `transformers`' model imports, hence every export.
+
+    optimum-intel requires torchvision, and the one pip picks from PyPI is built against PyPI's
+    torch: beside a CPU-only torch build (``+cpu``) its operators fail to register."""
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to load is the problem reported
+        return (f"torchvision is installed but does not load with torch {torch.__version__} "
+                f"({type(e).__name__}: {e}); uninstall it or install the build matching torch")
+    return None
+
+
+def peer_problems() -> dict[str, str | None]:
+    """Each peer engine -> why it cannot run here (None: it can)."""
+    out: dict[str, str | None] = {}
+    for peer, modules in _PEER_MODULES.items():
+        missing = _missing(modules)
+        out[peer] = (f"needs {', '.join(missing)} (the optional peers extra: {PEERS_EXTRA})"
+                     if missing else _torchvision_problem())
+    return out
+
+
+def available_peers() -> tuple[str, ...]:
+    """The peer engines that can run here, in `PEERS` order."""
+    return tuple(p for p, problem in peer_problems().items() if problem is None)
 
 
 def peers_problem() -> str | None:
-    """Why the peer engines cannot run here (None: they can)."""
-    missing = [m for m in ("ctranslate2", "transformers") if importlib.util.find_spec(m) is None]
-    if missing:
-        return f"needs {', '.join(missing)} (the optional peers extra: {PEERS_EXTRA})"
-    return None
+    """Why no peer engine can run here (None: at least one can; `peer_problems` says which)."""
+    problems = peer_problems()
+    if any(p is None for p in problems.values()):
+        return None
+    return "; ".join(f"{peer} {why}" for peer, why in problems.items())
 
 
 class MiniferEngine:
@@ -62,6 +130,33 @@ class MiniferEngine:
         return [c.token_ids for c in generate(self.model, prompts, params)]
 
 
+@contextlib.contextmanager
+def _quiet():
+    """The exporters' chatter off: progress bars, tracer warnings, NNCF's bit-width table and
+    the PyTorch frontend's "Failed to build model wrapper." (an error it logs before tracing the
+    model unwrapped, which works: the fp32 tests check the tokens). None of it is a result."""
+    import transformers
+
+    loggers = {name: logging.getLogger(name) for name in ("nncf", "openvino.frontend.pytorch")}
+    levels = {name: log.level for name, log in loggers.items()}
+    verbosity = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    for log in loggers.values():
+        log.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+        for name, log in loggers.items():
+            log.setLevel(levels[name])
+
+
 def _export_hf(model: torch.nn.Module, folder: Path) -> Path:
     """`model` as a `transformers` directory with a tokenizer that maps id ``i`` to ``"t<i>"``."""
     import transformers
@@ -73,8 +168,7 @@ def _export_hf(model: torch.nn.Module, folder: Path) -> Path:
     special = f"t{cfg.eos_token_id}"
     vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=special))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with _quiet():
         to_hf(model.float()).save_pretrained(folder)
         transformers.PreTrainedTokenizerFast(
             tokenizer_object=tok, bos_token=special, eos_token=special, unk_token=special
@@ -99,8 +193,9 @@ class CTranslate2Engine:
             folder = Path(self._tmp.name)
         hf = _export_hf(model, folder / "hf")
         out = folder / f"ct2-{compute_type}"
-        ctranslate2.converters.TransformersConverter(str(hf)).convert(
-            str(out), quantization=compute_type, force=True)
+        with _quiet():
+            ctranslate2.converters.TransformersConverter(str(hf)).convert(
+                str(out), quantization=compute_type, force=True)
         self.generator = ctranslate2.Generator(
             str(out), device="cpu", compute_type=compute_type,
             intra_threads=threads or torch.get_num_threads())
@@ -110,6 +205,97 @@ class CTranslate2Engine:
             [[f"t{i}" for i in p] for p in prompts], max_length=new_tokens,
             min_length=new_tokens, sampling_topk=1, include_prompt_in_result=False)
         return [[int(t[1:]) for t in r.sequences[0]] for r in results]
+
+
+def _export_openvino(hf: Path, out: Path, int8: bool) -> Path:
+    """The `transformers` directory `hf` as optimum-intel's stateful OpenVINO IR in `out`.
+
+    ``load_in_8bit`` is passed either way: left unset, optimum-intel compresses models of more
+    than a billion parameters to int8 on its own."""
+    from optimum.intel import OVModelForCausalLM
+
+    with _quiet():
+        ov_model = OVModelForCausalLM.from_pretrained(str(hf), export=True, load_in_8bit=int8,
+                                                      compile=False)
+        ov_model.save_pretrained(out)
+    return out
+
+
+class OpenVINOEngine:
+    """OpenVINO GenAI's `LLMPipeline` on the CPU, on the same weights, greedy past end-of-sequence.
+
+    The pipeline takes token ids (a left-padded ``input_ids`` tensor and its ``attention_mask``)
+    and returns token ids, so the exported directory holds no OpenVINO tokenizer. It runs with
+    ``ATTENTION_BACKEND="SDPA"``: the stateful pipeline, which takes a batch as one tensor like
+    the other engines here (the CPU's default, the paged-attention continuous-batching pipeline,
+    refuses a batch of token ids in one tensor; it wants one request per prompt).
+
+    Precisions, what is rounded where:
+
+    * ``"fp32"``: weights float32 in the IR; ``INFERENCE_PRECISION_HINT`` f32 (the CPU plugin
+      would compute in bf16 on CPUs with AVX512-BF16/AMX) and ``KV_CACHE_PRECISION`` f32 (its
+      default is f16).
+    * ``"bf16"``: the same float32 IR computed in bf16 (hint and K/V cache bf16), only where
+      the CPU reports ``BF16`` among its optimization capabilities.
+    * ``"int8"``: optimum-intel's ``load_in_8bit`` export runs NNCF's weight compression:
+      *every* weight matrix, the token and position embeddings and the output head included,
+      stored as uint8 with one scale and one zero point per output channel (``int8_asym``,
+      data-free); biases and LayerNorms stay float32. The activations are not quantized by
+      the export: at run time the CPU plugin quantizes each fully-connected layer's input to
+      8 bits, one scale per group of 32 input values (``DYNAMIC_QUANTIZATION_GROUP_SIZE``,
+      set to 32 here, the value the plugin picks by default in 2026.4; setting it to 0 changes
+      the logits, so the rounding is real); everything else runs in f32 (hint f32, K/V cache
+      f32). So it is W8A8 like CTranslate2's ``int8``, with finer activation scales, and it
+      also rounds the embeddings, which minifer keeps in float.
+    """
+
+    def __init__(self, model: torch.nn.Module, precision: str = "fp32",
+                 threads: int | None = None, folder: Path | None = None) -> None:
+        import openvino
+        import openvino_genai
+
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        capabilities = openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+        if precision == "bf16" and "BF16" not in capabilities:
+            raise ValueError(f"OpenVINO's CPU plugin has no bf16 on this CPU; it offers "
+                             f"{sorted(capabilities)}")
+        self.name = f"openvino {precision}"
+        self.eos_token_id = model.config.eos_token_id
+        self._tmp = None
+        if folder is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="minifer-ov-")
+            folder = Path(self._tmp.name)
+        hf = _export_hf(model, folder / "hf")
+        ir = _export_openvino(hf, folder / f"ov-{'int8' if precision == 'int8' else 'fp32'}",
+                              int8=precision == "int8")
+        compute = "bf16" if precision == "bf16" else "f32"
+        properties: dict[str, object] = {
+            "ATTENTION_BACKEND": "SDPA", "INFERENCE_PRECISION_HINT": compute,
+            "KV_CACHE_PRECISION": compute,
+            "INFERENCE_NUM_THREADS": threads or torch.get_num_threads()}
+        if precision == "int8":
+            properties["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 32
+        self.pipeline = openvino_genai.LLMPipeline(str(ir), "CPU", **properties)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        import numpy as np
+        import openvino
+        import openvino_genai
+
+        width = max(len(p) for p in prompts)
+        ids = np.array([[0] * (width - len(p)) + list(p) for p in prompts], dtype=np.int64)
+        mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=np.int64)
+        config = openvino_genai.GenerationConfig(
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens, ignore_eos=True,
+            do_sample=False, eos_token_id=self.eos_token_id)
+        result = self.pipeline.generate(
+            openvino_genai.TokenizedInputs(openvino.Tensor(ids), openvino.Tensor(mask)), config)
+        tokens = [list(map(int, t)) for t in result.tokens]
+        if len(tokens) != len(prompts) or any(len(t) != new_tokens for t in tokens):
+            raise RuntimeError(f"OpenVINO returned {[len(t) for t in tokens]} tokens for "
+                               f"{len(prompts)} prompts, {new_tokens} new tokens each")
+        return tokens
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -143,43 +329,81 @@ class PeerRow:
 
     @property
     def ratio(self) -> float:
-        """The fastest minifer engine ÷ the fastest peer."""
-        ours = max(v for k, v in self.tokens_per_s.items() if k.startswith("minifer"))
-        peers = [v for k, v in self.tokens_per_s.items() if not k.startswith("minifer")]
-        return ours / max(peers) if peers else float("nan")
+        """The fastest minifer engine ÷ the fastest peer (a NaN rate, noise, is left out)."""
+        rates = {k: v for k, v in self.tokens_per_s.items() if not math.isnan(v)}
+        ours = [v for k, v in rates.items() if k.startswith("minifer")]
+        peers = [v for k, v in rates.items() if not k.startswith("minifer")]
+        return max(ours) / max(peers) if ours and peers else float("nan")
 
 
-def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder: Path):
+_CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
+
+
+def _peer_engines(model: torch.nn.Module, precision: str, peers: tuple[str, ...],
+                  threads: int | None, folder: Path) -> list:
+    """The peers that offer `precision` on this CPU; a message on stderr for each that does not."""
+    out = []
+    for peer in peers:
+        try:
+            if peer == "ctranslate2":
+                out.append(CTranslate2Engine(model, _CT2_TYPES[precision], threads, folder))
+            else:
+                out.append(OpenVINOEngine(model, precision, threads, folder))
+        except ValueError as e:  # the precision not offered on this CPU, a shape not exported
+            print(f"peers: {precision}: skipping {peer}: {e}", file=sys.stderr)
+    return out
+
+
+def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder: Path,
+             peers: tuple[str, ...]):
     from ..quantization import integer_problem, quantize
 
-    if precision == "fp32":
-        return [MiniferEngine(model), CTranslate2Engine(model, "float32", threads, folder)]
-    if precision == "int8":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if precision == "fp32":
+            ours = [MiniferEngine(model)]
+        elif precision == "bf16":
+            ours = [MiniferEngine(quantize(model, "bf16"), "minifer bf16")]
+        else:
             ours = [MiniferEngine(quantize(model, "int8"), "minifer int8 weight-only")]
             if integer_problem() is None:
                 ours.append(MiniferEngine(quantize(model, "int8", impl="integer"),
                                           "minifer int8 integer"))
-        return ours + [CTranslate2Engine(model, "int8", threads, folder)]
-    raise ValueError(f"precision must be 'fp32' or 'int8', got {precision!r}")
+    return ours + _peer_engines(model, precision, peers, threads, folder)
 
 
 def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
         batches: tuple[int, ...] = (1, 16), prompt_len: int = 32, new_tokens: int = 32,
         rounds: int = 3, threads: int | None = None, seed: int = 0,
-        model: GPT | None = None) -> list[PeerRow]:
+        model: GPT | None = None, peers: tuple[str, ...] | None = None) -> list[PeerRow]:
     """Every precision × batch: agreement with minifer's greedy tokens and decode tokens/s of
     each engine, the engines alternating within every round (one warm-up call each first).
-    The model is `preset` with random weights (timings do not depend on them), or `model`."""
+    The model is `preset` with random weights (timings do not depend on them), or `model`.
+    `peers`: the peer engines to run (default: every one in `PEERS` that is installed); one
+    that is not installed, or does not offer a precision on this CPU, is skipped with a
+    message on stderr. A precision that no peer offers is left out of the rows."""
     if problem := peers_problem():
-        raise RuntimeError(f"python -m minifer.bench peers {problem}")
+        raise RuntimeError(f"python -m minifer.bench peers: {problem}")
+    problems = peer_problems()
+    unknown = set(peers or ()) - set(PEERS)
+    if unknown:
+        raise ValueError(f"unknown peers {sorted(unknown)}; choose from {PEERS}")
+    for peer in peers or PEERS:
+        if problems[peer] is not None:
+            print(f"peers: skipping {peer}: it {problems[peer]}", file=sys.stderr)
+    chosen = tuple(p for p in (peers or PEERS) if problems[p] is None)
+    if not chosen:
+        raise RuntimeError(f"python -m minifer.bench peers: none of {peers} can run here")
     model = (GPT.from_config(preset, seed=seed) if model is None else model).eval()
     gen = torch.Generator().manual_seed(seed)
     rows = []
     with tempfile.TemporaryDirectory(prefix="minifer-peers-") as tmp:
         for precision in precisions:
-            engines = _engines(model, precision, threads, Path(tmp))
+            engines = _engines(model, precision, threads, Path(tmp), chosen)
+            if not any(not e.name.startswith("minifer") for e in engines):
+                continue
             for batch in batches:
                 prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
                                         generator=gen).tolist()

@@ -1,5 +1,7 @@
-"""``python -m minifer.bench peers``: minifer beside CTranslate2 on the same weights
-(`minifer.bench.peers` measures). Needs the optional ``peers`` extra; without it, says so."""
+"""``python -m minifer.bench peers``: minifer beside CTranslate2 and OpenVINO GenAI on the same
+weights (`minifer.bench.peers` measures). Needs the optional ``peers`` extra: each peer that is
+not installed is skipped with a message, and without any of them the command says so and
+succeeds (it is part of ``make bench``, which must run without the extra)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import sys
 import torch
 
 from ..common import loadavg, machine_info
-from ..peers import format_report, peers_problem, run
+from ..peers import PEERS, PRECISIONS, format_report, peer_problems, peers_problem, run
 from . import add_machine_options, set_up_machine
 
 
@@ -18,7 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="gpt2",
                         help="model preset, random weights (default: gpt2, GPT-2 124M's shape)")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "int8"],
-                        choices=["fp32", "int8"], help="precisions (default: fp32 int8)")
+                        choices=list(PRECISIONS),
+                        help="precisions (default: fp32 int8; bf16 runs the peers that offer "
+                             "it on this CPU)")
+    parser.add_argument("--peers", nargs="+", default=None, choices=list(PEERS),
+                        help="peer engines (default: every one that is installed)")
     parser.add_argument("--full", action="store_true",
                         help="batches 1 16 64 and 5 rounds (default: batches 1 16, 3 rounds)")
     parser.add_argument("--batches", type=int, nargs="+", default=None,
@@ -34,22 +40,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     if problem := peers_problem():
-        print(f"python -m minifer.bench peers: skipped, it {problem}", file=sys.stderr)
+        print(f"python -m minifer.bench peers: skipped: {problem}", file=sys.stderr)
+        return 0
+    problems = peer_problems()
+    if args.peers and all(problems[p] is not None for p in args.peers):
+        print("python -m minifer.bench peers: skipped: "
+              + "; ".join(f"{p} {problems[p]}" for p in args.peers), file=sys.stderr)
         return 0
     set_up_machine(args)
+    versions = _peer_versions()
     load = loadavg()
     print(f"{args.preset} (random weights), prompt {args.prompt_len} + {args.new_tokens} new "
           f"tokens, greedy, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"load average {load}")
+    print("peers: " + "; ".join(versions.values()))
     batches = args.batches or ([1, 16, 64] if args.full else [1, 16])
     rounds = args.rounds or (5 if args.full else 3)
     rows = run(args.preset, tuple(args.precisions), tuple(batches), args.prompt_len,
-               args.new_tokens, rounds, threads=torch.get_num_threads())
+               args.new_tokens, rounds, threads=torch.get_num_threads(),
+               peers=tuple(args.peers) if args.peers else None)
     print(format_report(rows))
     print(f"load average after: {loadavg()}")
     if args.json:
         out = {"command": "python -m minifer.bench " + " ".join(sys.argv[1:]),
-               "machine": machine_info(), "loadavg_before": load, "loadavg_after": loadavg(),
+               "machine": machine_info(), "peers": versions, "loadavg_before": load, "loadavg_after": loadavg(),
                "rows": [{"precision": r.precision, "batch": r.batch,
                          "tokens_per_s": r.tokens_per_s, "spread": r.spread,
                          "agreement": r.agreement, "ratio": r.ratio} for r in rows]}
@@ -57,3 +71,20 @@ def run_command(args: argparse.Namespace) -> int:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
     return 0
+
+
+def _peer_versions() -> dict[str, str]:
+    """Each peer engine -> the versions of the packages it runs on, or why it cannot run here."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    packages = {"ctranslate2": ("ctranslate2",), "openvino": ("openvino-genai", "optimum-intel")}
+    out = {}
+    for peer, problem in peer_problems().items():
+        if problem is not None:
+            out[peer] = f"{peer} not run: {problem}"
+            continue
+        try:
+            out[peer] = " + ".join(f"{p} {version(p)}" for p in packages[peer])
+        except PackageNotFoundError:
+            out[peer] = f"{peer} (version unknown)"
+    return out
