@@ -151,8 +151,7 @@ def test_the_governor_does_nothing_without_counters():
 def test_the_server_takes_threads_from_its_command_line():
     from minifer.serve.__main__ import build_parser, server_options
 
-    assert server_options(build_parser().parse_args([]))["threads"] is None
-    assert server_options(build_parser().parse_args(["--threads", "auto"]))["threads"] == "auto"
+    assert server_options(build_parser().parse_args([]))["threads"] == "auto"
     assert server_options(build_parser().parse_args(["--threads", "1"]))["threads"] == 1
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--threads", "none"])

@@ -89,7 +89,13 @@ def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
         cmd += ["--threads", str(variant.threads)]
     env = dict(os.environ)
     if variant.root is not None:
-        env["PYTHONPATH"] = os.path.abspath(variant.root)
+        root = os.path.abspath(variant.root)
+        env["PYTHONPATH"] = root
+        where = subprocess.run([sys.executable, "-c", "import minifer; print(minifer.__file__)"],
+                               env=env, cwd=root, capture_output=True, text=True).stdout.strip()
+        if not os.path.abspath(where).startswith(root + os.sep):
+            raise RuntimeError(f"{variant.label}: PYTHONPATH={root} imports minifer from "
+                               f"{where or 'nowhere'}, not from that checkout")
     proc = subprocess.Popen(cmd, env=env, cwd=variant.root or None, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:

@@ -71,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="connections at once; more get 503")
     lim.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES,
                      help="largest request headers (431 past it)")
-    p.add_argument("--threads", type=_threads, default=None,
-                   help="torch CPU threads for the engine's steps, or 'auto': the cores other "
-                        "programs leave free, followed as they change (default: torch's choice)")
+    p.add_argument("--threads", type=_threads, default="auto",
+                   help="torch CPU threads for the engine's steps, or 'auto' (the default): "
+                        "the cores other programs leave free, followed as they change")
     p.add_argument("--log-level", default="info")
     return p
 

@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "process), send the standard load (64-token prompts, 64 output tokens, "
                       "ignore_eos, streaming), alternating variants")
     http.add_argument("--server-threads", nargs="+", default=None, metavar="N|auto|default",
-                      help="one variant per --threads value of the server (default: default)")
+                      help="one variant per --threads value of the server; 'default' passes none "
+                      "(the server's own default, auto) (default: default)")
     http.add_argument("--rates", type=float, nargs="+", default=[float("inf")],
                       help="arrival rates, requests/s (default: inf)")
     http.add_argument("--busy-cores", type=int, nargs="+", default=[0],
