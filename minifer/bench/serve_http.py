@@ -19,6 +19,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -96,10 +97,15 @@ def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
         if not os.path.abspath(where).startswith(root + os.sep):
             raise RuntimeError(f"{variant.label}: PYTHONPATH={root} imports minifer from "
                                f"{where or 'nowhere'}, not from that checkout")
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a pipe nobody reads can fill up
     proc = subprocess.Popen(cmd, env=env, cwd=variant.root or None, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=log, text=True)
     try:
-        _wait_healthy(url, proc, 120.0)
+        try:
+            _wait_healthy(url, proc, 120.0)
+        except RuntimeError as err:
+            log.seek(0)
+            raise RuntimeError(f"{variant.label}: {err}\n{log.read()[-2000:]}") from None
         if warmup:
             run_load(url, [(r[0], 8, 0.0) for r in requests[:warmup]], timeout_s=timeout_s)
         result = run_load(url, requests, timeout_s=timeout_s)
@@ -110,6 +116,7 @@ def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.close()
     if result.errors:
         raise RuntimeError(f"{variant.label}: {len(result.errors)} requests failed: "
                            f"{result.errors[:3]}")
