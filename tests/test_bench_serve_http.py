@@ -31,3 +31,14 @@ def test_report_gives_medians_and_the_ratio_to_the_first_variant_on_the_quiet_ma
     assert text.startswith("header") and "÷ old on the quiet machine" in text
     line = next(x for x in text.splitlines() if x.startswith("new threads=auto"))
     assert line.split()[-1] == "0.90" and "300, 360, 380" in line and "60 / 120" in line
+
+
+def test_a_checkout_is_checked_to_be_what_its_server_imports(tmp_path):
+    import pathlib
+
+    import pytest
+
+    repo = pathlib.Path(H.__file__).resolve().parents[2]
+    assert H.checkout_root(str(repo)) == str(repo)
+    with pytest.raises(RuntimeError, match="not from that checkout"):
+        H.checkout_root(str(tmp_path))  # no minifer there: the installed copy would be run

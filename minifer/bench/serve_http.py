@@ -14,6 +14,7 @@ tokens/s against the first variant on the quiet machine.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import statistics
@@ -27,7 +28,7 @@ from ..checks import check_int
 from .serve_load import make_requests, run_load
 from .threads import background_load
 
-__all__ = ["Variant", "HttpRow", "free_port", "serve_once", "compare", "format_http"]
+__all__ = ["Variant", "HttpRow", "free_port", "checkout_root", "serve_once", "compare", "format_http"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,20 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"the server at {url} was not ready within {timeout_s:g} s")
 
 
+@functools.cache
+def checkout_root(root: str) -> str:
+    """`root` made absolute, once checked to be where ``PYTHONPATH=root`` imports `minifer`
+    from (an installed copy could win instead, and the run would measure the wrong engine)."""
+    root = os.path.abspath(root)
+    where = subprocess.run([sys.executable, "-c", "import minifer; print(minifer.__file__)"],
+                           env=dict(os.environ, PYTHONPATH=root), cwd=root,
+                           capture_output=True, text=True).stdout.strip()
+    if not os.path.abspath(where).startswith(root + os.sep):
+        raise RuntimeError(f"PYTHONPATH={root} imports minifer from {where or 'nowhere'}, not "
+                           f"from that checkout")
+    return root
+
+
 def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
                max_num_seqs: int = 32, warmup: int = 8, timeout_s: float = 600.0) -> dict:
     """Start `variant`'s server, warm it up, run `requests` (``make_requests``'s tuples)
@@ -90,33 +105,26 @@ def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
         cmd += ["--threads", str(variant.threads)]
     env = dict(os.environ)
     if variant.root is not None:
-        root = os.path.abspath(variant.root)
-        env["PYTHONPATH"] = root
-        where = subprocess.run([sys.executable, "-c", "import minifer; print(minifer.__file__)"],
-                               env=env, cwd=root, capture_output=True, text=True).stdout.strip()
-        if not os.path.abspath(where).startswith(root + os.sep):
-            raise RuntimeError(f"{variant.label}: PYTHONPATH={root} imports minifer from "
-                               f"{where or 'nowhere'}, not from that checkout")
-    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a pipe nobody reads can fill up
-    proc = subprocess.Popen(cmd, env=env, cwd=variant.root or None, stdout=subprocess.DEVNULL,
-                            stderr=log, text=True)
-    try:
+        env["PYTHONPATH"] = checkout_root(variant.root)
+    with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: a pipe nobody reads fills up
+        proc = subprocess.Popen(cmd, env=env, cwd=variant.root or None,
+                                stdout=subprocess.DEVNULL, stderr=log, text=True)
         try:
-            _wait_healthy(url, proc, 120.0)
-        except RuntimeError as err:
-            log.seek(0)
-            raise RuntimeError(f"{variant.label}: {err}\n{log.read()[-2000:]}") from None
-        if warmup:
-            run_load(url, [(r[0], 8, 0.0) for r in requests[:warmup]], timeout_s=timeout_s)
-        result = run_load(url, requests, timeout_s=timeout_s)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            try:
+                _wait_healthy(url, proc, 120.0)
+            except RuntimeError as err:
+                log.seek(0)
+                raise RuntimeError(f"{variant.label}: {err}\n{log.read()[-2000:]}") from None
+            if warmup:
+                run_load(url, [(r[0], 8, 0.0) for r in requests[:warmup]], timeout_s=timeout_s)
+            result = run_load(url, requests, timeout_s=timeout_s)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     if result.errors:
         raise RuntimeError(f"{variant.label}: {len(result.errors)} requests failed: "
                            f"{result.errors[:3]}")
