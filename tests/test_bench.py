@@ -184,7 +184,7 @@ def test_quant_command_quick_scope_writes_json(tmp_path, capsys):
     assert "b=1 tok/s" in text and "b=32" not in text
 
 
-@pytest.mark.parametrize("engine", ["minifer", "textbook", "int8", "serve"])
+@pytest.mark.parametrize("engine", ["minifer", "textbook", "int8", "serve", "serve-kernel"])
 def test_profile_splits_the_step(engine, tiny):
     from minifer.bench.profile import format_summary, profile_decode
 
@@ -193,7 +193,10 @@ def test_profile_splits_the_step(engine, tiny):
     assert "Self CPU" in p.table
     text = format_summary(p)
     assert "linear layers" in text and "outside torch ops" in text
-    assert ("K/V copies" in text) == (engine == "serve") and (p.kv_copy_s > 0) == (engine == "serve")
+    serve = engine.startswith("serve")
+    assert ("K/V copies" in text) == serve and (p.kv_copy_s > 0) == serve
+    if engine == "serve-kernel":  # the paged kernel's time counts as attention
+        assert p.attention_s > 0
 
 
 def test_profile_rejects_bad_arguments(tiny):

@@ -47,10 +47,12 @@ def workload(tiny):
     return prompts, _alone(tiny, prompts, GREEDY)
 
 
+@pytest.mark.parametrize("kv_read", ["blocks", "kernel"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_outputs_equal_generate_alone(tiny, workload, name):
+def test_greedy_outputs_equal_generate_alone(tiny, workload, name, kv_read):
     prompts, ref = workload
-    engine = LLMEngine(tiny, **CONFIGS[name])
+    engine = LLMEngine(tiny, kv_read=kv_read, **CONFIGS[name])
+    assert engine.runner.read == kv_read  # the paged kernel built here: no fallback
     outs = engine.generate(prompts, GREEDY)
     assert len({tuple(r) for r in ref}) == len(ref)  # varied outputs: the test can fail
     assert [o.token_ids for o in outs] == ref
@@ -65,12 +67,13 @@ def test_greedy_outputs_equal_generate_alone(tiny, workload, name):
         assert engine.scheduler.num_preemptions == 0
 
 
-def test_gqa_model_through_every_mechanism(tiny_gqa):
+@pytest.mark.parametrize("kv_read", ["blocks", "kernel"])
+def test_gqa_model_through_every_mechanism(tiny_gqa, kv_read):
     prompts = _prompts(8, seed=3)
     ref = _alone(tiny_gqa, prompts, GREEDY)
     engine = LLMEngine(tiny_gqa, max_num_seqs=8, block_size=4, num_blocks=24,
                        enable_chunked_prefill=True, max_num_batched_tokens=10,
-                       enable_prefix_caching=True)
+                       enable_prefix_caching=True, kv_read=kv_read)
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == ref
     assert engine.scheduler.num_preemptions > 0
 

@@ -27,7 +27,7 @@ def _setup(model, prompts, cached, block_size=4):
     return bm, pool
 
 
-@pytest.mark.parametrize("read", ["blocks", "slots"])
+@pytest.mark.parametrize("read", ["blocks", "slots", "kernel"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @torch.inference_mode()
 def test_a_packed_step_of_decode_rows_and_prompt_chunks_equals_separate_calls(model, block_size,
@@ -156,8 +156,9 @@ def test_block_reads_equal_slot_reads(model):
     q = torch.randn(1, nh, ids.shape[1], hd, generator=torch.Generator().manual_seed(0))
     k = torch.randn(1, model.config.kv_heads, ids.shape[1], hd)
     got = {r: PackedBatch(pool, tables, cached, num_new, read=r).attend(0, q, k, k)
-           for r in ("blocks", "slots")}
+           for r in ("blocks", "slots", "kernel")}
     assert (got["blocks"] - got["slots"]).abs().max() <= 1e-6
+    assert (got["kernel"] - got["slots"]).abs().max() <= 1e-6
     split = PackedBatch(pool, tables, cached, num_new, group_cost=0)  # one call per length
     assert len(split._groups) == 3  # decode rows of 7, 23 and 2 tokens: 2, 6 and 1 blocks
     assert (split.attend(0, q, k, k) - got["slots"]).abs().max() <= 1e-6
@@ -169,11 +170,11 @@ def test_the_slot_reference_path_gives_the_same_tokens(tiny):
     prompts = _prompts([5, 20, 9, 30, 3], seed=11)
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     outs = []
-    for read in ("blocks", "slots"):
+    for read in ("blocks", "slots", "kernel"):
         eng = _engine(tiny)
         eng.runner.read = read
         outs.append([o.token_ids for o in eng.generate(prompts, params)])
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_decode_rows_are_grouped_by_length_when_padding_costs_more_than_a_call():

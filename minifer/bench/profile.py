@@ -7,7 +7,8 @@ Runs a few greedy decode steps of one engine (minifer eager or compiled, the tex
 * a summary: the step's wall time split into the linear layers (every matmul kernel), attention,
   the other torch ops, and what is left outside any torch op: Python, module calls, dispatch.
   For the serving engine (``--engines serve``: `LLMEngine` steps at a fixed decode batch over
-  the paged pool) the K/V copies (reads of the pool by index, writes of new tokens) are their
+  the paged pool; ``serve-kernel``: the same with its decode attention in the paged kernel,
+  which reads the pool in place) the K/V copies (reads of the pool by index, writes of new tokens) are their
   own line: the share of the step the paged layout costs.
 
 This is how BENCHMARKS.md explains a target that is missed (what takes the time between a step
@@ -29,7 +30,8 @@ from .common import random_ids
 __all__ = ["ENGINES", "LINEAR_OPS", "ATTENTION_OPS", "KV_COPY_OPS", "StepProfile",
            "ServeDecoder", "profile_decode", "format_summary"]
 
-ENGINES = ("minifer", "compiled", "textbook", "transformers", "int8", "int4", "serve")
+ENGINES = ("minifer", "compiled", "textbook", "transformers", "int8", "int4", "serve",
+           "serve-kernel")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # torch ops that are the linear layers' matmuls (eager, oneDNN/MKL, quantized, inductor): the
 # weights are 2-D, so a linear layer is an (add)mm; batched matmuls are attention's (the
@@ -40,7 +42,7 @@ LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::_weight_int8pack_mm",
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math",
                  "aten::_scaled_dot_product_flash_attention", "aten::bmm", "aten::_softmax",
-                 "aten::softmax")
+                 "aten::softmax", "minifer_paged::decode")
 # the serving engine's K/V copies: reads of the paged pool by index, writes of the new tokens
 KV_COPY_OPS = ("aten::index_select", "aten::index_copy_", "aten::index_copy", "aten::index",
                "aten::index_put_")
@@ -77,17 +79,20 @@ def _engine(name: str, model: torch.nn.Module):
         return MinifierDecoder(quantize(model, name))
     if name == "serve":
         return ServeDecoder(model)
+    if name == "serve-kernel":
+        return ServeDecoder(model, kv_read="kernel")
     raise ValueError(f"engine must be one of {list(ENGINES)}, got {name!r}")
 
 
 class ServeDecoder:
     """`LLMEngine` decode steps at a fixed batch: every row of `prompt` a request (prefilled by
-    the engine itself; a random `past` is not used), then `decode(n)` runs `n` engine steps."""
+    the engine itself; a random `past` is not used), then `decode(n)` runs `n` engine steps.
+    `kv_read`: how attention reads the pool (``serve-kernel``: the paged kernel)."""
 
     name = "serve"
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, kv_read: str = "blocks") -> None:
+        self.model, self.kv_read = model, kv_read
 
     def start(self, prompt: torch.Tensor, new_tokens: int, past=None) -> None:
         from ..sampling import SamplingParams
@@ -99,7 +104,8 @@ class ServeDecoder:
                                 ignore_eos=True)
         # a step's budget holds every prompt: one prefill step, then decode steps at batch B
         self.engine = LLMEngine(self.model, max_num_seqs=B,
-                                max_num_batched_tokens=max(B * T, self.model.config.context_length))
+                                max_num_batched_tokens=max(B * T, self.model.config.context_length),
+                                kv_read=self.kv_read)
         for row in prompt.tolist():
             self.engine.add_request(row, params)
         self.engine.step()
@@ -143,7 +149,7 @@ def profile_decode(engine: str, preset: str = "gpt2", dtype: str = "fp32", batch
             attention += s
         else:  # every other op, inductor's compiled kernels included
             other += s
-            if engine == "serve" and a.key in KV_COPY_OPS:
+            if engine.startswith("serve") and a.key in KV_COPY_OPS:
                 kv_copy += s
     table = averages.table(sort_by="self_cpu_time_total", row_limit=rows,
                            max_name_column_width=48)

@@ -25,6 +25,7 @@ API_KEY_ENV = "MINIFER_API_KEY"
 def build_parser() -> argparse.ArgumentParser:
     from .api import MAX_CONNECTIONS, MAX_HEADER_BYTES, READ_TIMEOUT_S, SCHEDULING_POLICIES
     from .async_engine import DEFAULT_MAX_WAITING
+    from .kv_pool import READS
 
     p = argparse.ArgumentParser(prog="python -m minifer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs: first come, first served (a request's priority is refused); "
                         "priority: lower priority value first")
+    e.add_argument("--kv-read", choices=READS, default="kernel",
+                   help="how attention reads the paged KV pool: 'kernel' (default: a paged "
+                        "kernel reading the blocks in place, built for this machine at start-up, "
+                        "with a warning and 'blocks' where it cannot be), 'blocks' (copy each "
+                        "row's blocks, then SDPA) or 'slots' (the reference)")
     e.add_argument("--aging", type=float, default=0.0,
                    help="priority points a waiting request gains per step (0: strict priority)")
     lim = p.add_argument_group("limits (claim MET-5)")
@@ -127,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_chunked_prefill=args.enable_chunked_prefill,
-                       enable_prefix_caching=args.enable_prefix_caching, aging=args.aging)
+                       enable_prefix_caching=args.enable_prefix_caching, aging=args.aging,
+                       kv_read=args.kv_read)
     options = server_options(args)
     app = create_app(engine, model_name=args.served_model_name or args.model,
                      model_root=args.model, **options)

@@ -72,6 +72,10 @@ class LLMEngine:
     - `aging`: priority points a waiting request gains per step (0 = strict priority).
     - `sample_vocab`: sample only among the first `sample_vocab` token ids (default: the
       tokenizer's vocabulary, else the model's); a worker without the tokenizer gets its size.
+    - `kv_read`: how attention reads the pool (`kv_pool.READS`): ``"blocks"`` (the default:
+      each row's blocks copied into a buffer per layer, then SDPA), ``"slots"`` (the readable
+      reference) or ``"kernel"`` (decode rows through a paged-attention kernel that reads the
+      blocks in place, built for this machine on first use; see `paged_attention`).
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class LLMEngine:
         device: torch.device | str | None = None,
         aging: float = 0.0,
         sample_vocab: int | None = None,
+        kv_read: str = "blocks",
     ) -> None:
         from ..device import as_device
 
@@ -122,7 +127,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, policy=policy, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=enable_chunked_prefill, aging=aging)
-        self.runner = ModelRunner(model, self.pool, self.device)
+        self.runner = ModelRunner(model, self.pool, self.device, read=kv_read)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._order = itertools.count()
         self.last_step: StepStats | None = None

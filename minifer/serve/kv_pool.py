@@ -23,10 +23,11 @@ import torch.nn.functional as F
 
 from ..checks import check_int
 from ..config import kv_token_bytes
+from .paged_attention import KERNEL
 
 __all__ = ["PagedKVPool", "PackedBatch", "PagedBatch", "DecodeWorkspace", "READS"]
 
-READS = ("blocks", "slots")  # how PackedBatch reads K/V: whole blocks (default) or token slots
+READS = ("blocks", "slots", "kernel")  # how PackedBatch reads K/V (see its docstring)
 GROUP_COST = 128  # padded tokens one more decode attention call is worth (see `_group_rows`)
 
 
@@ -290,9 +291,12 @@ class PackedBatch:
       gathered into a dense buffer per layer for `torch.nn.functional.scaled_dot_product_attention`;
     - ``"blocks"`` (the default), block-table indexed: one index per *block* of the row's table,
       so the read moves whole blocks (``block_size`` tokens at a time) and the index tensors are
-      ``block_size`` times smaller; the unused tail of a row's last block is masked out.
+      ``block_size`` times smaller; the unused tail of a row's last block is masked out;
+    - ``"kernel"``: the decode rows attend through `paged_attention.PagedDecodeKernel`, a
+      compiled kernel that reads each cached key and value in place (no copy); prompt chunks
+      read whole blocks as above.
 
-    Both build the index tensors once per step (not per layer) and give the same attention up
+    All three build the index tensors once per step (not per layer) and give the same attention up
     to float rounding (tested). The block path also splits the decode rows into a few attention
     calls by length, so that a short row is not padded to the longest one in the step: each
     call beyond the first must save more than `group_cost` padded tokens (`_group_rows`). Neither keeps a second copy of the running K/V between steps:
@@ -342,8 +346,19 @@ class PackedBatch:
         # longest (`_group_rows`)
         self.read, self.num_single = read, singles
         self._groups = []  # (its rows, None: all; how many; gather; padded length; mask)
-        unit = bs if read == "blocks" else 1  # tokens per index
-        if singles:
+        self._kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
+        unit = 1 if read == "slots" else bs  # tokens per index
+        if singles and read == "kernel":
+            # the block table and lengths of the decode rows, padded to >= 2 rows and blocks
+            # (`PagedDecodeKernel`): a padding row attends to one token, a padding block is masked
+            lengths = [c + 1 for c in context[:singles]]
+            M = max(2, -(-max(lengths) // bs))
+            rows_t = [_read_index(pool, t, L, M, "blocks") for t, L in zip(tables, lengths)]
+            if singles == 1:
+                rows_t, lengths = rows_t + [rows_t[0]], lengths + [1]
+            self._kernel_args = (torch.tensor(rows_t, dtype=torch.long, device=dev),
+                                 torch.tensor(lengths, dtype=torch.long, device=dev))
+        elif singles:
             lengths = [c + 1 for c in context[:singles]]
             groups = _group_rows(lengths, unit, group_cost) if read == "blocks" else [
                 list(range(singles))]
@@ -366,7 +381,8 @@ class PackedBatch:
         offset = singles
         for table, c, n in list(zip(tables, context, num_new))[singles:]:
             L = -(-(c + n) // unit) * unit  # tokens read: c + n, rounded up to whole blocks
-            gather = torch.tensor(_read_index(pool, table, c + n, L // unit, read),
+            gather = torch.tensor(_read_index(pool, table, c + n, L // unit,
+                                              "slots" if read == "slots" else "blocks"),
                                   dtype=torch.long, device=dev)
             mask = None
             # new token i (at position c + i) sees keys 0..c + i; without cached tokens that is
@@ -386,10 +402,17 @@ class PackedBatch:
         pk.view(-1, nkv, hd).index_copy_(0, self.slot_mapping, k[0].transpose(0, 1))
         pv.view(-1, nkv, hd).index_copy_(0, self.slot_mapping, v[0].transpose(0, 1))
         # rows of the index: a block (nkv * hd * block_size numbers) or a slot (nkv * hd)
-        width = nkv * hd * (pk.shape[1] if self.read == "blocks" else 1)
+        width = nkv * hd * (1 if self.read == "slots" else pk.shape[1])
         kf, vf = pk.view(-1, width), pv.view(-1, width)  # 2-D: index_select copies whole rows
         outs = []
-        if self.num_single:
+        if self._kernel_args is not None:
+            D = self.num_single
+            qd = q[0, :, :D].transpose(0, 1)  # (D, nh, hd)
+            if D == 1:
+                qd = torch.cat([qd, qd])
+            y = KERNEL(qd.contiguous(), pk, pv, *self._kernel_args, hd ** -0.5)  # (D', nh, hd)
+            outs.append(y[:D].transpose(0, 1).unsqueeze(0))  # (1, nh, D, hd)
+        elif self.num_single:
             D = self.num_single
             qd = q[0, :, :D].transpose(0, 1).unsqueeze(2)  # (D, nh, 1, hd)
             y = None if len(self._groups) == 1 else qd.new_empty(qd.shape)

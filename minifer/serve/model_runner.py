@@ -19,8 +19,9 @@ import time
 import torch
 
 from ..sampling import mask_padded_vocab, sample
-from .kv_pool import GROUP_COST, PackedBatch, PagedKVPool
+from .kv_pool import GROUP_COST, READS, PackedBatch, PagedKVPool
 from .options import ban_early_eos, record_logprobs
+from .paged_attention import KERNEL
 from .request import Request
 from .scheduler import Chunk
 
@@ -31,7 +32,9 @@ class ModelRunner:
     """Runs the scheduled chunks of one step through `model` over the paged `pool`.
 
     `read` picks how attention reads the pool (`kv_pool.READS`): whole blocks by the block
-    table (the default) or token slots (the reference). Counters (for benchmarks and lessons): `num_forward_calls` and `forward_time_s` (the time
+    table (the default), token slots (the reference), or, for the decode rows, a paged
+    kernel that reads the blocks in place (``"kernel"``, `paged_attention`; where it cannot
+    be built on this machine the runner warns and reads whole blocks). Counters (for benchmarks and lessons): `num_forward_calls` and `forward_time_s` (the time
     spent inside the forward calls), `num_prefill_tokens` (prompt and recomputed tokens fed),
     `num_decode_tokens` (sampled tokens fed back) and `num_decode_calls` (calls with at least
     one decode row: decode tokens / calls is the mean decode batch).
@@ -39,8 +42,12 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, pool: PagedKVPool,
                  device: torch.device, read: str = "blocks") -> None:
+        if read not in READS:
+            raise ValueError(f"read must be one of {READS}, got {read!r}")
+        if read == "kernel" and not KERNEL.available(torch.device(device), pool.dtype):
+            read = "blocks"  # KERNEL has warned, naming why
         self.model, self.pool, self.device = model, pool, device
-        self.read = read  # how attention reads the pool: "blocks" or "slots" (`PackedBatch`)
+        self.read = read  # how attention reads the pool (`PackedBatch`)
         self.group_cost = GROUP_COST  # padded tokens worth one more decode attention call
         self.num_forward_calls = 0
         self.forward_time_s = 0.0
