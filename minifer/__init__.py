@@ -11,6 +11,7 @@ from .device import default_device
 from .evaluate import perplexity
 from .generation import decode_step, generate, prefill, stream
 from .model import GPT
+from .prepack import prepack
 from .pretrained import load_pretrained
 from .quantization import model_bytes, quantize
 from .sampling import SamplingParams
@@ -40,6 +41,7 @@ __all__ = [
     "model_bytes",
     "perplexity",
     "prefill",
+    "prepack",
     "quantize",
     "speculative_generate",
     "stream",

@@ -43,8 +43,8 @@ def test_ctranslate2_decodes_the_same_greedy_tokens_in_fp32():
     rows = peers.run(precisions=("fp32",), batches=(2,), prompt_len=8, new_tokens=8, rounds=1,
                      threads=1, model=lively_model("tiny"), peers=("ctranslate2",))
     [row] = rows
-    assert row.agreement == {"ctranslate2 float32": 1.0}
-    assert set(row.tokens_per_s) == {"minifer", "ctranslate2 float32"}
+    assert row.agreement == {"minifer prepacked": 1.0, "ctranslate2 float32": 1.0}
+    assert set(row.tokens_per_s) == {"minifer", "minifer prepacked", "ctranslate2 float32"}
 
 
 @pytest.mark.skipif(peers.peer_problems()["openvino"] is not None,
@@ -56,8 +56,8 @@ def test_openvino_decodes_the_same_greedy_tokens_in_fp32():
     rows = peers.run(precisions=("fp32",), batches=(2,), prompt_len=8, new_tokens=8, rounds=1,
                      threads=1, model=lively_model("tiny"), peers=("openvino",))
     [row] = rows
-    assert row.agreement == {"openvino fp32": 1.0}
-    assert set(row.tokens_per_s) == {"minifer", "openvino fp32"}
+    assert row.agreement == {"minifer prepacked": 1.0, "openvino fp32": 1.0}
+    assert set(row.tokens_per_s) == {"minifer", "minifer prepacked", "openvino fp32"}
 
 
 @pytest.mark.skipif(peers.peer_problems()["openvino"] is not None,
@@ -107,3 +107,15 @@ def test_command_without_the_extra_says_so_and_succeeds(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert main(["peers", "--batches", "1"]) == 0
     assert "skipped" in capsys.readouterr().err
+
+
+def test_minifer_runs_as_it_is_and_prepacked(tmp_path):
+    from minifer.prepack import prepack_problem
+
+    model = lively_model("tiny")
+    names = [e.name for e in peers._engines(model, "fp32", 1, tmp_path, ())]
+    packed = prepack_problem() is None
+    assert names == (["minifer", "minifer prepacked"] if packed else ["minifer"])
+    if packed:
+        names = [e.name for e in peers._engines(model, "bf16", 1, tmp_path, ())]
+        assert names == ["minifer bf16", "minifer bf16 prepacked"]

@@ -86,3 +86,14 @@ def test_compare_roots_runs_each_checkout_from_itself():
                          threads=1)
     assert [(r.engine, r.policy) for r in runs] == [("here", "static"), ("here", "continuous")]
     assert all(r.output_tokens > 0 for r in runs)
+
+
+def test_engine_vs_generate_times_each_pool_read_and_checks_their_tokens(tiny):
+    from minifer.bench.serve_offline import engine_vs_generate
+
+    times = engine_vs_generate(tiny, batch=3, prompt_len=5, new_tokens=4, rounds=2,
+                               kv_reads=("blocks", "kernel"))
+    assert set(times) == {"engine-blocks", "engine-kernel", "generate"}
+    assert all(len(t) == 2 and min(t) > 0 for t in times.values())
+    assert set(engine_vs_generate(tiny, batch=2, prompt_len=3, new_tokens=2, rounds=1)) == {
+        "engine", "generate"}

@@ -22,6 +22,9 @@ size:
 
 Precisions:
 
+minifer runs as it is and, where oneDNN is present, with its linear weights prepacked
+(`minifer.prepack`, fp32 and bf16: what the peers do with their weights at load).
+
 * ``fp32``: every engine in float32. OpenVINO's CPU plugin would otherwise compute in bf16 on
   CPUs with AVX512-BF16/AMX and keep the K/V cache in f16, so its inference precision hint and
   its K/V cache precision are both set to f32.
@@ -356,6 +359,7 @@ def _peer_engines(model: torch.nn.Module, precision: str, peers: tuple[str, ...]
 
 def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder: Path,
              peers: tuple[str, ...]):
+    from ..prepack import prepack, prepack_problem
     from ..quantization import integer_problem, quantize
 
     if precision not in PRECISIONS:
@@ -366,6 +370,8 @@ def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder
             ours = [MiniferEngine(model)]
         elif precision == "bf16":
             ours = [MiniferEngine(quantize(model, "bf16"), "minifer bf16")]
+        if precision in ("fp32", "bf16") and prepack_problem() is None:
+            ours.append(MiniferEngine(prepack(ours[0].model), f"{ours[0].name} prepacked"))
         else:
             ours = [MiniferEngine(quantize(model, "int8"), "minifer int8 weight-only")]
             if integer_problem() is None:

@@ -199,12 +199,13 @@ def format_offline(runs: Sequence[OfflineRun], header: str = "") -> str:
 
 
 def engine_vs_generate(model: torch.nn.Module, *, batch: int = 16, prompt_len: int = 32,
-                       new_tokens: int = 64, rounds: int = 5, seed: int = 0
-                       ) -> dict[str, list[float]]:
+                       new_tokens: int = 64, rounds: int = 5, seed: int = 0,
+                       kv_reads: tuple[str, ...] = ("blocks",)) -> dict[str, list[float]]:
     """Seconds per run of `LLMEngine.generate` and of plain `minifer.generate` (one batch,
     left-padded) on `batch` equal-length prompts, greedy, `ignore_eos`: the engine's overhead
-    over the simplest loop. Alternating rounds after one warm-up run of each; both must give
-    the same tokens (checked)."""
+    over the simplest loop. One engine per pool read in `kv_reads` (``"engine"`` for the
+    default alone, else ``"engine-<read>"``). Alternating rounds after one warm-up run of each;
+    all must give the same tokens (checked)."""
     import minifer as mf
 
     rng = random.Random(seed)
@@ -212,16 +213,21 @@ def engine_vs_generate(model: torch.nn.Module, *, batch: int = 16, prompt_len: i
                for _ in range(batch)]
     params = mf.SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
 
-    def engine() -> list[list[int]]:
-        eng = mf.LLMEngine(model, max_num_seqs=batch)
-        return [o.token_ids for o in eng.generate(prompts, params)]
+    def engine(read: str):
+        def run() -> list[list[int]]:
+            eng = mf.LLMEngine(model, max_num_seqs=batch, kv_read=read)
+            return [o.token_ids for o in eng.generate(prompts, params)]
+        return run
 
     def plain() -> list[list[int]]:
         return [r.token_ids for r in mf.generate(model, prompts, params)]
 
-    runs = {"engine": engine, "generate": plain}
-    if engine() != plain():
-        raise AssertionError("LLMEngine and minifer.generate disagree on greedy tokens")
+    runs = {("engine" if kv_reads == ("blocks",) else f"engine-{r}"): engine(r) for r in kv_reads}
+    runs["generate"] = plain
+    ref = plain()
+    for name, run in runs.items():
+        if run() != ref:
+            raise AssertionError(f"{name} and minifer.generate disagree on greedy tokens")
     times: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(rounds):
         for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):

@@ -1,0 +1,81 @@
+"""`prepack`: linear layers on weights prepacked for oneDNN give `F.linear`'s results up to float
+rounding, the shipped model's greedy tokens unchanged, through `generate` and `LLMEngine`;
+tied weights stay tied; clear errors for what cannot be packed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import minifer as mf
+from minifer.prepack import PackedLinear, prepack, prepack_problem
+
+pytestmark = pytest.mark.skipif(prepack_problem() is not None, reason=str(prepack_problem()))
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
+    return mf.load_pretrained("shakespeare")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_packed_layer_equals_f_linear(dtype, tol, bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 200, bias=bias).to(dtype)
+    packed = PackedLinear.from_linear(lin, batch_size=4)
+    assert packed.weight is lin.weight  # shared, not copied
+    with torch.inference_mode():
+        for shape in [(1, 96), (7, 96), (2, 5, 96)]:  # decode rows, a batch, a prompt
+            x = torch.randn(shape).to(dtype)
+            ref, got = lin(x), packed(x)
+            assert got.shape == ref.shape and got.dtype == dtype
+            assert (got.float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+
+
+def test_gradients_use_the_plain_weight():
+    lin = nn.Linear(8, 4)
+    packed = PackedLinear.from_linear(lin)
+    packed(torch.randn(3, 8)).sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.shape == (4, 8)
+
+
+def test_the_shipped_models_greedy_tokens_are_unchanged(shakespeare):
+    model, tok = shakespeare
+    packed = prepack(model)
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 4 * 6 + 1
+    assert not any(type(m) is nn.Linear for m in packed.modules())
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())  # the original kept
+    prompts = [tok.encode("ROMEO:"), tok.encode("To be, or not"), tok.encode("Good morrow")]
+    params = mf.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    ref = [c.token_ids for c in mf.generate(model, prompts, params)]
+    assert [c.token_ids for c in mf.generate(packed, prompts, params)] == ref
+    engine = mf.LLMEngine(packed, tok, max_num_seqs=4, kv_read="kernel")
+    assert [o.token_ids for o in engine.generate(prompts, params)] == ref
+
+
+def test_tied_weights_stay_tied_and_moves_repack():
+    model = mf.GPT.from_config(mf.GPTConfig.preset("tiny").replace(tie_embeddings=True)).eval()
+    assert model.config.tie_embeddings and model.lm_head.weight is model.transformer.wte.weight
+    packed = prepack(model)
+    head = packed.lm_head
+    assert head.weight is packed.transformer.wte.weight  # still one tensor
+    assert head._packed is not None
+    packed.to(torch.float32)
+    assert head._packed is None  # rebuilt on the next call
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        assert (packed(ids) - model(ids)).abs().max() <= 1e-5 * model(ids).abs().max()
+    assert head._packed is not None
+
+
+def test_what_cannot_be_packed_gets_a_clear_error(tiny):
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        prepack(prepack(tiny))
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        prepack(mf.quantize(tiny, "int8"))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        prepack(mf.quantize(tiny, "fp16"))
+    with pytest.raises(ValueError, match="batch_size"):
+        prepack(tiny, batch_size=0)
