@@ -10,6 +10,11 @@ import torch.nn.functional as F
 
 from minifer.serve import paged_attention as PA
 
+# the C++ kernel needs a compiler and ninja; without them the engine falls back (tested below)
+needs_build_tools = pytest.mark.skipif(PA.build_tools_problem() is not None,
+                                       reason=f"the paged kernel cannot be built here: "
+                                              f"{PA.build_tools_problem()}")
+
 
 def _case(B=6, n_head=4, n_kv_head=2, hd=16, block_size=4, num_blocks=40, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -37,6 +42,7 @@ def _sdpa_rows(q, k_pool, v_pool, table, lengths, scale):
     return torch.stack(out)
 
 
+@needs_build_tools
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_reference_and_kernel_equal_sdpa_over_each_rows_tokens(n_kv_head, block_size):
@@ -50,6 +56,7 @@ def test_reference_and_kernel_equal_sdpa_over_each_rows_tokens(n_kv_head, block_
     assert (got - ref).abs().max() <= 1e-5
 
 
+@needs_build_tools
 def test_the_kernel_follows_torchs_thread_count():
     case = _case(B=9, num_blocks=64)
     before = torch.get_num_threads()
@@ -63,6 +70,7 @@ def test_the_kernel_follows_torchs_thread_count():
     assert torch.equal(outs[0], outs[1])  # rows are independent: the split changes nothing
 
 
+@needs_build_tools
 def test_bad_inputs_get_clear_errors():
     q, k, v, table, lengths = _case()
     with pytest.raises(ValueError, match="inconsistent shapes"):
@@ -106,3 +114,12 @@ def test_other_dtypes_run_the_compiled_reference():
     got = kernel(q, k, v, table, lengths, 0.25)
     assert kernel.compile_error is None, kernel.compile_error
     assert (got - PA.paged_decode_attention(q, k, v, table, lengths, 0.25)).abs().max() <= 1e-12
+
+
+def test_an_engine_without_the_kernel_reads_whole_blocks(monkeypatch, tiny):
+    from minifer import LLMEngine
+
+    monkeypatch.setattr(PA.KERNEL, "available", lambda device, dtype: False)
+    assert LLMEngine(tiny, kv_read="kernel").runner.read == "blocks"
+    with pytest.raises(ValueError, match="read must be one of"):
+        LLMEngine(tiny, kv_read="pages")

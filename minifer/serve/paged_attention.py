@@ -101,13 +101,14 @@ class PagedDecodeKernel:
             if self._native is None:
                 self._native = False
                 try:
-                    from torch.utils.cpp_extension import load
-
                     isa, march = _isa()
                     version = re.sub(r"\W", "_", torch.__version__)
-                    load(name=f"minifer_paged_decode_{version}_{isa}", sources=[str(SOURCE)],
-                         extra_cflags=["-O3", "-fopenmp", *march], extra_ldflags=["-fopenmp"],
-                         is_python_module=False, verbose=False)
+                    try:
+                        _build(f"minifer_paged_decode_{version}_{isa}", march)
+                    except Exception:
+                        if not march:
+                            raise
+                        _build(f"minifer_paged_decode_{version}_base", [])  # an older compiler
                     self._native = hasattr(torch.ops.minifer_paged, "decode")
                 except Exception as exc:  # no compiler or ninja, a failed build: stay correct
                     self.error = _reason(exc)
@@ -156,6 +157,29 @@ def _check(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if not (q.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
         raise ValueError("paged decode: q and the pool must be float32")
     # lengths and block ids are checked by the kernel itself, before it reads the pool
+
+
+def _build(name: str, march: list[str]) -> None:
+    from torch.utils.cpp_extension import load
+
+    load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *march],
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+
+
+def build_tools_problem() -> str | None:
+    """Why the C++ kernel cannot be built here (None: a C++ compiler and ninja are present)."""
+    import os
+    import shutil
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} is not on PATH)"
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401  (the PyPI package puts the binary beside Python)
+        except ImportError:
+            return "no ninja (torch.utils.cpp_extension builds with it: pip install ninja)"
+    return None
 
 
 def _reason(exc: Exception) -> str:
