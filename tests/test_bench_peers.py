@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 
@@ -119,3 +120,23 @@ def test_minifer_runs_as_it_is_and_prepacked(tmp_path):
     if packed:
         names = [e.name for e in peers._engines(model, "bf16", 1, tmp_path, ())]
         assert names == ["minifer bf16", "minifer bf16 prepacked"]
+
+
+def test_the_timed_rounds_can_run_beside_busy_cores(monkeypatch):
+    loads = []
+
+    @contextlib.contextmanager
+    def fake_load(cores):
+        loads.append(cores)
+        yield
+
+    import minifer.bench.threads as threads_bench
+
+    monkeypatch.setattr(threads_bench, "background_load", fake_load)
+    monkeypatch.setattr(peers, "peer_problems", lambda: {"ctranslate2": None, "openvino": None})
+    monkeypatch.setattr(peers, "peers_problem", lambda: None)
+    monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen:
+                        [peers.MiniferEngine(model), _Echo("ctranslate2")])
+    rows = peers.run(precisions=("fp32",), batches=(1, 2), prompt_len=4, new_tokens=3,
+                     rounds=2, model=lively_model("tiny"), busy_cores=1)
+    assert len(rows) == 2 and loads == [1, 1]  # one background load per batch's timed rounds

@@ -383,13 +383,18 @@ def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder
 def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
         batches: tuple[int, ...] = (1, 16), prompt_len: int = 32, new_tokens: int = 32,
         rounds: int = 3, threads: int | None = None, seed: int = 0,
-        model: GPT | None = None, peers: tuple[str, ...] | None = None) -> list[PeerRow]:
+        model: GPT | None = None, peers: tuple[str, ...] | None = None,
+        busy_cores: int = 0) -> list[PeerRow]:
     """Every precision × batch: agreement with minifer's greedy tokens and decode tokens/s of
     each engine, the engines alternating within every round (one warm-up call each first).
     The model is `preset` with random weights (timings do not depend on them), or `model`.
     `peers`: the peer engines to run (default: every one in `PEERS` that is installed); one
     that is not installed, or does not offer a precision on this CPU, is skipped with a
-    message on stderr. A precision that no peer offers is left out of the rows."""
+    message on stderr. A precision that no peer offers is left out of the rows.
+    `busy_cores`: processes that each keep a core busy while the timed rounds run (a
+    student's laptop with something else running; `threads.background_load`)."""
+    from .threads import background_load
+
     if problem := peers_problem():
         raise RuntimeError(f"python -m minifer.bench peers: {problem}")
     problems = peer_problems()
@@ -418,10 +423,11 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
                 agree = {k: agreement(first, v) for k, v in outs.items() if k != engines[0].name}
                 ones: dict[str, list[float]] = {e.name: [] for e in engines}
                 alls: dict[str, list[float]] = {e.name: [] for e in engines}
-                for _ in range(rounds):
-                    for e in engines:
-                        ones[e.name].append(timed(e, prompts, 1))
-                        alls[e.name].append(timed(e, prompts, new_tokens))
+                with background_load(busy_cores):
+                    for _ in range(rounds):
+                        for e in engines:
+                            ones[e.name].append(timed(e, prompts, 1))
+                            alls[e.name].append(timed(e, prompts, new_tokens))
                 rows.append(PeerRow(
                     precision, batch,
                     {k: decode_rate(batch, new_tokens, statistics.median(ones[k]),

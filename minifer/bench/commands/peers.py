@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds in which the engines alternate (default 3; --full: 5)")
     add_machine_options(parser, device=False)
+    parser.add_argument("--busy-cores", type=int, default=0, metavar="N",
+                        help="keep N cores busy with another process while the rounds are "
+                             "timed (default 0: a quiet machine)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the rows as JSON to PATH")
 
@@ -52,18 +55,21 @@ def run_command(args: argparse.Namespace) -> int:
     load = loadavg()
     print(f"{args.preset} (random weights), prompt {args.prompt_len} + {args.new_tokens} new "
           f"tokens, greedy, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"load average {load}")
+          f"load average {load}"
+          + (f"; {args.busy_cores} core(s) kept busy by another process while timing"
+             if args.busy_cores else ""))
     print("peers: " + "; ".join(versions.values()))
     batches = args.batches or ([1, 16, 64] if args.full else [1, 16])
     rounds = args.rounds or (5 if args.full else 3)
     rows = run(args.preset, tuple(args.precisions), tuple(batches), args.prompt_len,
                args.new_tokens, rounds, threads=torch.get_num_threads(),
-               peers=tuple(args.peers) if args.peers else None)
+               peers=tuple(args.peers) if args.peers else None, busy_cores=args.busy_cores)
     print(format_report(rows))
     print(f"load average after: {loadavg()}")
     if args.json:
         out = {"command": "python -m minifer.bench " + " ".join(sys.argv[1:]),
                "machine": machine_info(), "peers": versions, "loadavg_before": load, "loadavg_after": loadavg(),
+               "busy_cores": args.busy_cores,
                "rows": [{"precision": r.precision, "batch": r.batch,
                          "tokens_per_s": r.tokens_per_s, "spread": r.spread,
                          "agreement": r.agreement, "ratio": r.ratio} for r in rows]}
