@@ -130,9 +130,9 @@ def test_the_timed_rounds_can_run_beside_busy_cores(monkeypatch):
         loads.append(cores)
         yield
 
-    import minifer.bench.threads as threads_bench
+    import minifer.bench.common as common
 
-    monkeypatch.setattr(threads_bench, "background_load", fake_load)
+    monkeypatch.setattr(common, "background_load", fake_load)
     monkeypatch.setattr(peers, "peer_problems", lambda: {"ctranslate2": None, "openvino": None})
     monkeypatch.setattr(peers, "peers_problem", lambda: None)
     monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen:

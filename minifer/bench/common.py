@@ -8,10 +8,16 @@ from `random_ids`: seeded, since a step's time does not depend on which ids it r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import subprocess
+import sys
+from collections.abc import Iterator
 
 import torch
+
+from ..checks import check_int
 
 __all__ = ["random_ids", "busy_warning", "loadavg", "machine_info"]
 
@@ -62,3 +68,19 @@ def machine_info() -> dict:
         pass
     return {"cpu": model, "cpus": os.cpu_count(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "python": platform.python_version()}
+
+
+@contextlib.contextmanager
+def background_load(cores: int, max_s: float = 600.0) -> Iterator[None]:
+    """`cores` processes that each keep one core busy while the block runs (each also stops by
+    itself after `max_s` seconds, so none outlives a crashed benchmark for long)."""
+    check_int("cores", cores, 0)
+    spin = f"import time\nend = time.monotonic() + {max_s}\nwhile time.monotonic() < end: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(cores)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()

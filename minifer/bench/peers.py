@@ -392,8 +392,8 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
     that is not installed, or does not offer a precision on this CPU, is skipped with a
     message on stderr. A precision that no peer offers is left out of the rows.
     `busy_cores`: processes that each keep a core busy while the timed rounds run (a
-    student's laptop with something else running; `threads.background_load`)."""
-    from .threads import background_load
+    student's laptop with something else running; `common.background_load`)."""
+    from .common import background_load
 
     if problem := peers_problem():
         raise RuntimeError(f"python -m minifer.bench peers: {problem}")

@@ -17,16 +17,15 @@ in the same run.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..checks import check_int
+from .common import background_load  # noqa: F401  (re-exported: bench.threads.background_load)
 
 __all__ = ["Setting", "default_settings", "background_load", "trial", "ThreadsRow", "run",
            "format_report"]
@@ -50,22 +49,6 @@ def default_settings(cpus: int | None = None) -> list[Setting]:
     cpus = cpus or os.cpu_count() or 1
     counts: list[int | str] = sorted({1, cpus}) + ["auto"]
     return [Setting(n, wait) for n in counts for wait in (None, "passive")]
-
-
-@contextlib.contextmanager
-def background_load(cores: int, max_s: float = 600.0) -> Iterator[None]:
-    """`cores` processes that each keep one core busy while the block runs (each also stops by
-    itself after `max_s` seconds, so none outlives a crashed benchmark for long)."""
-    check_int("cores", cores, 0)
-    spin = f"import time\nend = time.monotonic() + {max_s}\nwhile time.monotonic() < end: pass"
-    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(cores)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
 
 
 _TRIAL = """
