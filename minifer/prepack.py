@@ -48,6 +48,14 @@ def prepack_problem() -> str | None:
     return None
 
 
+def _layer_problem(w: torch.Tensor) -> str | None:
+    """Why a linear layer with weight `w` cannot be packed (None: it can)."""
+    if w.device.type != "cpu" or w.dtype not in DTYPES:
+        return (f"prepacked linears run on the CPU in float32 or bfloat16; the layer is "
+                f"{w.dtype} on {w.device}")
+    return None
+
+
 class PackedLinear(nn.Linear):
     """An `nn.Linear` that multiplies by its weight prepacked for oneDNN (see the module doc).
 
@@ -63,10 +71,8 @@ class PackedLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, batch_size: int = 1) -> PackedLinear:
         """A packed layer sharing `linear`'s parameters (a tied weight stays tied)."""
-        w = linear.weight
-        if w.device.type != "cpu" or w.dtype not in DTYPES:
-            raise ValueError(f"prepacked linears run on the CPU in float32 or bfloat16; this "
-                             f"layer is {w.dtype} on {w.device}")
+        if (problem := _layer_problem(linear.weight)) is not None:
+            raise ValueError(problem)
         self = cls(linear.in_features, linear.out_features, linear.bias is not None,
                    batch_size=batch_size, device="meta")
         self.weight, self.bias = linear.weight, linear.bias
@@ -113,11 +119,9 @@ def prepack(model: nn.Module, *, batch_size: int = 1) -> nn.Module:
     if not linears:
         raise ValueError("prepack: the model has no nn.Linear layers (already packed, or "
                          "quantized to int8/int4, whose layers have their own kernels)")
-    for m in linears:
-        if m.weight.device.type != "cpu" or m.weight.dtype not in DTYPES:
-            raise ValueError(f"prepack: prepacked linears run on the CPU in float32 or "
-                             f"bfloat16; the model has a {m.weight.dtype} layer on "
-                             f"{m.weight.device}")
+    for m in linears:  # every layer checked before anything is copied
+        if (problem := _layer_problem(m.weight)) is not None:
+            raise ValueError(f"prepack: {problem}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"prepack: batch_size must be an integer >= 1, got {batch_size!r}")
     new = copy.deepcopy(model)

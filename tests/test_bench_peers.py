@@ -140,3 +140,11 @@ def test_the_timed_rounds_can_run_beside_busy_cores(monkeypatch):
     rows = peers.run(precisions=("fp32",), batches=(1, 2), prompt_len=4, new_tokens=3,
                      rounds=2, model=lively_model("tiny"), busy_cores=1)
     assert len(rows) == 2 and loads == [1, 1]  # one background load per batch's timed rounds
+
+
+def test_without_onednn_fp32_and_bf16_still_run_minifer_unpacked(monkeypatch, tmp_path):
+    P = importlib.import_module("minifer.prepack")  # the module (minifer.prepack is the function)
+    monkeypatch.setattr(P, "prepack_problem", lambda: "no oneDNN here")
+    model = lively_model("tiny")
+    assert [e.name for e in peers._engines(model, "fp32", 1, tmp_path, ())] == ["minifer"]
+    assert [e.name for e in peers._engines(model, "bf16", 1, tmp_path, ())] == ["minifer bf16"]

@@ -366,12 +366,11 @@ def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if precision == "fp32":
-            ours = [MiniferEngine(model)]
-        elif precision == "bf16":
-            ours = [MiniferEngine(quantize(model, "bf16"), "minifer bf16")]
-        if precision in ("fp32", "bf16") and prepack_problem() is None:
-            ours.append(MiniferEngine(prepack(ours[0].model), f"{ours[0].name} prepacked"))
+        if precision in ("fp32", "bf16"):
+            ours = [MiniferEngine(model) if precision == "fp32"
+                    else MiniferEngine(quantize(model, "bf16"), "minifer bf16")]
+            if prepack_problem() is None:
+                ours.append(MiniferEngine(prepack(ours[0].model), f"{ours[0].name} prepacked"))
         else:
             ours = [MiniferEngine(quantize(model, "int8"), "minifer int8 weight-only")]
             if integer_problem() is None:

@@ -25,10 +25,16 @@ from ..checks import check_int
 from ..config import kv_token_bytes
 from .paged_attention import KERNEL
 
-__all__ = ["PagedKVPool", "PackedBatch", "PagedBatch", "DecodeWorkspace", "READS"]
+__all__ = ["PagedKVPool", "PackedBatch", "PagedBatch", "DecodeWorkspace", "READS", "check_read"]
 
 READS = ("blocks", "slots", "kernel")  # how PackedBatch reads K/V (see its docstring)
 GROUP_COST = 128  # padded tokens one more decode attention call is worth (see `_group_rows`)
+
+
+def check_read(read: str) -> None:
+    """A ValueError unless `read` is one of `READS`."""
+    if read not in READS:
+        raise ValueError(f"read must be one of {READS}, got {read!r}")
 
 
 class PagedKVPool:
@@ -315,8 +321,7 @@ class PackedBatch:
                  context: Sequence[int], num_new: Sequence[int],
                  logits_rows: Sequence[int] | None = None, read: str = "blocks",
                  group_cost: int = GROUP_COST) -> None:
-        if read not in READS:
-            raise ValueError(f"read must be one of {READS}, got {read!r}")
+        check_read(read)
         if not (len(tables) == len(context) == len(num_new)) or not tables:
             raise ValueError("tables, context and num_new must be non-empty and of equal length")
         if any(n < 1 for n in num_new):
@@ -348,10 +353,10 @@ class PackedBatch:
         self._groups = []  # (its rows, None: all; how many; gather; padded length; mask)
         self._kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
         unit = 1 if read == "slots" else bs  # tokens per index
+        lengths = [c + 1 for c in context[:singles]]  # each decode row's tokens, its new one too
         if singles and read == "kernel":
             # the block table and lengths of the decode rows, padded to >= 2 rows and blocks
             # (`PagedDecodeKernel`): a padding row attends to one token, a padding block is masked
-            lengths = [c + 1 for c in context[:singles]]
             M = max(2, -(-max(lengths) // bs))
             rows_t = [_read_index(pool, t, L, M, "blocks") for t, L in zip(tables, lengths)]
             if singles == 1:
@@ -359,7 +364,6 @@ class PackedBatch:
             self._kernel_args = (torch.tensor(rows_t, dtype=torch.long, device=dev),
                                  torch.tensor(lengths, dtype=torch.long, device=dev))
         elif singles:
-            lengths = [c + 1 for c in context[:singles]]
             groups = _group_rows(lengths, unit, group_cost) if read == "blocks" else [
                 list(range(singles))]
             for rows_g in groups:

@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..sampling import mask_padded_vocab, sample
-from .kv_pool import GROUP_COST, READS, PackedBatch, PagedKVPool
+from .kv_pool import GROUP_COST, PackedBatch, PagedKVPool, check_read
 from .options import ban_early_eos, record_logprobs
 from .paged_attention import KERNEL
 from .request import Request
@@ -42,8 +42,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, pool: PagedKVPool,
                  device: torch.device, read: str = "blocks") -> None:
-        if read not in READS:
-            raise ValueError(f"read must be one of {READS}, got {read!r}")
+        check_read(read)
         if read == "kernel" and not KERNEL.available(torch.device(device), pool.dtype):
             read = "blocks"  # KERNEL has warned, naming why
         self.model, self.pool, self.device = model, pool, device

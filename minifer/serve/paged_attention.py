@@ -97,6 +97,8 @@ class PagedDecodeKernel:
 
     def native(self) -> bool:
         """Build (or load the cached build of) the C++ kernel; whether it is usable."""
+        if self._native is not None:  # decided: every later call (one per layer) skips the lock
+            return self._native
         with self._lock:
             if self._native is None:
                 self._native = False
