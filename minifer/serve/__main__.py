@@ -25,6 +25,7 @@ API_KEY_ENV = "MINIFER_API_KEY"
 def build_parser() -> argparse.ArgumentParser:
     from .api import MAX_CONNECTIONS, MAX_HEADER_BYTES, READ_TIMEOUT_S, SCHEDULING_POLICIES
     from .async_engine import DEFAULT_MAX_WAITING
+    from .engine_process import ENGINES
     from .kv_pool import READS
 
     p = argparse.ArgumentParser(prog="python -m minifer.serve", description=__doc__,
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_threads, default="auto",
                    help="torch CPU threads for the engine's steps, or 'auto' (the default): "
                         "the cores other programs leave free, followed as they change")
+    p.add_argument("--engine-in", choices=ENGINES, default="process",
+                   help="where the engine steps: 'process' (default: a process of its own, "
+                        "the weights shared with it; a thread where it cannot start) or "
+                        "'thread' (a thread of the server's process)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -102,7 +107,7 @@ def server_options(args: argparse.Namespace) -> dict:
                 api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                 allowed_hosts=hosts, scheduling_policy=args.scheduling_policy,
                 read_timeout_s=args.read_timeout, max_header_bytes=args.max_header_bytes,
-                threads=args.threads)
+                threads=args.threads, engine_in=args.engine_in)
 
 
 def load_model(name: str, device=None):

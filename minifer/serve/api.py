@@ -48,6 +48,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .async_engine import DEFAULT_MAX_WAITING, AsyncEngine, RequestHandle, engine_max_model_len
+from .engine_process import ENGINES, EngineProcess
 from .errors import APIError
 from .guard import (
     LOOPBACK_HOSTS,
@@ -76,7 +77,7 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
                scheduling_policy: str = "fcfs", read_timeout_s: float = READ_TIMEOUT_S,
                max_body_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES,
-               threads: int | str | None = None):
+               threads: int | str | None = None, engine_in: str = "thread"):
     """A FastAPI app serving `engine` (an `LLMEngine`) as model `model_name`.
 
     Limits (claim MET-5): `max_model_len` (prompt + max_tokens - 1; default: what the engine can
@@ -88,8 +89,10 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     refuses a non-zero ``priority``, ``"priority"`` passes it to the engine. `model_root`: what
     ``/v1/models`` reports as the model's source (default: `model_name`). `threads`: torch's
     CPU threads for the engine's steps (`AsyncEngine`: None, a number, or ``"auto"``, which
-    follows the cores other programs leave free). The engine thread starts and stops with the
-    app (its lifespan).
+    follows the cores other programs leave free). `engine_in`: where the engine steps,
+    ``"thread"`` (`AsyncEngine`, a thread of this process) or ``"process"`` (`EngineProcess`,
+    a process of its own, built from `engine`'s model and options, or in a thread after a
+    warning where that process cannot start). It starts and stops with the app (its lifespan).
     """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -106,6 +109,8 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
             or not 1 <= max_model_len <= ceiling:
         raise ValueError(f"max_model_len must be an integer in [1, {ceiling}] (the most this "
                          f"engine can hold), got {max_model_len!r}")
+    if engine_in not in ENGINES:
+        raise ValueError(f"engine_in must be one of {ENGINES}, got {engine_in!r}")
     if scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
                          f"{scheduling_policy!r}")
@@ -132,7 +137,10 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                        max_model_len=limits.max_model_len, permission=[S.ModelPermission(
                            id=f"modelperm-{model_name}", created=created)])
 
-    aengine = AsyncEngine(engine, max_waiting=max_waiting, threads=threads)
+    if engine_in == "process":
+        aengine = EngineProcess(engine, max_waiting=max_waiting, threads=threads, fallback=True)
+    else:
+        aengine = AsyncEngine(engine, max_waiting=max_waiting, threads=threads)
     metrics = ServerMetrics(aengine)
     aengine.on_finish = metrics.on_finish
 
@@ -422,7 +430,7 @@ def _free_socket(host: str, port: int) -> socket.socket:
 
 _APP_OPTIONS = ("model_root", "max_model_len", "max_tokens", "request_timeout_s", "max_waiting",
                 "api_key", "allowed_hosts", "scheduling_policy", "read_timeout_s",
-                "max_body_bytes", "max_header_bytes", "threads")
+                "max_body_bytes", "max_header_bytes", "threads", "engine_in")
 
 
 @contextlib.contextmanager

@@ -41,7 +41,9 @@ from ..threads import ThreadGovernor, apply_threads
 from .errors import APIError
 
 __all__ = ["AsyncEngine", "RequestHandle", "engine_stats", "engine_max_model_len",
-           "DEFAULT_MAX_WAITING", "RETRY_AFTER_S"]
+           "check_loop_options", "add_failure", "score_prompt", "quietly", "settle",
+           "DEFAULT_MAX_WAITING",
+           "RETRY_AFTER_S"]
 
 log = logging.getLogger("minifer.serve")
 
@@ -114,10 +116,7 @@ class AsyncEngine:
                  on_finish: Callable[[Any], None] | None = None,
                  on_step: Callable[[], None] | None = None,
                  threads: int | str | None = None) -> None:
-        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
-            raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
-        if threads not in (None, "auto"):
-            check_int("threads", threads, 1)
+        check_loop_options(max_waiting, threads)
         self.threads = threads
         self.governor: ThreadGovernor | None = None
         self.threads_in_force: int | None = None  # torch threads of the engine thread
@@ -241,34 +240,17 @@ class AsyncEngine:
             self.engine.add_request(prompt, params, request_id=rid, priority=priority, **options)
             if num_prompt_lp is not None:
                 try:
-                    handle.prompt_logprobs = self._score_prompt(prompt, num_prompt_lp)
+                    handle.prompt_logprobs = score_prompt(self.engine, prompt, num_prompt_lp)
                 except Exception:
                     self.engine.abort(rid)
                     raise RuntimeError("scoring the prompt failed") from None
         except Exception as err:  # ValueError/TypeError: the engine says it can never run
             with self._cv:
                 self._unstarted.discard(rid)
-            rejected = isinstance(err, (ValueError, TypeError))
-            if not rejected:
-                log.error("add_request failed\n%s", traceback.format_exc())
-            loop.call_soon_threadsafe(_settle, accepted, APIError(
-                400, str(err), param="prompt", code="request_rejected") if rejected else
-                APIError(500, f"the engine failed to add the request: {type(err).__name__}: "
-                         f"{err}", type="server_error", code="engine_error"))
+            loop.call_soon_threadsafe(settle, accepted, add_failure(err))
             return
         self._handles[rid] = (loop, handle)
-        loop.call_soon_threadsafe(_settle, accepted, None)
-
-    def _score_prompt(self, prompt: list[int], num_top: int) -> list:
-        from .logprobs import prompt_logprobs
-
-        engine = self.engine
-        tok = getattr(engine, "tokenizer", None)
-        vocab = engine.model.config.vocab_size
-        if tok is not None:
-            vocab = min(vocab, tok.vocab_size)
-        return prompt_logprobs(engine.model, prompt, num_top, vocab,
-                               getattr(engine, "device", None))
+        loop.call_soon_threadsafe(settle, accepted, None)
 
     def _step(self) -> None:
         try:
@@ -285,10 +267,10 @@ class AsyncEngine:
         self.num_steps += 1
         for out in outputs:
             if out.finished and self.on_finish is not None:
-                _quietly(self.on_finish, out)
+                quietly(self.on_finish, out)
             self._deliver(out.request_id, out)
         if self.on_step is not None:
-            _quietly(self.on_step)
+            quietly(self.on_step)
 
     def _deliver(self, rid: str, item) -> None:
         with self._cv:
@@ -297,7 +279,7 @@ class AsyncEngine:
         if entry is None:
             return  # aborted by its handler meanwhile
         if isinstance(item, BaseException) or item.finished:
-            del self._handles[rid]
+            self._handles.pop(rid, None)
         loop, handle = entry
         try:
             loop.call_soon_threadsafe(handle.queue.put_nowait, item)
@@ -305,7 +287,36 @@ class AsyncEngine:
             self._handles.pop(rid, None)
 
 
-def _quietly(fn: Callable, *args) -> None:
+def check_loop_options(max_waiting: int, threads: int | str | None) -> None:
+    """`max_waiting` a positive integer; `threads` None, ``"auto"`` or a positive integer."""
+    if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
+        raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
+    if threads not in (None, "auto"):
+        check_int("threads", threads, 1)
+
+
+def add_failure(err: Exception) -> APIError:
+    """What a client hears when `add_request` raised: a ValueError or TypeError means the
+    engine says the request can never run (400); anything else is the engine's fault (500)."""
+    if isinstance(err, (ValueError, TypeError)):
+        return APIError(400, str(err), param="prompt", code="request_rejected")
+    log.error("add_request failed\n%s", "".join(traceback.format_exception(err)))
+    return APIError(500, f"the engine failed to add the request: {type(err).__name__}: {err}",
+                    type="server_error", code="engine_error")
+
+
+def score_prompt(engine: Any, prompt: list[int], num_top: int) -> list:
+    """The prompt's logprobs with `num_top` alternatives per token (one forward pass)."""
+    from .logprobs import prompt_logprobs
+
+    tok = getattr(engine, "tokenizer", None)
+    vocab = engine.model.config.vocab_size
+    if tok is not None:
+        vocab = min(vocab, tok.vocab_size)
+    return prompt_logprobs(engine.model, prompt, num_top, vocab, getattr(engine, "device", None))
+
+
+def quietly(fn: Callable, *args) -> None:
     """Run a metrics callback; a bug there is logged, never allowed to stop the engine loop."""
     try:
         fn(*args)
@@ -313,7 +324,8 @@ def _quietly(fn: Callable, *args) -> None:
         log.error("callback %r failed\n%s", fn, traceback.format_exc())
 
 
-def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
+def settle(fut: asyncio.Future, err: BaseException | None) -> None:
+    """Resolve `fut` with None or `err` unless it is already done (cancelled: the client left)."""
     if fut.done():
         return
     if err is None:

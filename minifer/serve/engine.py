@@ -128,6 +128,12 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    enable_chunked_prefill=enable_chunked_prefill, aging=aging)
         self.runner = ModelRunner(model, self.pool, self.device, read=kv_read)
+        self.options = dict(  # what rebuilds this engine elsewhere (`engine_process`)
+            policy=policy, block_size=block_size, num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching, device=str(self.device), aging=aging,
+            sample_vocab=sample_vocab, kv_read=kv_read)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._order = itertools.count()
         self.last_step: StepStats | None = None

@@ -1,0 +1,195 @@
+"""The server with its engine in a process of its own (`EngineProcess`, ``--engine-in
+process``): the same answers as the engine in a thread, the same limits and errors, nothing
+left in flight after aborts, a clear error when the process cannot start, and 503s (not a hang)
+when it dies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from conftest import lively_model
+from process_double import FileSteeredGPT
+
+import minifer as mf
+from minifer.sampling import SamplingParams
+from minifer.serve.api import create_app, running_server
+from minifer.serve.engine import LLMEngine
+from minifer.serve.engine_process import EngineProcess
+from minifer.serve.errors import APIError
+
+PROMPTS = ["Hello", "To be, or not", "a", "The quick brown fox", "0123456789", "zz top"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lively_model("tiny")
+
+
+def _stream(url: str, prompt: str, **extra) -> tuple[str, dict | None]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "stream": True, "ignore_eos": True, **extra}
+    text, first = "", None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                first = first or choice
+                text += choice["text"]
+    return text, first
+
+
+def _all_streams(url: str) -> list:
+    async def one(prompt):
+        return await asyncio.to_thread(_stream, url, prompt)
+
+    async def everyone():
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    return asyncio.run(everyone())
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def _until_idle(url: str) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (_metric(url, "minifer_kv_blocks_used")
+                                           or _metric(url, "minifer_num_requests_running")):
+        time.sleep(0.05)
+    assert _metric(url, "minifer_kv_blocks_used") == 0
+    assert _metric(url, "minifer_num_requests_running") == 0
+
+
+def test_the_engine_in_a_process_streams_what_the_engine_in_a_thread_streams(model):
+    tok = mf.ByteTokenizer()
+    seen = {}
+    for where in ("thread", "process"):
+        with running_server(model, tok, model_name="tiny", max_num_seqs=4, engine_in=where,
+                            kv_read="kernel") as url:
+            seen[where] = _all_streams(url)
+            seen[where].append(_stream(url, "Echo me", echo=True, logprobs=2))
+            _until_idle(url)
+    assert seen["process"] == seen["thread"]
+    texts = [text for text, _ in seen["process"]]
+    assert len(set(texts)) > 3 and all(len(t) > 0 for t in texts)  # varied, not trivial
+    assert seen["process"][-1][1]["logprobs"]["tokens"][:2] == ["E", "c"]  # the prompt, scored
+
+
+def test_limits_timeouts_aborts_and_a_failed_step_are_contained(model, tmp_path):
+    gate, fail = tmp_path / "gate", tmp_path / "fail"
+    steered = FileSteeredGPT.like(model, str(gate), str(fail))
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}
+    gate.touch()  # every forward call waits: the engine is stuck in its step
+    with running_server(steered, mf.ByteTokenizer(), model_name="tiny", max_num_seqs=2,
+                        max_waiting=2, request_timeout_s=1.0, engine_in="process") as url:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                first = [asyncio.create_task(http.post("/v1/completions", json=body))
+                         for _ in range(2)]
+                await asyncio.sleep(0.5)
+                third = await http.post("/v1/completions", json=body)
+                return third, await asyncio.gather(*first)
+
+        third, first = asyncio.run(scenario())
+        assert third.status_code == 429 and third.json()["error"]["code"] == "queue_full"
+        assert [r.status_code for r in first] == [408, 408]
+        gate.unlink()
+        _until_idle(url)  # the aborts reached the engine process and freed the blocks
+        fail.touch()  # the next step raises there: its request gets a 500, the engine lives on
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        assert "injected failure" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": "x" * 5000}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert httpx.get(f"{url}/health").status_code == 200
+        _until_idle(url)
+
+
+def test_an_abort_frees_the_request_in_the_engine_process(model):
+    engine = LLMEngine(model, mf.ByteTokenizer(), max_num_seqs=2)
+    loop_engine = EngineProcess(engine)
+    loop_engine.start()
+    try:
+        async def scenario():
+            params = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+            handle = await loop_engine.add(list(b"Hello"), params)
+            assert len((await handle.next(30)).token_ids) == 1
+            await handle.next(30)
+            loop_engine.abort(handle.request_id)
+
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 10
+        while loop_engine.stats.get("blocks_used") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert loop_engine.stats["blocks_used"] == 0 and loop_engine.stats["running"] == 0
+        assert loop_engine.num_waiting == 0 and loop_engine.alive
+    finally:
+        loop_engine.stop()
+    assert not loop_engine.alive
+
+
+def test_a_dead_engine_process_fails_requests_with_503_and_health_says_so(model, tmp_path):
+    gate = tmp_path / "gate"
+    steered = FileSteeredGPT.like(model, str(gate), str(tmp_path / "never"))
+    loop_engine = EngineProcess(LLMEngine(steered, mf.ByteTokenizer()))
+    loop_engine.start()
+    try:
+        async def scenario():
+            gate.touch()
+            handle = await loop_engine.add(list(b"Hi"), SamplingParams(max_new_tokens=4))
+            loop_engine._process.kill()
+            with pytest.raises(APIError) as err:
+                await handle.next(30)
+            assert err.value.status == 503 and err.value.code == "engine_stopped"
+            time.sleep(0.2)
+            assert not loop_engine.alive
+            with pytest.raises(APIError) as err:
+                await loop_engine.add(list(b"Hi"), SamplingParams(max_new_tokens=4))
+            assert err.value.status == 503
+
+        asyncio.run(scenario())
+    finally:
+        loop_engine.stop()
+
+
+def test_an_engine_process_that_cannot_start_says_why(model):
+    engine = LLMEngine(model, mf.ByteTokenizer())
+    engine.options["block_size"] = 0
+    with pytest.raises(RuntimeError, match="failed to start: ValueError: block_size"):
+        EngineProcess(engine, start_timeout_s=120).start()
+
+
+def test_engine_in_is_checked_and_on_the_command_line(model):
+    from minifer.serve.__main__ import build_parser, server_options
+
+    with pytest.raises(ValueError, match="engine_in must be one of"):
+        create_app(LLMEngine(model, mf.ByteTokenizer()), engine_in="fork")
+    args = build_parser().parse_args(["--engine-in", "process"])
+    assert server_options(args)["engine_in"] == "process"
+    assert server_options(build_parser().parse_args([]))["engine_in"] == "process"
+
+
+def test_a_server_whose_engine_process_cannot_start_steps_in_a_thread(model, caplog):
+    engine = LLMEngine(model, mf.ByteTokenizer())
+    engine.options["block_size"] = 0  # the engine process fails; this engine still works
+    with caplog.at_level("WARNING", logger="minifer.serve"), \
+            running_server(engine=engine, model_name="tiny", engine_in="process") as url:
+        text, _ = _stream(url, "Hello")
+        assert httpx.get(f"{url}/health").status_code == 200
+        _until_idle(url)
+    assert any("failed to start: ValueError: block_size" in r.getMessage()
+               and "in a thread" in r.getMessage() for r in caplog.records)
+    with running_server(engine=LLMEngine(model, mf.ByteTokenizer()), model_name="tiny",
+                        engine_in="thread") as url:
+        assert _stream(url, "Hello")[0] == text
