@@ -9,10 +9,16 @@ from minifer.bench.serve_load import make_requests
 def test_a_run_starts_a_server_sends_the_load_and_stops_it():
     requests = make_requests(3, float("inf"), prompt_len=(8, 8), output_len=(4, 4),
                              prompt_format="ids")
-    summary = H.serve_once(H.Variant("one thread", threads=1), requests, max_num_seqs=4,
-                           warmup=1)
-    assert summary["completed"] == 3 and summary["failed"] == 0
-    assert summary["output_tokens"] == 12 and summary["output_throughput"] > 0
+    for where in ("thread", "process"):
+        summary = H.serve_once(H.Variant("one thread", threads=1, engine_in=where), requests,
+                               max_num_seqs=4, warmup=1)
+        assert summary["completed"] == 3 and summary["failed"] == 0
+        assert summary["output_tokens"] == 12 and summary["output_throughput"] > 0
+
+
+def test_a_checkout_whose_server_lacks_an_option_is_known():
+    assert H.server_takes(None, "--engine-in") and H.server_takes(None, "--threads")
+    assert not H.server_takes(None, "--no-such-option")
 
 
 def _summary(tput, ttft, tpot):

@@ -2,7 +2,7 @@
 --http``.
 
 Each run starts a fresh ``python -m minifer.serve`` process (one checkout or another, one
-``--threads`` setting or another), waits for ``/health``, sends a warm-up of 8 requests, then
+``--threads`` or ``--engine-in`` setting or another), waits for ``/health``, sends a warm-up of 8 requests, then
 the measured load with `serve_load.run_load` (streaming clients, greedy, ``ignore_eos``, token
 ids as prompts so every server sees the same tokens), and stops the server. The variants take
 turns within every round, on the quiet machine and beside a background load
@@ -28,17 +28,18 @@ from ..checks import check_int
 from .serve_load import make_requests, run_load
 from .threads import background_load
 
-__all__ = ["Variant", "HttpRow", "free_port", "checkout_root", "serve_once", "compare", "format_http"]
+__all__ = ["Variant", "HttpRow", "free_port", "checkout_root", "server_takes", "serve_once", "compare", "format_http"]
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A server to start: the checkout on ``PYTHONPATH`` (None: this one) and its ``--threads``
-    (None: torch's choice)."""
+    """A server to start: the checkout on ``PYTHONPATH`` (None: this one), its ``--threads``
+    (None: the server's default) and its ``--engine-in`` (None: the server's default)."""
 
     label: str
     root: str | None = None
     threads: int | str | None = None
+    engine_in: str | None = None
 
 
 @dataclass
@@ -92,6 +93,18 @@ def checkout_root(root: str) -> str:
     return root
 
 
+@functools.cache
+def server_takes(root: str | None, option: str) -> bool:
+    """Whether the ``python -m minifer.serve`` of checkout `root` (None: this one) has
+    `option` (an older checkout may not)."""
+    env = dict(os.environ)
+    if root is not None:
+        env["PYTHONPATH"] = checkout_root(root)
+    usage = subprocess.run([sys.executable, "-m", "minifer.serve", "--help"], env=env,
+                           cwd=root or None, capture_output=True, text=True).stdout
+    return option in usage
+
+
 def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
                max_num_seqs: int = 32, warmup: int = 8, timeout_s: float = 600.0) -> dict:
     """Start `variant`'s server, warm it up, run `requests` (``make_requests``'s tuples)
@@ -103,6 +116,8 @@ def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
            "--log-level", "warning"]
     if variant.threads is not None:
         cmd += ["--threads", str(variant.threads)]
+    if variant.engine_in is not None:
+        cmd += ["--engine-in", variant.engine_in]
     env = dict(os.environ)
     if variant.root is not None:
         env["PYTHONPATH"] = checkout_root(variant.root)

@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--server-threads", nargs="+", default=None, metavar="N|auto|default",
                       help="one variant per --threads value of the server; 'default' passes none "
                       "(the server's own default, auto) (default: default)")
+    http.add_argument("--server-engines", nargs="+", default=None,
+                      choices=("default", "thread", "process"),
+                      help="one variant per --engine-in of the server: the engine in a thread "
+                      "of the server's process or in a process of its own (default: the "
+                      "server's default; a checkout whose server has no --engine-in runs once)")
     http.add_argument("--rates", type=float, nargs="+", default=[float("inf")],
                       help="arrival rates, requests/s (default: inf)")
     http.add_argument("--busy-cores", type=int, nargs="+", default=[0],
@@ -115,17 +120,22 @@ def _run_offline(args: argparse.Namespace) -> int:
 
 def _run_http(args: argparse.Namespace) -> int:
     from ..common import loadavg, machine_info
-    from ..serve_http import Variant, compare, format_http
+    from ..serve_http import Variant, compare, format_http, server_takes
 
     roots = (dict(r.split("=", 1) if "=" in r else (r, r) for r in args.compare_roots)
              if args.compare_roots else {"minifer": None})
     threads = args.server_threads or ["default"]
     variants = []
     for label, root in roots.items():
+        engines = [None if e == "default" else e for e in args.server_engines or ["default"]]
+        if not server_takes(root, "--engine-in"):  # an older checkout: its own default only
+            engines = [None]
         for t in threads:
-            value = None if t == "default" else (t if t == "auto" else int(t))
-            name = label if len(threads) == 1 else f"{label} threads={t}"
-            variants.append(Variant(name, root, value))
+            for where in engines:
+                value = None if t == "default" else (t if t == "auto" else int(t))
+                name = label + (f" threads={t}" if len(threads) > 1 else "") \
+                    + (f" engine in {where or 'default'}" if len(engines) > 1 else "")
+                variants.append(Variant(name, root, value, where))
     model = (args.models or ["shakespeare"])[0]
     info, before = machine_info(), loadavg()
 
