@@ -265,6 +265,10 @@ class AsyncEngine:
                                             f"{err}", type="server_error", code="engine_error"))
             return
         self.num_steps += 1
+        self._deliver_step(outputs)
+
+    def _deliver_step(self, outputs) -> None:
+        """A step's outputs to their handles (and the metrics callbacks)."""
         for out in outputs:
             if out.finished and self.on_finish is not None:
                 quietly(self.on_finish, out)

@@ -36,7 +36,6 @@ from .async_engine import (
     AsyncEngine,
     add_failure,
     engine_stats,
-    quietly,
     score_prompt,
     settle,
 )
@@ -190,12 +189,7 @@ class EngineProcess(AsyncEngine):
             kind = msg[0]
             if kind == "outputs":
                 _, outputs, self.stats, self.num_steps, self.num_step_errors = msg
-                for out in outputs:
-                    if out.finished and self.on_finish is not None:
-                        quietly(self.on_finish, out)
-                    self._deliver(out.request_id, out)
-                if self.on_step is not None:
-                    quietly(self.on_step)
+                self._deliver_step(outputs)
             elif kind in ("accepted", "rejected"):
                 self._settle_add(*msg)
             elif kind == "failed":  # a step failed (or the engine stopped): these are aborted
