@@ -168,6 +168,9 @@ def test_an_engine_process_that_cannot_start_says_why(model):
     engine.options["block_size"] = 0
     with pytest.raises(RuntimeError, match="failed to start: ValueError: block_size"):
         EngineProcess(engine, start_timeout_s=120).start()
+    del engine.options  # an engine the process cannot rebuild (a stand-in, say)
+    with pytest.raises(RuntimeError, match="has no `options` to rebuild it"):
+        EngineProcess(engine).start()
 
 
 def test_engine_in_is_checked_and_on_the_command_line(model):

@@ -98,11 +98,15 @@ class EngineProcess(AsyncEngine):
     def _start_process(self) -> None:
         import torch.multiprocessing as tmp
 
+        e = self.engine
+        options = getattr(e, "options", None)
+        if not isinstance(options, dict):
+            raise RuntimeError(f"the engine process failed to start: a {type(e).__name__} has "
+                               f"no `options` to rebuild it from there (an LLMEngine has)")
         ctx = tmp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        e = self.engine
         self._process = ctx.Process(target=engine_main, name="minifer-engine", daemon=True,
-                                    args=(child, e.model, e.tokenizer, e.options, self.threads))
+                                    args=(child, e.model, e.tokenizer, options, self.threads))
         try:
             try:
                 self._process.start()  # pickles the arguments: the weights go to shared memory
