@@ -131,11 +131,17 @@ def test_front_checks_requests_before_starting_processes(tiny):
 def test_two_processes_match_generate_with_preemption_and_exact_bytes(tiny):
     prompts = _prompts()
     ref = _reference(tiny, prompts, GREEDY)
-    with DisaggregatedEngine(tiny, block_size=4, prefill_tokens=32, decode_blocks=22,
-                             decode_tokens=32, timeout_s=120) as eng:
-        outs = eng.generate(prompts, GREEDY)
-    rep = eng.report
-    assert [o.token_ids for o in outs] == ref
+    # Whether the decode worker runs short of blocks depends on how fast the prefilled requests
+    # reach it, which a busy machine changes (CI once saw a run without a preemption): every
+    # run must match generate; up to three runs for one that preempted.
+    for _ in range(3):
+        with DisaggregatedEngine(tiny, block_size=4, prefill_tokens=32, decode_blocks=22,
+                                 decode_tokens=32, timeout_s=120) as eng:
+            outs = eng.generate(prompts, GREEDY)
+        rep = eng.report
+        assert [o.token_ids for o in outs] == ref
+        if rep.decode["preemptions"] > 0:
+            break
     assert rep.decode["preemptions"] > 0 and sum(o.preemptions for o in outs) > 0
     bpt = rep.bytes_per_token
     assert bpt == eng.bytes_per_token == PagedKVPool.for_model(tiny, 1, 4).bytes_per_token
