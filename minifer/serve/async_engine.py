@@ -41,9 +41,8 @@ from ..threads import ThreadGovernor, apply_threads
 from .errors import APIError
 
 __all__ = ["AsyncEngine", "RequestHandle", "engine_stats", "engine_max_model_len",
-           "check_loop_options", "add_failure", "score_prompt", "quietly", "settle",
-           "DEFAULT_MAX_WAITING",
-           "RETRY_AFTER_S"]
+           "check_loop_options", "add_request", "add_failure", "step_failure", "score_prompt",
+           "quietly", "settle", "shutting_down", "DEFAULT_MAX_WAITING", "RETRY_AFTER_S"]
 
 log = logging.getLogger("minifer.serve")
 
@@ -226,7 +225,7 @@ class AsyncEngine:
             self.stats = engine_stats(engine)
         for rid in list(self._handles):  # shutting down: free everything still in flight
             engine.abort(rid)
-            self._deliver(rid, APIError(503, "the server is shutting down", type="server_error"))
+            self._deliver(rid, shutting_down())
         self.stats = engine_stats(engine)
 
     def _apply(self, cmd: tuple) -> None:
@@ -237,13 +236,8 @@ class AsyncEngine:
             return
         _, rid, prompt, params, priority, options, num_prompt_lp, loop, handle, accepted = cmd
         try:
-            self.engine.add_request(prompt, params, request_id=rid, priority=priority, **options)
-            if num_prompt_lp is not None:
-                try:
-                    handle.prompt_logprobs = score_prompt(self.engine, prompt, num_prompt_lp)
-                except Exception:
-                    self.engine.abort(rid)
-                    raise RuntimeError("scoring the prompt failed") from None
+            handle.prompt_logprobs = add_request(self.engine, rid, prompt, params, priority,
+                                                 options, num_prompt_lp)
         except Exception as err:  # ValueError/TypeError: the engine says it can never run
             with self._cv:
                 self._unstarted.discard(rid)
@@ -261,8 +255,7 @@ class AsyncEngine:
                       traceback.format_exc())
             for rid in list(self._handles):
                 self.engine.abort(rid)
-                self._deliver(rid, APIError(500, f"the engine failed: {type(err).__name__}: "
-                                            f"{err}", type="server_error", code="engine_error"))
+                self._deliver(rid, step_failure(err))
             return
         self.num_steps += 1
         self._deliver_step(outputs)
@@ -297,6 +290,31 @@ def check_loop_options(max_waiting: int, threads: int | str | None) -> None:
         raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
     if threads not in (None, "auto"):
         check_int("threads", threads, 1)
+
+
+def add_request(engine: Any, rid: str, prompt, params, priority: int, options: dict,
+                num_prompt_lp: int | None) -> list | None:
+    """`engine.add_request`, then the prompt's logprobs if asked for (None if not); a request
+    whose prompt cannot be scored is aborted again, with a RuntimeError."""
+    engine.add_request(prompt, params, request_id=rid, priority=priority, **options)
+    if num_prompt_lp is None:
+        return None
+    try:
+        return score_prompt(engine, prompt, num_prompt_lp)
+    except Exception:
+        engine.abort(rid)
+        raise RuntimeError("scoring the prompt failed") from None
+
+
+def step_failure(err: Exception) -> APIError:
+    """What the requests in flight hear when a step raised (they are aborted)."""
+    return APIError(500, f"the engine failed: {type(err).__name__}: {err}", type="server_error",
+                    code="engine_error")
+
+
+def shutting_down() -> APIError:
+    """What the requests still in flight hear when the server stops (they are aborted)."""
+    return APIError(503, "the server is shutting down", type="server_error")
 
 
 def add_failure(err: Exception) -> APIError:

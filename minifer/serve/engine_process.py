@@ -25,6 +25,7 @@ server decides when it stops) and exits when the server's end of the pipe closes
 
 from __future__ import annotations
 
+import copy
 import logging
 import signal
 import threading
@@ -35,9 +36,11 @@ from .async_engine import (
     DEFAULT_MAX_WAITING,
     AsyncEngine,
     add_failure,
+    add_request,
     engine_stats,
-    score_prompt,
     settle,
+    shutting_down,
+    step_failure,
 )
 from .errors import APIError
 
@@ -197,9 +200,9 @@ class EngineProcess(AsyncEngine):
             elif kind in ("accepted", "rejected"):
                 self._settle_add(*msg)
             elif kind == "failed":  # a step failed (or the engine stopped): these are aborted
-                _, rids, err_args, self.num_step_errors = msg
+                _, rids, err, self.num_step_errors = msg
                 for rid in rids:
-                    self._deliver(rid, APIError(*err_args[:2], **err_args[2]))
+                    self._deliver(rid, copy.copy(err))  # an exception of its own each
             elif kind == "stats":
                 self.stats = msg[1]
             elif kind == "threads":
@@ -223,7 +226,7 @@ class EngineProcess(AsyncEngine):
         else:
             with self._cv:
                 self._unstarted.discard(rid)
-            err = APIError(*detail[:2], **detail[2])
+            err = detail
         try:
             loop.call_soon_threadsafe(settle, accepted, err)
         except RuntimeError:  # its event loop is closed
@@ -242,13 +245,7 @@ class EngineProcess(AsyncEngine):
             except RuntimeError:
                 pass
         for rid in list(self._handles):
-            self._deliver(rid, err)
-
-
-def _error_args(err: APIError) -> tuple:
-    """An APIError as (status, message, keywords): plain data that pickles both ways."""
-    return (err.status, err.message, {"type": err.type, "param": err.param, "code": err.code,
-                                      "headers": err.headers})
+            self._deliver(rid, copy.copy(err))
 
 
 def engine_main(conn, model, tokenizer, options: dict, threads) -> None:
@@ -272,8 +269,7 @@ def engine_main(conn, model, tokenizer, options: dict, threads) -> None:
                 commands.append(conn.recv())
             for cmd in commands:
                 if cmd[0] == "stop":
-                    _abort_all(engine, conn, APIError(503, "the server is shutting down",
-                                                      type="server_error"), step_errors)
+                    _abort_all(engine, conn, shutting_down(), step_errors)
                     conn.send(("stopped",))
                     return
                 _apply(engine, conn, cmd)
@@ -288,9 +284,7 @@ def engine_main(conn, model, tokenizer, options: dict, threads) -> None:
                 step_errors += 1
                 log.error("engine step failed; aborting the requests in flight\n%s",
                           traceback.format_exc())
-                _abort_all(engine, conn, APIError(
-                    500, f"the engine failed: {type(err).__name__}: {err}",
-                    type="server_error", code="engine_error"), step_errors)
+                _abort_all(engine, conn, step_failure(err), step_errors)
                 continue
             steps += 1
             conn.send(("outputs", outputs, engine_stats(engine), steps, step_errors))
@@ -305,7 +299,7 @@ def _abort_all(engine, conn, err: APIError, step_errors: int) -> None:
     rids = list(engine.requests)
     for rid in rids:
         engine.abort(rid)
-    conn.send(("failed", rids, _error_args(err), step_errors))
+    conn.send(("failed", rids, err, step_errors))
 
 
 def _apply(engine, conn, cmd: tuple) -> None:
@@ -313,17 +307,9 @@ def _apply(engine, conn, cmd: tuple) -> None:
         if cmd[1] in engine.requests:
             engine.abort(cmd[1])
         return
-    _, rid, prompt, params, priority, options, num_prompt_lp = cmd
     try:
-        engine.add_request(prompt, params, request_id=rid, priority=priority, **options)
-        scored = None
-        if num_prompt_lp is not None:
-            try:
-                scored = score_prompt(engine, prompt, num_prompt_lp)
-            except Exception:
-                engine.abort(rid)
-                raise RuntimeError("scoring the prompt failed") from None
+        scored = add_request(engine, *cmd[1:])
     except Exception as err:
-        conn.send(("rejected", rid, _error_args(add_failure(err))))
+        conn.send(("rejected", cmd[1], add_failure(err)))
         return
-    conn.send(("accepted", rid, scored))
+    conn.send(("accepted", cmd[1], scored))

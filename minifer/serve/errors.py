@@ -21,6 +21,9 @@ class APIError(Exception):
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
         self.headers = dict(headers or {})
 
+    def __reduce__(self):  # pickles whole (the engine process sends these to the server)
+        return type(self), (self.status, self.message), self.__dict__
+
     def body(self) -> dict:
         return error_body(self.message, param=self.param, type=self.type, code=self.code)
 

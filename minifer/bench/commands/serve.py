@@ -131,8 +131,8 @@ def _run_http(args: argparse.Namespace) -> int:
         if not server_takes(root, "--engine-in"):  # an older checkout: its own default only
             engines = [None]
         for t in threads:
+            value = None if t == "default" else (t if t == "auto" else int(t))
             for where in engines:
-                value = None if t == "default" else (t if t == "auto" else int(t))
                 name = label + (f" threads={t}" if len(threads) > 1 else "") \
                     + (f" engine in {where or 'default'}" if len(engines) > 1 else "")
                 variants.append(Variant(name, root, value, where))
