@@ -16,6 +16,8 @@
 
 namespace {
 
+constexpr int64_t kAhead = 4;  // tokens between a prefetch and its use
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& block_table, const at::Tensor& lengths, double scale) {
   // shapes, dtypes and contiguity are checked by the Python caller (PagedDecodeKernel)
@@ -45,12 +47,27 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
       const int64_t L = len[b];
       const float* qb = qp + b * H * D;
       // token t = j * block_size + r sits in slot r of block table[b * M + j]: walk the table
-      // block by block (no division per token)
+      // block by block
       const int64_t* blocks = table + b * M;
+      const int64_t run = Hkv * D;  // one token's keys (or values), every head
+      // The pool comes from memory, not cache (a step reads every layer's pool and the weights
+      // in between), and a row's blocks lie anywhere: the hardware prefetcher, which follows
+      // one run and stops at page ends, leaves each new block's first reads waiting. So the
+      // key pass asks for the keys and values kAhead tokens on, the value pass for the values.
       auto for_each_token = [&](const float* pool, auto&& visit) {
         for (int64_t j = 0, t = 0; t < L; ++j) {
-          const float* base = pool + blocks[j] * block_size * Hkv * D;
-          for (int64_t r = 0; r < block_size && t < L; ++r, ++t) visit(t, base + r * Hkv * D);
+          const float* base = pool + blocks[j] * block_size * run;
+          for (int64_t r = 0; r < block_size && t < L; ++r, ++t) {
+            const int64_t ahead = t + kAhead;
+            if (ahead < L) {
+              const int64_t at =
+                  (blocks[ahead / block_size] * block_size + ahead % block_size) * run;
+              for (int64_t i = 0; i < run; i += 16) __builtin_prefetch(pool + at + i);  // a line
+              if (pool == kp)
+                for (int64_t i = 0; i < run; i += 16) __builtin_prefetch(vp + at + i, 0, 2);
+            }
+            visit(t, base + r * run);
+          }
         }
       };
       scores.resize(H * L);  // scores[head * L + t]
