@@ -11,9 +11,10 @@ bytes written as attention then reads. A paged-attention kernel (vLLM's, on GPUs
 block table inside its loops instead, so each cached key and value is read once, in place.
 `PagedDecodeKernel` runs one:
 
-- on CPU (float32), ``csrc/paged_decode.cpp``: ~40 lines of C++ doing exactly the reference's
-  math, rows x K/V heads split over torch's threads; built by `torch.utils.cpp_extension` the
-  first time it is needed (about 15 s; cached on disk for later processes);
+- on CPU (float32), ``csrc/paged_decode.cpp``: ~60 lines of C++ doing exactly the reference's
+  math, rows split over torch's threads, the next tokens' K/V prefetched from memory; built by
+  `torch.utils.cpp_extension` the first time it is needed (about 15 s; cached on disk for
+  later processes);
 - elsewhere (CUDA, other dtypes), the reference itself through `torch.compile`, which fuses
   the block lookup into the loads of the kernels it generates (Triton on CUDA).
 
