@@ -53,10 +53,11 @@ test: $(STAMP) lint
 	$(STRICT) $(BIN)/python -m $(PYTEST)
 
 # The notebooks as another CPU runs them: the kernels of an AVX2-only x86 CPU (ATen's vectorized
-# code, oneDNN and MKL capped at AVX2) and one thread. The low digits of fp32/bf16 results
-# change, as on another machine; the stored outputs must not. (ATEN_CPU_CAPABILITY=default, the
+# code, oneDNN, MKL and FBGEMM capped at AVX2, so W8A8 keeps to 7-bit activations) and one
+# thread. The low digits of fp32/bf16 results change, as on another machine; the stored outputs
+# must not. (ATEN_CPU_CAPABILITY=default, the
 # scalar fallback, changes them more but makes the quantized kernels ~50× slower.)
-OTHER_CPU ?= ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1
+OTHER_CPU ?= ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1
 
 test-kernels: PYTEST_ARGS = notebooks
 test-kernels: $(STAMP)

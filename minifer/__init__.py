@@ -13,7 +13,7 @@ from .generation import decode_step, generate, prefill, stream
 from .model import GPT
 from .prepack import prepack
 from .pretrained import load_pretrained
-from .quantization import model_bytes, quantize
+from .quantization import model_bytes, quantization_summary, quantize
 from .sampling import SamplingParams
 from .sequence import Completion, Sequence, TextStopper, TokenEvent
 from .speculative import PromptLookupDrafter, speculative_generate
@@ -43,6 +43,7 @@ __all__ = [
     "prefill",
     "prepack",
     "quantize",
+    "quantization_summary",
     "speculative_generate",
     "stream",
 ]

@@ -1,11 +1,13 @@
-"""Fewer bits per weight: bf16/fp16 copies and weight-only int8/int4 linear layers.
+"""Fewer bits per weight: bf16/fp16 copies, int8/int4 linear layers.
 
 A decode step reads every weight once to produce one token per sequence, so its time is mostly
 the time to move the weights (claim PD-9). Storing them in fewer bits moves fewer bytes.
 
 * ``"fp32"``, ``"bf16"``, ``"fp16"``: the whole model cast to that float type (QUANT-5).
-* ``"int8"``: weight-only, symmetric, one scale per output channel (row):
-  ``w[n, k] ≈ q[n, k] * scale[n]`` with ``q`` in [-127, 127] (QUANT-1).
+* ``"int8"``: symmetric, one scale per output channel (row):
+  ``w[n, k] ≈ q[n, k] * scale[n]`` with ``q`` in [-127, 127] (QUANT-1). Run weight-only, or
+  with the activations quantized too (``impl="integer"``); the default picks the faster of the
+  two for each layer shape on this machine (`int8_choice`).
 * ``"int4"``: weight-only, asymmetric, one scale and one zero per group of ``group_size`` inputs
   of a row: ``w ≈ (q - 8) * scale + zero`` with ``q`` in [0, 15], packed two per byte
   (the convention of torch's int4 kernels and gpt-fast).
@@ -31,10 +33,11 @@ Each quantized layer runs one of three paths, tested against each other:
   engine (fbgemm / oneDNN, `torch.backends.quantized`), the weight prepacked once for it. The
   weight-only kernels above do ``M × K × N`` multiply-adds in float after widening every weight,
   so their cost grows with the batch ``M`` like fp32's and more; integer GEMMs do them 4× wider
-  per instruction (claim QUANT-6). The price: each call quantizes its whole input with one scale
-  (dynamic, per tensor: `torch.ao`'s convention) and 7-bit range on x86 (``reduce_range``, which
-  keeps the int16 intermediates of CPUs without VNNI from saturating), so the rounding of one
-  row depends on the other rows in the batch, and the error is larger than weight-only's.
+  per instruction (claim QUANT-6). The price is rounding the activations: each call quantizes
+  each row (token) of its input with its own scale, to 8 bits where the CPU sums int8 products
+  in int32 (VNNI, AMX) and to 7 bits where it sums pairs in int16 (older x86, `_reduce_range`).
+  On the shipped model 8-bit per-token activations cost no more top-1 choices than weight-only
+  int8 does; 7 bits, or one scale for the whole batch (`torch.ao`'s convention), cost more.
   CPU only; `integer_problem` says why it cannot run where it cannot.
 
 The fused kernels changed signatures across torch versions, and each takes only some shapes
@@ -50,8 +53,10 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import statistics
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -59,8 +64,8 @@ import torch.nn.functional as F
 
 __all__ = ["PRECISIONS", "FLOAT_DTYPES", "KERNEL_GROUP_SIZES", "QuantizedLinear", "quantize",
            "quantize_int8", "quantize_int4", "default_group_size", "pack_int4", "unpack_int4",
-           "dequantize_int4", "fused_available", "fused_problem", "integer_problem", "ModelBytes",
-           "model_bytes"]
+           "dequantize_int4", "fused_available", "fused_problem", "integer_problem", "Int8Choice",
+           "int8_choice", "quantization_summary", "ModelBytes", "model_bytes"]
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "int4")
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -264,10 +269,24 @@ def _quantized_engine() -> str | None:
     return None
 
 
+@functools.cache
 def _reduce_range(engine: str) -> bool:
-    # x86 engines widen u8 × s8 pairs into int16 (vpmaddubsw) before int32; full 8-bit
-    # activations can saturate there on CPUs without VNNI, so torch.ao keeps them to 7 bits
-    return engine in ("fbgemm", "x86")
+    """Must the activations keep to 7 bits here? x86 CPUs without VNNI multiply u8 × s8 with an
+    instruction that adds each pair of products in int16 (vpmaddubsw) and clips what does not
+    fit; full 8-bit activations can overflow it, which is why `torch.ao` always keeps them to 7
+    bits on x86. VNNI (and AMX, ARM) accumulate in int32, so 8 bits are safe there and halve the
+    rounding error. Measured, not read from CPU flags: one layer built to overflow int16 pairs
+    (every product 255 × 127) is run with full 8-bit activations; a wrong answer means 7 bits."""
+    try:
+        packed = _integer_pack(torch.full((16, 64), 127, dtype=torch.int8), torch.ones(16) / 127,
+                               None)
+        x = torch.ones(2, 64)
+        x[1, 0] = -1.0  # the range [-1, 1]: 1.0 quantizes to 255
+        want = x.sum(1, keepdim=True).expand(2, 16)  # every weight is 1.0
+        got = torch.ops.quantized.linear_dynamic(x, packed, False)
+        return not torch.allclose(got, want, rtol=0.02, atol=0.05)
+    except Exception:  # noqa: BLE001 — an engine that rejects it: keep torch.ao's default
+        return engine in ("fbgemm", "x86")
 
 
 def _integer_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
@@ -282,9 +301,20 @@ def _integer_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | Non
             qw, None if bias is None else bias.detach().float().cpu())
 
 
-def _integer_mm(x: torch.Tensor, packed, engine: str) -> torch.Tensor:
-    return torch.ops.quantized.linear_dynamic(x.float().contiguous(), packed,
-                                              _reduce_range(engine))
+def _integer_mm(x: torch.Tensor, packed, engine: str, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """``x @ Wᵀ`` with ``x`` quantized per row (token). The engine quantizes its whole input with
+    one scale, so a row with large values would cost every other row its precision, and one
+    row's rounding would depend on the batch: each row is divided by its own largest |value|
+    first (then all rows span about [-1, 1]) and the output multiplied back, before the float
+    ``bias`` is added."""
+    x = x.float().contiguous()
+    if x.shape[0] == 1:  # one row: its own scale already (a decode step at batch 1)
+        y = torch.ops.quantized.linear_dynamic(x, packed, _reduce_range(engine))
+        return y if bias is None else y.add_(bias)
+    peak = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
+    y = torch.ops.quantized.linear_dynamic(x / peak, packed, _reduce_range(engine))
+    return y.mul_(peak) if bias is None else torch.addcmul(bias, y, peak)
 
 
 @functools.cache
@@ -317,6 +347,130 @@ def integer_problem(out_features: int = 64, in_features: int = 256,
         first = (str(e).strip().splitlines() or [""])[0][:120]
         return f"the {engine} engine raised {type(e).__name__}: {first}"
     return None
+
+
+# ---- int8 "auto": the faster kernel for each layer shape, timed here ---------------------------
+AUTO_ROWS = (1, 16)  # what `int8_choice` times: a one-token decode step and a batch of 16
+
+
+@dataclass(frozen=True)
+class Int8Choice:
+    """The kernel ``quantize(model, "int8")`` picked for one layer shape, and why.
+
+    ``ms`` holds the median milliseconds of one call of each timed kernel at `AUTO_ROWS`
+    rows (empty when only one kernel could run the shape, so nothing was timed)."""
+
+    shape: tuple[int, int]  # (out_features, in_features)
+    impl: str  # "integer", "fused" or "reference"
+    reason: str
+    ms: dict[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.shape[0]} × {self.shape[1]}: {IMPL_NAMES[self.impl]}, {self.reason}"
+
+
+IMPL_NAMES = {"integer": "integer (W8A8)", "fused": "fused (weight-only)",
+              "reference": "reference (dequantize-then-matmul)"}
+
+
+def _sample_ms(layer: nn.Module, x: torch.Tensor, samples: list[float], inner: int) -> None:
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        layer(x)
+    samples.append((time.perf_counter() - t0) * 1e3 / inner)
+
+
+@torch.inference_mode()
+def _time_int8_kernels(out_features: int, in_features: int, compute_dtype: torch.dtype,
+                       repeats: int = 5) -> dict[str, tuple[float, ...]]:
+    """Median ms per call of the fused and the integer kernel on a random layer of this shape,
+    at each of `AUTO_ROWS` rows; the two alternate call by call, after a warm-up call each."""
+    gen = torch.Generator().manual_seed(0)
+    lin = _linear_from(torch.randn(out_features, in_features, generator=gen) * 0.05)
+    layers = {impl: QuantizedLinear.from_linear(lin, 8, impl=impl, compute_dtype=compute_dtype)
+              for impl in ("integer", "fused")}
+    out: dict[str, list[float]] = {impl: [] for impl in layers}
+    for rows in AUTO_ROWS:
+        x = torch.randn(rows, in_features, generator=gen)
+        first = {}
+        for impl, layer in layers.items():  # warm-up (the integer layer packs its weight here)
+            layer(x)
+            t0 = time.perf_counter()
+            layer(x)
+            first[impl] = time.perf_counter() - t0
+        # several calls per sample where one call is short, so the clock's grain does not count
+        inner = {impl: max(1, min(50, round(1e-3 / max(t, 1e-6)))) for impl, t in first.items()}
+        samples: dict[str, list[float]] = {impl: [] for impl in layers}
+        for _ in range(repeats):
+            for impl, layer in layers.items():
+                _sample_ms(layer, x, samples[impl], inner[impl])
+        for impl in layers:
+            out[impl].append(statistics.median(samples[impl]))
+    return {impl: tuple(v) for impl, v in out.items()}
+
+
+@functools.cache
+def _int8_choice(out_features: int, in_features: int, device: str, compute_dtype: torch.dtype,
+                 threads: int) -> Int8Choice:
+    shape = (out_features, in_features)
+    fused = fused_problem(8, out_features, in_features, None, device, compute_dtype)
+    integer = integer_problem(out_features, in_features, device)
+    if integer is not None and fused is not None:
+        return Int8Choice(shape, "reference", f"no kernel takes it (fused: {fused}; integer: "
+                                              f"{integer})")
+    if integer is not None:
+        return Int8Choice(shape, "fused", f"the only kernel here (integer: {integer})")
+    if fused is not None:
+        return Int8Choice(shape, "integer", f"the only kernel here (fused: {fused})")
+    ms = _time_int8_kernels(out_features, in_features, compute_dtype)
+    # the geometric mean of the per-row-count ratios: each batch size counts the same
+    ratio = math.prod(i / f for i, f in zip(ms["integer"], ms["fused"])) ** (1 / len(AUTO_ROWS))
+    impl = "integer" if ratio < 1 else "fused"
+    rows = "/".join(str(r) for r in AUTO_ROWS)
+    times = "; ".join(f"{name} {'/'.join(f'{t:.3g}' for t in ms[name])} ms"
+                      for name in ("integer", "fused"))
+    return Int8Choice(shape, impl, f"timed here at {rows} rows, {threads} thread(s): {times} "
+                                   f"(integer ÷ fused {ratio:.2f})", ms)
+
+
+def int8_choice(out_features: int, in_features: int, device: str = "cpu",
+                compute_dtype: torch.dtype = torch.bfloat16) -> Int8Choice:
+    """Which int8 kernel is faster for a layer of this shape here: the W8A8 integer path or
+    the fused weight-only kernel (what ``quantize(model, "int8")`` uses, layer by layer).
+
+    A kernel that cannot run the shape (`fused_problem`, `integer_problem`) is out; when both
+    can, each is timed on a random layer of this shape at 1 and 16 rows (a decode step and a
+    batch), alternating, median of 5, and the one with the lower geometric mean of the two
+    times wins. Cached per shape, device, dtype and torch thread count: the choice is measured
+    on this machine, so another CPU (or a busy one) may choose differently."""
+    return _int8_choice(out_features, in_features, str(device), compute_dtype,
+                        torch.get_num_threads())
+
+
+def quantization_summary(model: nn.Module) -> str:
+    """Which kernel each quantized layer of ``model`` runs, in a few lines: a count per kernel,
+    then, for a model from ``quantize(model, "int8")`` (``impl="auto"``), the choice made for
+    each layer shape and why (`int8_choice`)."""
+    counts: dict[str, int] = {}
+    bits = set()
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            counts[m.impl] = counts.get(m.impl, 0) + 1
+            bits.add(m.bits)
+    if not counts:
+        return "no quantized layers"
+    head = ", ".join(f"{n} {IMPL_NAMES[impl]}" for impl, n in sorted(counts.items()))
+    lines = [f"int{'/'.join(str(b) for b in sorted(bits))} layers: {head}"]
+    choices: dict[str, Int8Choice] = getattr(model, "int8_choices", {})
+    seen: dict[tuple[int, int], int] = {}
+    for c in choices.values():
+        seen[c.shape] = seen.get(c.shape, 0) + 1
+    shown = set()
+    for c in choices.values():
+        if c.shape not in shown:
+            shown.add(c.shape)
+            lines.append(f"  {c} [{seen[c.shape]} layer(s)]")
+    return "\n".join(lines)
 
 
 def _linear_from(w: torch.Tensor) -> nn.Linear:
@@ -424,8 +578,9 @@ class QuantizedLinear(nn.Module):
         if self.impl == "integer":
             engine = _quantized_engine()
             if self._packed is None:
-                self._packed = _integer_pack(self.qweight, self.scales, self.bias)
-            y = _integer_mm(x2, self._packed, engine).to(x.dtype)  # bias is in the pack
+                self._packed = _integer_pack(self.qweight, self.scales, None)
+            bias = None if self.bias is None else self.bias.float()
+            y = _integer_mm(x2, self._packed, engine, bias).to(x.dtype)
         elif self.impl == "fused":
             xc = x2.to(self.compute_dtype)
             if self.bits == 8:
@@ -496,16 +651,17 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
       activations stay in the model's dtype). ``group_size`` is the int4 group: it must divide
       every layer's ``in_features``; None (the default) picks `default_group_size`, the largest
       of 128/64/32 that does (128 for GPT-2 and the reference model, 64 for the Shakespeare
-      models). ``impl``: ``"fused"`` (torch's kernels; error if they do not work here at all),
-      ``"reference"`` (dequantize-then-matmul), or ``"auto"`` (fused where the probe succeeds,
-      else reference with a warning). With ``"fused"`` and ``"auto"``, every layer shape is
-      checked with `fused_problem`: a layer the kernel cannot take (int8: ``in_features`` not a
+      models). ``impl``: ``"fused"`` (torch's weight-only kernels; error if they do not work
+      here at all), ``"reference"`` (dequantize-then-matmul), ``"integer"`` (int8 only, CPU:
+      W8A8 on the CPU's integer units, module doc, each layer checked with `integer_problem`;
+      its error is larger: activations rounded to 7–8 bits), or ``"auto"``. ``"auto"`` with
+      int8 gives each layer shape the faster of ``"integer"`` and ``"fused"``, timed here
+      (`int8_choice`; the choices are kept in the new model's ``int8_choices`` and
+      `quantization_summary` prints them); with int4, fused where the probe succeeds, else
+      reference with a warning. With ``"fused"`` and ``"auto"``, every layer shape is checked
+      with `fused_problem`: a layer no kernel can take (fused int8: ``in_features`` not a
       multiple of 16; int4: ``out_features`` not a multiple of 16 on the CPU, or a group size
       other than 32/64/128/256) runs on the reference path, with a warning that names it.
-      ``"integer"`` (int8 only, CPU): W8A8 on the CPU's integer units (module doc), each layer
-      checked with `integer_problem`; measured faster than the weight-only kernel at batch 1 to
-      64 even on an AVX2-only CPU (BENCHMARKS.md), and its error is larger (activations rounded
-      to 7–8 bits).
       ``compute_dtype`` is the activation dtype of the fused kernels. ``include_lm_head=False``
       keeps the output head in float (and a tied head tied). With ``True`` (the default) a head
       tied to the embedding is quantized as a copy and the embedding stays float (module doc),
@@ -544,7 +700,9 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
         problem = integer_problem(64, 256, str(device))
         if problem is not None:
             raise RuntimeError(f"the W8A8 integer path cannot run here: {problem}; use "
-                               f"impl='auto' (weight-only)")
+                               f"impl='fused' (weight-only) or 'auto'")
+    elif impl == "auto" and bits == 8:
+        pass  # each layer shape gets the faster kernel here (`int8_choice`)
     elif impl == "auto" or impl == "fused":
         device = next(model.parameters()).device
         ok = fused_available(bits, str(device), compute_dtype)
@@ -558,13 +716,20 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
                           f"(same quantized weights, slower)", RuntimeWarning, stacklevel=2)
         impl = "fused" if ok else "reference"
     unfused: dict[str, list[str]] = {}  # reason -> layers
+    choices: dict[str, Int8Choice] = {}  # impl="auto", int8: layer -> the kernel picked
     tied = {m.weight.data_ptr() for m in new.modules() if isinstance(m, nn.Embedding)}
     for name, lin in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = new.get_submodule(parent_name) if parent_name else new
         layer_impl = impl
         is_tied = lin.weight.data_ptr() in tied
-        if impl in ("fused", "integer"):
+        if impl == "auto":
+            N, K = lin.weight.shape
+            choices[name] = choice = int8_choice(N, K, str(lin.weight.device), compute_dtype)
+            layer_impl = choice.impl
+            if layer_impl == "reference" and not is_tied:
+                unfused.setdefault(choice.reason, []).append(f"{name} {(N, K)}")
+        elif impl in ("fused", "integer"):
             N, K = lin.weight.shape
             if impl == "fused":
                 problem = fused_problem(bits, N, K, group_size, str(lin.weight.device),
@@ -582,10 +747,14 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
         layer = QuantizedLinear.from_linear(lin, bits, group_size=group_size, impl=layer_impl,
                                             compute_dtype=compute_dtype)
         setattr(parent, attr, layer)
+    if choices:
+        new.int8_choices = choices
     if unfused:
         detail = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in unfused.items())
-        kernel = "W8A8 integer path" if impl == "integer" else f"fused int{bits} kernel"
-        warnings.warn(f"the {kernel} rejects the shape of {detail}; those layers "
+        kernel = {"integer": "W8A8 integer path", "auto": "int8 kernels"}.get(
+            impl, f"fused int{bits} kernel")
+        verb = "reject" if impl == "auto" else "rejects"
+        warnings.warn(f"the {kernel} {verb} the shape of {detail}; those layers "
                       f"use the dequantize-then-matmul reference path", RuntimeWarning,
                       stacklevel=2)
     return new.eval()

@@ -1,4 +1,4 @@
-"""Quantization: int8/int4 weight-only layers, fused vs reference paths, bytes, int8 KV cache."""
+"""Quantization: int8/int4 layers (weight-only, W8A8, the default per shape), bytes, int8 KV."""
 
 from __future__ import annotations
 
@@ -14,11 +14,15 @@ from minifer.quantization import (
     fused_available,
     model_bytes,
     pack_int4,
+    quantization_summary,
     quantize,
     quantize_int4,
     quantize_int8,
     unpack_int4,
 )
+
+# QUANT-1 is about weight-only int8: torch's fused kernel where this torch has one
+FUSED8 = "fused" if fused_available(8) else "reference"
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +138,7 @@ def test_quant1_quality_on_reference_model(reference):
     prompt = list(b"Once upon a time")
     weight_only = quantize(reference, "int8", impl="reference")  # fp32 activations
     assert max_logit_diff(reference, weight_only, prompt) < 0.05  # every position
-    fused = quantize(reference, "int8")  # + bf16 activations in the fused kernel
+    fused = quantize(reference, "int8", impl=FUSED8)  # + bf16 activations in the fused kernel
     assert max_logit_diff(reference, fused, prompt, last_only=True) < 0.05
     for q in (weight_only, fused):
         assert greedy_agreement(reference, q, prompt, n=8).identical
@@ -206,15 +210,23 @@ def test_tied_head_is_quantized_as_a_copy(precision):
     assert (y - ref).abs().max() <= {"int8": 0.02, "int4": 0.3}[precision] * ref.abs().max()
 
 
-def test_tied_head_kept_float_where_only_the_reference_path_takes_it(monkeypatch):
+@pytest.mark.parametrize("impl", ["fused", "auto"])
+def test_tied_head_kept_float_where_only_the_reference_path_takes_it(monkeypatch, impl):
     """Rebuilding an embedding-sized matrix at every step would be slower than the float head."""
     from minifer import quantization as qm
 
+    if not fused_available(8):
+        pytest.skip("no fused int8 kernel in this torch")
     cfg = mf.GPTConfig.preset("tiny").replace(tie_embeddings=True)
-    real = qm.fused_problem
-    monkeypatch.setattr(qm, "fused_problem", lambda bits, n, *a: "no" if n == 257 else real(
+    real_f, real_i = qm.fused_problem, qm.integer_problem
+    monkeypatch.setattr(qm, "fused_problem", lambda bits, n, *a: "no" if n == 257 else real_f(
         bits, n, *a))
-    q = quantize(mf.GPT.from_config(cfg), "int8")
+    monkeypatch.setattr(qm, "integer_problem", lambda n, *a: "no" if n == 257 else real_i(n, *a))
+    qm._int8_choice.cache_clear()
+    try:
+        q = quantize(mf.GPT.from_config(cfg), "int8", impl=impl)
+    finally:
+        qm._int8_choice.cache_clear()
     assert isinstance(q.lm_head, nn.Linear) and q.lm_head.weight is q.transformer.wte.weight
     assert isinstance(q.transformer.h[0].mlp.c_fc, QuantizedLinear)
 
@@ -237,7 +249,7 @@ def test_int8_tied_head_quality_on_reference_shape():
     weight_only = quantize(tied, "int8", impl="reference")
     assert isinstance(weight_only.lm_head, QuantizedLinear)
     assert max_logit_diff(tied, weight_only, prompt) < 0.05  # every position
-    fused = quantize(tied, "int8")
+    fused = quantize(tied, "int8", impl=FUSED8)
     assert max_logit_diff(tied, fused, prompt, last_only=True) < 0.05
     for q in (weight_only, fused):
         assert greedy_agreement(tied, q, prompt, n=8).identical
@@ -368,13 +380,14 @@ def test_int8_fused_only_on_layers_the_kernel_takes():
     from minifer.quantization import fused_problem
     model = mf.GPT.from_config(ODD, seed=0)
     assert "16" in fused_problem(8, 216, 72)  # in_features 72: not a multiple of 16
+    if not fused_available(8):
+        pytest.skip("no fused int8 kernel in this torch")
     with pytest.warns(RuntimeWarning, match=r"c_attn \(216, 72\).*multiple of 16"):
-        q = quantize(model, "int8")
+        q = quantize(model, "int8", impl="fused")
     block = q.transformer.h[0]
     assert block.attn.c_attn.impl == "reference"  # K = 72
     assert q.lm_head.impl == "reference"
-    if fused_available(8):
-        assert block.mlp.c_proj.impl == "fused"  # K = 288 = 18 * 16
+    assert block.mlp.c_proj.impl == "fused"  # K = 288 = 18 * 16
     with pytest.raises(ValueError, match="in_features=72.*multiple of 16"):
         QuantizedLinear.from_linear(_linear(16, 72), 8, impl="fused")
 
@@ -398,7 +411,7 @@ def test_fused_probe_tests_the_shape_it_is_used_on(monkeypatch):
         assert "differs" in qm.fused_problem(8, 96, 256)
         model = nn.Sequential(nn.Linear(256, 96), nn.Linear(96, 64))
         with pytest.warns(RuntimeWarning, match=r"0 \(96, 256\)"):
-            q = quantize(model, "int8")
+            q = quantize(model, "int8", impl="fused")
         assert q[0].impl == "reference" and q[1].impl == "fused"
     finally:
         qm.fused_problem.cache_clear()
@@ -476,6 +489,22 @@ def test_integer_layer_close_to_weight_only(rows):
 
 
 @needs_integer
+def test_integer_layer_scales_each_row_on_its_own():
+    """One scale per token: a row of large activations in the batch does not cost the other rows
+    their precision (with one scale for the whole input, the small row would round to ~0)."""
+    lin = _linear(64, 256)
+    ref = QuantizedLinear.from_linear(lin, 8, impl="reference")
+    integer = QuantizedLinear.from_linear(lin, 8, impl="integer")
+    gen = torch.Generator().manual_seed(0)
+    small, large = torch.randn(1, 256, generator=gen), 1000 * torch.randn(1, 256, generator=gen)
+    got = integer(torch.cat([small, large]))
+    for row, x in enumerate((small, large)):
+        want = ref(x)[0]
+        assert (got[row] - want).abs().max() <= 0.03 * want.abs().max(), row
+    assert torch.allclose(got[0], integer(small)[0], rtol=0.02, atol=0.03 * ref(small).abs().max())
+
+
+@needs_integer
 def test_integer_layer_survives_copy_load_and_move():
     import copy
 
@@ -505,10 +534,11 @@ def test_integer_int8_model_within_bounds_of_fp32_and_weight_only():
     assert all(m.impl == "integer" for m in integer.modules() if isinstance(m, QuantizedLinear))
     fp32 = validation_perplexity(model, tok, text=text).nats_per_token
     w8a8 = validation_perplexity(integer, tok, text=text).nats_per_token
-    assert abs(w8a8 - fp32) <= 0.005 * fp32  # measured: +0.03% over 20k chars (+0.055 ppl)
+    assert abs(w8a8 - fp32) <= 0.005 * fp32  # measured: +0.01% over 30k chars (+0.01 ppl)
     agree_integer = top1_agreement(model, integer, ids)
     agree_weight_only = top1_agreement(model, weight_only, ids)
-    assert agree_integer >= 0.9  # measured over 2,048 tokens: 0.959 (weight-only: 0.993)
+    # measured over these 512 tokens: 0.982 with 8-bit activations (VNNI), 0.994 weight-only
+    assert agree_integer >= 0.95
     assert agree_weight_only >= agree_integer - 0.01
     out = mf.generate(integer, ["ROMEO:"], mf.SamplingParams(temperature=0, max_new_tokens=8),
                       tok)
@@ -529,8 +559,101 @@ def test_integer_path_without_an_engine_says_so(tiny, monkeypatch):
     q.integer_problem.cache_clear()
     try:
         assert "no quantized engine" in q.integer_problem()
-        with pytest.raises(RuntimeError, match="impl='auto'"):
+        with pytest.raises(RuntimeError, match="impl='fused'"):
             quantize(tiny, "int8", impl="integer")
+        q._int8_choice.cache_clear()
+        auto = quantize(tiny, "int8")  # without an engine the default is weight-only
+        impls = {m.impl for m in auto.modules() if isinstance(m, QuantizedLinear)}
+        assert impls <= {"fused", "reference"} and "integer (W8A8)" not in quantization_summary(auto)
     finally:
         monkeypatch.undo()
         q.integer_problem.cache_clear()
+        q._int8_choice.cache_clear()
+
+
+# ---- int8 "auto": the faster kernel per layer shape ------------------------------------------
+def _fake_timings(monkeypatch, integer_wins_for):
+    """Timings that make the integer path faster exactly for layers with out_features in
+    `integer_wins_for` (the real ones depend on the machine)."""
+    import minifer.quantization as q
+
+    def fake(n, k, dtype, repeats=5):
+        fast, slow = (0.1, 0.4), (0.2, 0.8)
+        return {"integer": fast if n in integer_wins_for else slow,
+                "fused": slow if n in integer_wins_for else fast}
+
+    monkeypatch.setattr(q, "_time_int8_kernels", fake)
+    q._int8_choice.cache_clear()
+
+
+@needs_integer
+def test_int8_auto_picks_the_faster_kernel_for_each_shape(monkeypatch):
+    import minifer.quantization as q
+
+    if not fused_available(8):
+        pytest.skip("no fused int8 kernel in this torch")
+    model = nn.Sequential(nn.Linear(256, 96), nn.Linear(96, 64), nn.Linear(64, 96))
+    _fake_timings(monkeypatch, integer_wins_for={96})
+    try:
+        auto = quantize(model, "int8")
+    finally:
+        q._int8_choice.cache_clear()
+    assert [m.impl for m in auto] == ["integer", "fused", "integer"]
+    assert set(auto.int8_choices) == {"0", "1", "2"}
+    assert auto.int8_choices["1"].ms["fused"] == (0.1, 0.4)
+    summary = quantization_summary(auto)
+    assert "2 integer (W8A8)" in summary and "1 fused (weight-only)" in summary
+    assert "96 × 256: integer (W8A8)" in summary and "64 × 96: fused (weight-only)" in summary
+    assert "integer ÷ fused 0.50" in summary and "integer ÷ fused 2.00" in summary
+    x = torch.randn(3, 256)  # each layer computes what its kernel computes
+    want = QuantizedLinear.from_linear(model[1], 8, impl="fused")(
+        QuantizedLinear.from_linear(model[0], 8, impl="integer")(x))
+    assert torch.equal(auto[1](auto[0](x)), want)
+
+
+@needs_integer
+def test_int8_auto_takes_the_kernel_that_can_run_a_shape(monkeypatch):
+    """A shape the fused kernel rejects (in_features not a multiple of 16) goes to the integer
+    path, untimed; a shape neither takes to the reference path, with a warning."""
+    import minifer.quantization as q
+
+    model = nn.Sequential(nn.Linear(72, 64), nn.Linear(64, 48))
+    real_i, real_f = q.integer_problem, q.fused_problem
+    monkeypatch.setattr(q, "integer_problem", lambda n, *a: "no" if n == 48 else real_i(n, *a))
+    monkeypatch.setattr(q, "fused_problem",
+                        lambda bits, n, *a: "nope" if n == 48 else real_f(bits, n, *a))
+    _fake_timings(monkeypatch, integer_wins_for=set())
+    try:
+        with pytest.warns(RuntimeWarning, match=r"int8 kernels reject the shape of 1 \(48, 64\)"):
+            auto = quantize(model, "int8")
+    finally:
+        q._int8_choice.cache_clear()
+    assert auto[0].impl == "integer" and auto.int8_choices["0"].ms == {}
+    assert "multiple of 16" in auto.int8_choices["0"].reason
+    assert auto[1].impl == "reference" and "fused: nope; integer: no" in auto.int8_choices["1"].reason
+
+
+def test_int8_auto_choice_is_measured_once_per_shape():
+    from minifer.quantization import Int8Choice, int8_choice
+
+    a, b = int8_choice(64, 256), int8_choice(64, 256)
+    assert isinstance(a, Int8Choice) and a is b and a.impl in ("integer", "fused", "reference")
+    if a.ms:  # both kernels ran: real medians, one per timed row count
+        assert all(len(v) == 2 and all(t > 0 for t in v) for v in a.ms.values())
+    assert quantization_summary(nn.Linear(4, 4)) == "no quantized layers"
+
+
+@needs_integer
+def test_int8_default_within_quant3_bounds_on_the_shipped_model():
+    """Whichever kernel each layer gets here, the default int8 model keeps QUANT-3's bounds:
+    perplexity within 0.5% of fp32 and top-1 agreement >= 0.9 on held-out text."""
+    from minifer.quality import top1_agreement, validation_perplexity
+
+    model, tok = mf.load_pretrained("shakespeare")
+    text = mf.pretrained.load_validation_text()[:4000]
+    auto = quantize(model, "int8")
+    assert set(auto.int8_choices) == {n for n, m in auto.named_modules()
+                                      if isinstance(m, QuantizedLinear)}
+    fp32 = validation_perplexity(model, tok, text=text).nats_per_token
+    assert abs(validation_perplexity(auto, tok, text=text).nats_per_token - fp32) <= 0.005 * fp32
+    assert top1_agreement(model, auto, tok.encode(text)[:512]) >= 0.9
