@@ -31,7 +31,8 @@ minifer runs as it is and, where oneDNN is present, with its linear weights prep
 * ``bf16``: minifer's model cast to bf16; CTranslate2 ``bfloat16`` and OpenVINO's bf16
   inference precision (K/V cache in bf16 too), each only where the CPU has it
   (`ctranslate2.get_supported_compute_types`, OpenVINO's ``OPTIMIZATION_CAPABILITIES``).
-* ``int8``: minifer's weight-only kernel and its W8A8 ``integer`` path, against CTranslate2
+* ``int8``: minifer's weight-only kernel, its W8A8 ``integer`` path, and ``quantize``'s default
+  (``auto``: the faster of the two per layer shape, timed on this machine), against CTranslate2
   ``int8`` (weights and activations 8-bit on integer GEMMs) and OpenVINO int8 (see
   `OpenVINOEngine`: weights int8 from the export, activations quantized at run time).
 """
@@ -372,10 +373,15 @@ def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder
             if prepack_problem() is None:
                 ours.append(MiniferEngine(prepack(ours[0].model), f"{ours[0].name} prepacked"))
         else:
-            ours = [MiniferEngine(quantize(model, "int8"), "minifer int8 weight-only")]
+            try:
+                weight_only = quantize(model, "int8", impl="fused")
+            except RuntimeError:  # no fused int8 kernel in this torch: the same weights, slower
+                weight_only = quantize(model, "int8", impl="reference")
+            ours = [MiniferEngine(weight_only, "minifer int8 weight-only")]
             if integer_problem() is None:
                 ours.append(MiniferEngine(quantize(model, "int8", impl="integer"),
                                           "minifer int8 integer"))
+                ours.append(MiniferEngine(quantize(model, "int8"), "minifer int8 auto"))
     return ours + _peer_engines(model, precision, peers, threads, folder)
 
 

@@ -23,7 +23,7 @@ from ..quality import (
     max_logit_diff,
     validation_perplexity,
 )
-from ..quantization import PRECISIONS, model_bytes, quantize
+from ..quantization import PRECISIONS, fused_available, model_bytes, quantize
 from .common import control, precision_options, style, table
 from .common import panel as _panel
 from .int_math import (  # noqa: F401 (the lesson's Q.*)
@@ -50,13 +50,20 @@ COLORS = {"fp32": "#1f77b4", "bf16": "#2ca02c", "fp16": "#98df8a", "int8": "#ff7
 
 def quantized_models(model: torch.nn.Module, precisions=PRECISIONS, group_size: int = 64,
                      dequant: bool = False) -> dict[str, torch.nn.Module]:
-    """``{precision: model}``; fp32 is the model itself. ``dequant=True`` adds the
+    """``{precision: model}``; fp32 is the model itself, int8 and int4 are weight-only (torch's
+    fused kernels, the reference path where they cannot run). ``dequant=True`` adds the
     dequantize-per-call int8/int4 variants (labels ``"int8 dequant"``, ``"int4 dequant"``)."""
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a layer the fused kernel rejects uses the reference path
         for p in precisions:
-            out[p] = model if p == "fp32" else quantize(model, p, group_size=group_size)
+            if p == "fp32":
+                out[p] = model
+            elif p == "int8":  # not quantize's default, which may pick W8A8 (section 8)
+                impl = "fused" if fused_available(8) else "reference"
+                out[p] = quantize(model, p, impl=impl)
+            else:
+                out[p] = quantize(model, p, group_size=group_size)
         if dequant:
             for p in ("int8", "int4"):
                 out[f"{p} dequant"] = quantize(model, p, group_size=group_size, impl="reference")
