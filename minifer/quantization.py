@@ -38,7 +38,11 @@ Each quantized layer runs one of three paths, tested against each other:
   in int32 (VNNI, AMX) and to 7 bits where it sums pairs in int16 (older x86, `_reduce_range`).
   On the shipped model 8-bit per-token activations cost no more top-1 choices than weight-only
   int8 does; 7 bits, or one scale for the whole batch (`torch.ao`'s convention), cost more.
-  CPU only; `integer_problem` says why it cannot run where it cannot.
+  A single row (a decode step at batch 1) runs minifer's own matrix-vector kernel instead
+  where the CPU has AVX-512 VNNI (`minifer.int8_gemv`: int8 activations, one scale per row;
+  fbgemm is built for matrices and is slower there), and a compiled step (``compile=True``)
+  runs `int8_gemv.w8a8_int_mm` at more rows. CPU only; `integer_problem` says why it cannot
+  run where it cannot.
 
 The fused kernels changed signatures across torch versions, and each takes only some shapes
 (int8: ``in_features`` a multiple of 16 — past it, it reads out of bounds; int4: groups of
@@ -61,6 +65,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .int8_gemv import GEMV, w8a8_int_mm
 
 __all__ = ["PRECISIONS", "FLOAT_DTYPES", "KERNEL_GROUP_SIZES", "QuantizedLinear", "quantize",
            "quantize_int8", "quantize_int4", "default_group_size", "pack_int4", "unpack_int4",
@@ -505,18 +511,19 @@ class QuantizedLinear(nn.Module):
         self.bits, self.group_size, self.impl = bits, group_size, impl
         self.compute_dtype = compute_dtype
         self._packed = None  # impl="integer": the weight in the quantized engine's layout
+        self._rowsum = None  # impl="integer": each weight row's sum, for the batch-1 kernel
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ...: repack from the buffers
-        self._packed = None
+        self._packed = self._rowsum = None
         return super()._apply(fn, *args, **kwargs)
 
     def _load_from_state_dict(self, *args, **kwargs):  # new buffers: repack them
-        self._packed = None
+        self._packed = self._rowsum = None
         return super()._load_from_state_dict(*args, **kwargs)
 
     def __getstate__(self):  # deepcopy/pickle: the pack is rebuilt, never copied
         state = super().__getstate__() if hasattr(super(), "__getstate__") else dict(self.__dict__)
-        return {**state, "_packed": None}
+        return {**state, "_packed": None, "_rowsum": None}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, *, group_size: int | None = None,
@@ -575,10 +582,18 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.impl == "integer":
+        if self.impl == "integer" and x2.shape[0] == 1 and GEMV.available():
+            if self._rowsum is None:
+                self._rowsum = self.qweight.sum(1, dtype=torch.int32)
+            bias = None if self.bias is None else self.bias.float()
+            y = GEMV(x2, self.qweight, self.scales, self._rowsum, bias).to(x.dtype)
+        elif self.impl == "integer" and torch.compiler.is_compiling():
+            y = w8a8_int_mm(x2, self.qweight, self.scales, self.bias).to(x.dtype)
+        elif self.impl == "integer":
             engine = _quantized_engine()
             if self._packed is None:
                 self._packed = _integer_pack(self.qweight, self.scales, None)
+                self._rowsum = self.qweight.sum(1, dtype=torch.int32)  # for a later batch of 1
             bias = None if self.bias is None else self.bias.float()
             y = _integer_mm(x2, self._packed, engine, bias).to(x.dtype)
         elif self.impl == "fused":

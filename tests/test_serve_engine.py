@@ -9,8 +9,8 @@ import torch
 
 import minifer as mf
 from minifer import LLMEngine, SamplingParams
+from minifer.native import build_tools_problem
 from minifer.serve.engine import RequestOutput
-from minifer.serve.paged_attention import build_tools_problem
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 

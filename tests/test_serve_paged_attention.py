@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minifer.native import build_tools_problem
 from minifer.serve import paged_attention as PA
 
 # the C++ kernel needs a compiler and ninja; without them the engine falls back (tested below)
-needs_build_tools = pytest.mark.skipif(PA.build_tools_problem() is not None,
+needs_build_tools = pytest.mark.skipif(build_tools_problem() is not None,
                                        reason=f"the paged kernel cannot be built here: "
-                                              f"{PA.build_tools_problem()}")
+                                              f"{build_tools_problem()}")
 
 
 def _case(B=6, n_head=4, n_kv_head=2, hd=16, block_size=4, num_blocks=40, seed=0):

@@ -24,12 +24,13 @@ the same attention eagerly: slower, never wrong.
 
 from __future__ import annotations
 
-import re
 import threading
 import warnings
 from pathlib import Path
 
 import torch
+
+from ..native import build, build_name, reason, vector_isa
 
 __all__ = ["paged_decode_attention", "PagedDecodeKernel", "KERNEL"]
 
@@ -60,26 +61,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return (weights[..., None] * v[:, :, :, None]).sum(1).flatten(1, 2)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
-    return set(match.group(1).split()) if match else set()
-
-
-def _isa() -> tuple[str, list[str]]:
-    """The vector instructions to build for (part of the build's name, so a cache shared by
-    machines of different CPUs never loads a build for the wrong one)."""
-    flags = _cpu_flags()
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx512", ["-march=x86-64-v4"]
-    if {"avx2", "fma", "bmi2"} <= flags:
-        return "avx2", ["-march=x86-64-v3"]
-    return "base", []
-
-
 class PagedDecodeKernel:
     """Paged decode attention: the C++ kernel on CPU, the compiled reference elsewhere.
 
@@ -104,17 +85,16 @@ class PagedDecodeKernel:
             if self._native is None:
                 self._native = False
                 try:
-                    isa, march = _isa()
-                    version = re.sub(r"\W", "_", torch.__version__)
+                    isa, march = vector_isa()
                     try:
-                        _build(f"minifer_paged_decode_{version}_{isa}", march)
+                        build(build_name("paged_decode", isa), SOURCE, march)
                     except Exception:
                         if not march:
                             raise
-                        _build(f"minifer_paged_decode_{version}_base", [])  # an older compiler
+                        build(build_name("paged_decode", "base"), SOURCE, [])  # older compiler
                     self._native = hasattr(torch.ops.minifer_paged, "decode")
                 except Exception as exc:  # no compiler or ninja, a failed build: stay correct
-                    self.error = _reason(exc)
+                    self.error = reason(exc)
                     warnings.warn(f"the C++ paged-attention kernel could not be built "
                                   f"({self.error}); decode attention runs without it",
                                   RuntimeWarning, stacklevel=3)
@@ -136,7 +116,7 @@ class PagedDecodeKernel:
             try:
                 return self._compiled(q, k_pool, v_pool, block_table, lengths, scale)
             except Exception as exc:  # no compiler, an unsupported backend, ...
-                self.compile_error = _reason(exc)
+                self.compile_error = reason(exc)
                 warnings.warn(f"the compiled paged-attention kernel is unavailable "
                               f"({self.compile_error}); attention runs eagerly", RuntimeWarning,
                               stacklevel=2)
@@ -160,34 +140,6 @@ def _check(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if not (q.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
         raise ValueError("paged decode: q and the pool must be float32")
     # lengths and block ids are checked by the kernel itself, before it reads the pool
-
-
-def _build(name: str, march: list[str]) -> None:
-    from torch.utils.cpp_extension import load
-
-    load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *march],
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-
-
-def build_tools_problem() -> str | None:
-    """Why the C++ kernel cannot be built here (None: a C++ compiler and ninja are present)."""
-    import os
-    import shutil
-
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        return f"no C++ compiler ({cxx!r} is not on PATH)"
-    if shutil.which("ninja") is None:
-        try:
-            import ninja  # noqa: F401  (the PyPI package puts the binary beside Python)
-        except ImportError:
-            return "no ninja (torch.utils.cpp_extension builds with it: pip install ninja)"
-    return None
-
-
-def _reason(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
 KERNEL = PagedDecodeKernel()  # one per process: every engine shares its builds

@@ -1,0 +1,124 @@
+"""W8A8 at batch 1: an int8 matrix-vector kernel for the CPU's VNNI instructions.
+
+A decode step at batch 1 multiplies one row by every weight matrix. PyTorch's quantized engine
+(fbgemm) is built for matrices: at one row it spends about as long on a 768-wide layer as on
+four rows, and a step of GPT-2 124M in int8 took 8.4 ms in its GEMMs where CTranslate2 did the
+whole step in 7.9 (BENCHMARKS.md). `w8a8_reference` says in a few lines of tensor math what a
+W8A8 product is: quantize each row of ``x`` to int8 with its own scale, multiply-add in
+integers, scale back. ``csrc/int8_gemv.cpp`` computes exactly that with AVX-512 VNNI
+(``vpdpbusd``: 64 byte products per instruction into int32), four weight rows per pass over
+``x``, the rows split over torch's threads; tested equal to the reference.
+
+`Int8Gemv` builds it the first time it is needed (`minifer.native`; seconds, cached on disk),
+only on CPUs with AVX-512 VNNI (Intel since Cascade Lake, AMD since Zen 4), and not where
+``ATEN_CPU_CAPABILITY`` asks torch itself for AVX2 or less (``make test-kernels`` runs the
+notebooks as an older CPU would). Everywhere else, and where the build fails (it warns once and
+says why), `QuantizedLinear` keeps to the quantized engine: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .native import build, build_name, build_tools_problem, cpu_flags, reason
+
+__all__ = ["w8a8_reference", "w8a8_int_mm", "Int8Gemv", "GEMV", "quantize_rows"]
+
+SOURCE = Path(__file__).with_name("csrc") / "int8_gemv.cpp"
+VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` [M, K] to int8 with its own scale: ``x ≈ q * s[:, None]``,
+    ``s = max|row| / 127`` (1 for a row of zeros), rounded half to even."""
+    x = x.float()
+    s = x.abs().amax(-1) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x * (1 / s)[:, None]).to(torch.int8), s
+
+
+def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (w * scales[:, None])ᵀ + bias`` with ``x`` [M, K] quantized per row: int8 × int8
+    products summed in int32 (exact), then the two scales. ``w`` int8 [N, K], ``scales`` [N]."""
+    q, s = quantize_rows(x)
+    acc = q.to(torch.int32) @ w.to(torch.int32).t()  # integer matmul: no rounding at all
+    y = acc.float() * s[:, None] * scales.float()
+    return y if bias is None else y + bias.float()
+
+
+def _gemv_shape(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, rowsum: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def w8a8_int_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`w8a8_reference` with the integer product in ``torch._int_mm`` (int8 × int8 → int32, the
+    same sums): what a compiled step runs where it cannot call the C++ kernel, since
+    `torch.compile` traces through it (and not through the quantized engine's packed weights)."""
+    q, s = quantize_rows(x)
+    acc = torch._int_mm(q, w.t()) if x.shape[1] > 1 else q.to(torch.int32) @ w.to(torch.int32).t()
+    y = acc.float() * s[:, None] * scales.float()
+    return y if bias is None else y + bias.float()
+
+
+class Int8Gemv:
+    """The C++ kernel where this CPU has VNNI and it builds; `available()` says whether.
+
+    Call it like `w8a8_reference`, with ``rowsum = w.sum(1)`` in int32 (the kernel feeds ``x``
+    in as unsigned bytes and takes ``128 * rowsum`` off again). `error` says why a build failed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._native: bool | None = None  # None: not tried yet
+        self.error: str | None = None
+
+    @staticmethod
+    def problem() -> str | None:
+        """Why the kernel is not for this machine (None: it is, if it builds)."""
+        missing = VNNI_FLAGS - cpu_flags()
+        if missing:
+            return f"the CPU lacks {', '.join(sorted(missing))}"
+        capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+        if capability in ("default", "avx2", "zvector", "vsx"):
+            return f"ATEN_CPU_CAPABILITY={capability} asks for an older CPU's kernels"
+        return build_tools_problem()
+
+    def available(self) -> bool:
+        """Build (or load the cached build of) the kernel; whether it is usable."""
+        if self._native is not None:  # decided: every later call (one per layer) skips the lock
+            return self._native
+        with self._lock:
+            if self._native is None:
+                self._native = False
+                if (why := self.problem()) is not None:
+                    self.error = why
+                    return False
+                try:
+                    build(build_name("int8_gemv", "avx512vnni"), SOURCE,
+                          ["-march=x86-64-v4", "-mavx512vnni", "-ffp-contract=off"])
+                    self._native = hasattr(torch.ops.minifer_int8, "gemv")
+                    if self._native:  # its output's shape, for torch.compile to trace through it
+                        torch.library.register_fake("minifer_int8::gemv")(_gemv_shape)
+                except Exception as exc:  # no compiler, a failed build: stay correct
+                    self.error = reason(exc)
+                    warnings.warn(f"the C++ int8 kernel could not be built ({self.error}); "
+                                  f"int8 layers at batch 1 run in PyTorch's quantized engine",
+                                  RuntimeWarning, stacklevel=3)
+            return self._native
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                 rowsum: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.available():
+            return w8a8_reference(x, w, scales, bias)
+        return torch.ops.minifer_int8.gemv(x.float().contiguous(), w, scales, rowsum, bias)
+
+
+GEMV = Int8Gemv()  # one per process: every layer shares its build
