@@ -73,7 +73,7 @@ def test_openvino_left_pads_prompts_of_different_lengths():
 def test_a_missing_peer_is_skipped_with_a_message(monkeypatch, capsys):
     problems = {"ctranslate2": None, "openvino": "needs openvino_genai (the optional peers extra)"}
     monkeypatch.setattr(peers, "peer_problems", lambda: problems)
-    monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen:
+    monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen, compiled=False:
                         [peers.MiniferEngine(model)] + [_Echo(p) for p in chosen])
     [row] = peers.run(precisions=("fp32",), batches=(1,), prompt_len=4, new_tokens=3, rounds=1,
                       model=lively_model("tiny"))
@@ -122,6 +122,18 @@ def test_minifer_runs_as_it_is_and_prepacked(tmp_path):
         assert names == ["minifer bf16", "minifer bf16 prepacked"]
 
 
+def test_compiled_adds_each_precisions_default_through_torch_compile(tmp_path):
+    from minifer.quantization import integer_problem
+
+    model = lively_model("tiny")
+    fp32 = peers._engines(model, "fp32", 1, tmp_path, (), compiled=True)
+    assert fp32[-1].name == "minifer compiled" and fp32[-1].compile and fp32[-1].model is model
+    int8 = peers._engines(model, "int8", 1, tmp_path, (), compiled=True)
+    default = "minifer int8 auto" if integer_problem() is None else "minifer int8 weight-only"
+    assert [e.name for e in int8][-2:] == [default, f"{default} compiled"]
+    assert int8[-1].model is int8[-2].model and not int8[-2].compile
+
+
 def test_the_timed_rounds_can_run_beside_busy_cores(monkeypatch):
     loads = []
 
@@ -135,7 +147,7 @@ def test_the_timed_rounds_can_run_beside_busy_cores(monkeypatch):
     monkeypatch.setattr(common, "background_load", fake_load)
     monkeypatch.setattr(peers, "peer_problems", lambda: {"ctranslate2": None, "openvino": None})
     monkeypatch.setattr(peers, "peers_problem", lambda: None)
-    monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen:
+    monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen, compiled=False:
                         [peers.MiniferEngine(model), _Echo("ctranslate2")])
     rows = peers.run(precisions=("fp32",), batches=(1, 2), prompt_len=4, new_tokens=3,
                      rounds=2, model=lively_model("tiny"), busy_cores=1)

@@ -123,15 +123,17 @@ def peers_problem() -> str | None:
 class MiniferEngine:
     """`minifer.generate`, greedy, past the end-of-sequence token."""
 
-    def __init__(self, model: torch.nn.Module, name: str = "minifer") -> None:
-        self.model, self.name = model, name
+    def __init__(self, model: torch.nn.Module, name: str = "minifer", compile: bool = False
+                 ) -> None:
+        self.model, self.name, self.compile = model, name, compile
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         from ..generation import generate
         from ..sampling import SamplingParams
 
         params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-        return [c.token_ids for c in generate(self.model, prompts, params)]
+        return [c.token_ids for c in generate(self.model, prompts, params,
+                                              compile=self.compile)]
 
 
 @contextlib.contextmanager
@@ -359,7 +361,7 @@ def _peer_engines(model: torch.nn.Module, precision: str, peers: tuple[str, ...]
 
 
 def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder: Path,
-             peers: tuple[str, ...]):
+             peers: tuple[str, ...], compiled: bool = False):
     from ..prepack import prepack, prepack_problem
     from ..quantization import integer_problem, quantize
 
@@ -382,6 +384,9 @@ def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder
                 ours.append(MiniferEngine(quantize(model, "int8", impl="integer"),
                                           "minifer int8 integer"))
                 ours.append(MiniferEngine(quantize(model, "int8"), "minifer int8 auto"))
+    if compiled:  # the default model of the precision, its decode step through torch.compile
+        default = ours[-1] if precision == "int8" else ours[0]
+        ours.append(MiniferEngine(default.model, f"{default.name} compiled", compile=True))
     return ours + _peer_engines(model, precision, peers, threads, folder)
 
 
@@ -389,7 +394,7 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
         batches: tuple[int, ...] = (1, 16), prompt_len: int = 32, new_tokens: int = 32,
         rounds: int = 3, threads: int | None = None, seed: int = 0,
         model: GPT | None = None, peers: tuple[str, ...] | None = None,
-        busy_cores: int = 0) -> list[PeerRow]:
+        busy_cores: int = 0, compiled: bool = False) -> list[PeerRow]:
     """Every precision × batch: agreement with minifer's greedy tokens and decode tokens/s of
     each engine, the engines alternating within every round (one warm-up call each first).
     The model is `preset` with random weights (timings do not depend on them), or `model`.
@@ -397,7 +402,9 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
     that is not installed, or does not offer a precision on this CPU, is skipped with a
     message on stderr. A precision that no peer offers is left out of the rows.
     `busy_cores`: processes that each keep a core busy while the timed rounds run (a
-    student's laptop with something else running; `common.background_load`)."""
+    student's laptop with something else running; `common.background_load`).
+    `compiled`: also run each precision's default minifer model with ``compile=True`` (the
+    first call for each batch size compiles, in the warm-up)."""
     from .common import background_load
 
     if problem := peers_problem():
@@ -417,7 +424,7 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
     rows = []
     with tempfile.TemporaryDirectory(prefix="minifer-peers-") as tmp:
         for precision in precisions:
-            engines = _engines(model, precision, threads, Path(tmp), chosen)
+            engines = _engines(model, precision, threads, Path(tmp), chosen, compiled)
             if not any(not e.name.startswith("minifer") for e in engines):
                 continue
             for batch in batches:

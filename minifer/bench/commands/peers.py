@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--busy-cores", type=int, default=0, metavar="N",
                         help="keep N cores busy with another process while the rounds are "
                              "timed (default 0: a quiet machine)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also run minifer's default model of each precision with "
+                             "compile=True (torch.compile's step; compiling adds ~15-30 s per "
+                             "batch size to the warm-up)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the rows as JSON to PATH")
 
@@ -63,7 +67,8 @@ def run_command(args: argparse.Namespace) -> int:
     rounds = args.rounds or (5 if args.full else 3)
     rows = run(args.preset, tuple(args.precisions), tuple(batches), args.prompt_len,
                args.new_tokens, rounds, threads=torch.get_num_threads(),
-               peers=tuple(args.peers) if args.peers else None, busy_cores=args.busy_cores)
+               peers=tuple(args.peers) if args.peers else None, busy_cores=args.busy_cores,
+               compiled=args.compiled)
     print(format_report(rows))
     print(f"load average after: {loadavg()}")
     if args.json:
