@@ -57,13 +57,32 @@ def _gemv_shape(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, rowsum: 
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+def _int_mm_exact() -> bool:
+    """Does ``torch._int_mm`` return exact sums here? (torch 2.4 on x86 CPUs without VNNI adds
+    pairs of products in int16 and clips them; lesson 08 shows it.) Checked once, on operands
+    whose pair sums overflow int16 if the kernel widens them to unsigned bytes."""
+    try:
+        a = torch.full((4, 64), -127, dtype=torch.int8)
+        b = torch.full((64, 4), -127, dtype=torch.int8)
+        return torch.equal(torch._int_mm(a, b), a.int() @ b.int())
+    except Exception:  # noqa: BLE001 — a torch or CPU without it
+        return False
+
+
+INT_MM_EXACT = _int_mm_exact()
+
+
 def w8a8_int_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """`w8a8_reference` with the integer product in ``torch._int_mm`` (int8 × int8 → int32, the
     same sums): what a compiled step runs where it cannot call the C++ kernel, since
-    `torch.compile` traces through it (and not through the quantized engine's packed weights)."""
+    `torch.compile` traces through it (and not through the quantized engine's packed weights).
+    Where ``torch._int_mm`` is not exact (`INT_MM_EXACT`), the plain int32 matmul instead."""
     q, s = quantize_rows(x)
-    acc = torch._int_mm(q, w.t()) if x.shape[1] > 1 else q.to(torch.int32) @ w.to(torch.int32).t()
+    if INT_MM_EXACT and x.shape[1] > 1:
+        acc = torch._int_mm(q, w.t())
+    else:
+        acc = q.to(torch.int32) @ w.to(torch.int32).t()
     y = acc.float() * s[:, None] * scales.float()
     return y if bias is None else y + bias.float()
 
