@@ -84,12 +84,10 @@ def w8a8_int_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     same sums): what a compiled step runs where it cannot call the C++ kernel, since
     `torch.compile` traces through it (and not through the quantized engine's packed weights).
     Where ``torch._int_mm`` is not exact (`INT_MM_EXACT`), the plain int32 matmul instead."""
+    if not INT_MM_EXACT or x.shape[1] < 2:
+        return w8a8_reference(x, w, scales, bias)
     q, s = quantize_rows(x)
-    if INT_MM_EXACT and x.shape[1] > 1:
-        acc = torch._int_mm(q, w.t())
-    else:
-        acc = q.to(torch.int32) @ w.to(torch.int32).t()
-    y = acc.float() * s[:, None] * scales.float()
+    y = torch._int_mm(q, w.t()).float() * s[:, None] * scales.float()
     return y if bias is None else y + bias.float()
 
 

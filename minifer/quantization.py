@@ -582,20 +582,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.impl == "integer" and x2.shape[0] == 1 and GEMV.available():
-            if self._rowsum is None:
-                self._rowsum = self.qweight.sum(1, dtype=torch.int32)
-            bias = None if self.bias is None else self.bias.float()
-            y = GEMV(x2, self.qweight, self.scales, self._rowsum, bias).to(x.dtype)
-        elif self.impl == "integer" and torch.compiler.is_compiling():
-            y = w8a8_int_mm(x2, self.qweight, self.scales, self.bias).to(x.dtype)
-        elif self.impl == "integer":
-            engine = _quantized_engine()
-            if self._packed is None:
-                self._packed = _integer_pack(self.qweight, self.scales, None)
-                self._rowsum = self.qweight.sum(1, dtype=torch.int32)  # for a later batch of 1
-            bias = None if self.bias is None else self.bias.float()
-            y = _integer_mm(x2, self._packed, engine, bias).to(x.dtype)
+        if self.impl == "integer":
+            y = self._integer_forward(x2).to(x.dtype)
         elif self.impl == "fused":
             xc = x2.to(self.compute_dtype)
             if self.bits == 8:
@@ -609,6 +597,21 @@ class QuantizedLinear(nn.Module):
             y = F.linear(x2, self.dequantize(x.dtype),
                          None if self.bias is None else self.bias.to(x.dtype))
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _integer_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        """W8A8 of ``x2`` [M, K]: one row on the VNNI kernel where there is one, more rows in
+        the quantized engine, or in `w8a8_int_mm` inside a compiled step (which cannot trace
+        the engine's packed weights)."""
+        bias = None if self.bias is None else self.bias.float()
+        if self._rowsum is None:  # set on the first (eager) call, before a compiled step reads it
+            self._rowsum = self.qweight.sum(1, dtype=torch.int32)
+        if x2.shape[0] == 1 and GEMV.available():
+            return GEMV(x2, self.qweight, self.scales, self._rowsum, bias)
+        if torch.compiler.is_compiling():
+            return w8a8_int_mm(x2, self.qweight, self.scales, bias)
+        if self._packed is None:
+            self._packed = _integer_pack(self.qweight, self.scales, None)
+        return _integer_mm(x2, self._packed, _quantized_engine(), bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] this layer stands for."""
