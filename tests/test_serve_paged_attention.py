@@ -58,6 +58,20 @@ def test_reference_and_kernel_equal_sdpa_over_each_rows_tokens(n_kv_head, block_
 
 
 @needs_build_tools
+@pytest.mark.parametrize("hd", [16, 32, 40, 64, 128])
+@pytest.mark.parametrize("scale", [0.125, 4.0])
+def test_the_kernel_equals_sdpa_at_every_head_width(hd, scale):
+    """Widths that are a multiple of 16 run the vector path (16, 32, 64, 128), others the
+    plain loops (40); scale 4 spreads the scores past -87, where the kernel's exponential
+    clamps, and rows of 1 to 47 tokens cover the softmax's 16-wide steps and their tails."""
+    case = _case(B=8, n_head=4, n_kv_head=2, hd=hd, block_size=8, num_blocks=64, seed=hd)
+    case[4][2:] = torch.arange(2, 8) * 7 - 1  # 13, 20, ..., 48 tokens
+    ref = _sdpa_rows(*case, scale)
+    got = PA.KERNEL(*case, scale)
+    assert (got - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@needs_build_tools
 def test_the_kernel_follows_torchs_thread_count():
     case = _case(B=9, num_blocks=64)
     before = torch.get_num_threads()

@@ -6,24 +6,179 @@
 // A token t of row b sits in block block_table[b][t / block_size], slot t % block_size, so the
 // loops follow the block table instead of first copying the row's K/V into one run (what the
 // eager path must do). Rows are split over torch's threads (at::parallel_for).
+//
+// Where head_dim is a multiple of 16 (64 in GPT-2 and the shipped models) a head's query,
+// key and value rows are handled as 16-float vectors (GCC's vector extensions: AVX-512 where
+// the build targets it, two AVX2 halves or four SSE quarters elsewhere) and the softmax takes
+// its exponentials 16 at a time; other widths take the plain loops below (`Plain`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kAhead = 4;  // tokens between a prefetch and its use
 
+typedef float vf __attribute__((vector_size(64)));  // 16 floats
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+
+inline float hsum(vf v) {
+  vf8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const vf8 a = lo + hi;
+  vf4 l, h;
+  std::memcpy(&l, &a, sizeof l);
+  std::memcpy(&h, reinterpret_cast<const char*>(&a) + sizeof l, sizeof h);
+  const vf4 b = l + h;
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// e^x for x <= 0 (a score minus the row's maximum), 16 at a time: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r from Cephes' expf polynomial (within about one ulp of std::exp), and 2^n
+// written straight into the exponent bits. Below -87, where e^x is under 2^-125 and adds
+// nothing next to the maximum's e^0 = 1, x is clamped (2^n stays a normal float).
+inline vf exp_nonpositive(vf x) {
+  x = x < splat(-87.f) ? splat(-87.f) : x;
+  const vi n = __builtin_convertvector(x * 1.44269504f - 0.5f, vi);  // round(x / ln2), x <= 0
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;  // ln2 in two parts
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const vi bits = (n + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// softmax of one head's scores in place
+void softmax(float* sh, int64_t L) {
+  const int64_t full = L / 16 * 16;
+  float mx = -INFINITY;
+  if (full) {
+    vf m = load(sh);
+    for (int64_t t = 16; t < full; t += 16) {
+      const vf x = load(sh + t);
+      m = m < x ? x : m;
+    }
+    for (int i = 0; i < 16; ++i) mx = std::max(mx, m[i]);
+  }
+  for (int64_t t = full; t < L; ++t) mx = std::max(mx, sh[t]);
+  vf acc = splat(0.f);
+  for (int64_t t = 0; t < full; t += 16) {
+    const vf e = exp_nonpositive(load(sh + t) - mx);
+    store(sh + t, e);
+    acc += e;
+  }
+  float sum = hsum(acc);
+  for (int64_t t = full; t < L; ++t) sum += (sh[t] = std::exp(sh[t] - mx));
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
+}
+
+// One head's vector operations: head_dim = 16 * ND, in registers.
+template <int ND>
+struct Vec {
+  float dot(const float* a, const float* b) const {
+    vf s = load(a) * load(b);
+    for (int i = 1; i < ND; ++i) s += load(a + 16 * i) * load(b + 16 * i);
+    return hsum(s);
+  }
+  void axpy(float w, const float* x, float* y) const {  // y += w * x
+    const vf wv = splat(w);
+    for (int i = 0; i < ND; ++i) store(y + 16 * i, load(y + 16 * i) + wv * load(x + 16 * i));
+  }
+};
+
+// Any other head_dim: loops the compiler vectorizes as it can.
+struct Plain {
+  int64_t D;
+  float dot(const float* a, const float* b) const {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+    return s;
+  }
+  void axpy(float w, const float* x, float* y) const {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) y[d] += w * x[d];
+  }
+};
+
+struct Shapes {
+  int64_t H, Hkv, D, block_size, M;
+};
+
+// Attention of rows [begin, end): scores by `op.dot`, softmax, values summed by `op.axpy`.
+template <class Op>
+void attend_rows(const Op& op, const Shapes& sh, const float* qp, const float* kp,
+                 const float* vp, const int64_t* table, const int64_t* len, float s,
+                 float* op_out, int64_t begin, int64_t end) {
+  const int64_t H = sh.H, D = sh.D, block_size = sh.block_size;
+  const int64_t G = H / sh.Hkv;  // query heads per K/V head (grouped-query attention)
+  const int64_t run = sh.Hkv * D;  // one token's keys (or values), every head: one run
+  std::vector<float> scores, acc(H * D);
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t L = len[b];
+    const float* qb = qp + b * H * D;
+    // token t = j * block_size + r sits in slot r of block table[b * M + j]
+    const int64_t* blocks = table + b * sh.M;
+    auto at = [&](int64_t t) { return (blocks[t / block_size] * block_size + t % block_size) * run; };
+    // The pool comes from memory, not cache (a step reads every layer's pool and the weights
+    // in between), and a row's blocks lie anywhere: the hardware prefetcher, which follows
+    // one run and stops at page ends, leaves each new block's first reads waiting. So the
+    // key pass asks for the keys and values kAhead tokens on, the value pass for the values.
+    scores.resize(H * L);  // scores[head * L + t]
+    for (int64_t t = 0; t < L; ++t) {
+      if (t + kAhead < L) {
+        const int64_t ahead = at(t + kAhead);
+        for (int64_t i = 0; i < run; i += 16) {  // a cache line
+          __builtin_prefetch(kp + ahead + i);
+          __builtin_prefetch(vp + ahead + i, 0, 2);
+        }
+      }
+      const float* k = kp + at(t);
+      for (int64_t hq = 0; hq < H; ++hq) scores[hq * L + t] = op.dot(qb + hq * D, k + hq / G * D) * s;
+    }
+    for (int64_t hq = 0; hq < H; ++hq) softmax(scores.data() + hq * L, L);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t = 0; t < L; ++t) {
+      if (t + kAhead < L) {
+        const int64_t ahead = at(t + kAhead);
+        for (int64_t i = 0; i < run; i += 16) __builtin_prefetch(vp + ahead + i);
+      }
+      const float* v = vp + at(t);
+      for (int64_t hq = 0; hq < H; ++hq) op.axpy(scores[hq * L + t], v + hq / G * D, acc.data() + hq * D);
+    }
+    std::copy(acc.begin(), acc.end(), op_out + b * H * D);
+  }
+}
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& block_table, const at::Tensor& lengths, double scale) {
   // shapes, dtypes and contiguity are checked by the Python caller (PagedDecodeKernel)
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t block_size = k_pool.size(1), Hkv = k_pool.size(2), M = block_table.size(1);
-  const int64_t G = H / Hkv;  // query heads per K/V head (grouped-query attention)
+  const int64_t B = q.size(0);
+  const Shapes sh{q.size(1), k_pool.size(2), q.size(2), k_pool.size(1), block_table.size(1)};
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_pool.data_ptr<float>();
@@ -32,74 +187,24 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   const int64_t* len = lengths.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
+  const int64_t room = sh.M * sh.block_size;
   for (int64_t b = 0; b < B; ++b)  // the loops below read raw memory: indices checked first
-    TORCH_CHECK(len[b] >= 1 && len[b] <= M * block_size, "paged decode: row ", b, " length ",
-                len[b], " outside [1, ", M * block_size, "]");
-  for (int64_t j = 0; j < B * M; ++j)
+    TORCH_CHECK(len[b] >= 1 && len[b] <= room, "paged decode: row ", b, " length ", len[b],
+                " outside [1, ", room, "]");
+  for (int64_t j = 0; j < B * sh.M; ++j)
     TORCH_CHECK(table[j] >= 0 && table[j] < k_pool.size(0), "paged decode: block id ", table[j],
                 " outside [0, ", k_pool.size(0), ")");
 
-  // one row per task: a token's keys (or values) for every head are one contiguous run of
-  // n_kv_head * head_dim numbers, read in one pass
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(H * D);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t L = len[b];
-      const float* qb = qp + b * H * D;
-      // token t = j * block_size + r sits in slot r of block table[b * M + j]: walk the table
-      // block by block
-      const int64_t* blocks = table + b * M;
-      const int64_t run = Hkv * D;  // one token's keys (or values), every head
-      // The pool comes from memory, not cache (a step reads every layer's pool and the weights
-      // in between), and a row's blocks lie anywhere: the hardware prefetcher, which follows
-      // one run and stops at page ends, leaves each new block's first reads waiting. So the
-      // key pass asks for the keys and values kAhead tokens on, the value pass for the values.
-      auto for_each_token = [&](const float* pool, auto&& visit) {
-        for (int64_t j = 0, t = 0; t < L; ++j) {
-          const float* base = pool + blocks[j] * block_size * run;
-          for (int64_t r = 0; r < block_size && t < L; ++r, ++t) {
-            const int64_t ahead = t + kAhead;
-            if (ahead < L) {
-              const int64_t at =
-                  (blocks[ahead / block_size] * block_size + ahead % block_size) * run;
-              for (int64_t i = 0; i < run; i += 16) __builtin_prefetch(pool + at + i);  // a line
-              if (pool == kp)
-                for (int64_t i = 0; i < run; i += 16) __builtin_prefetch(vp + at + i, 0, 2);
-            }
-            visit(t, base + r * run);
-          }
-        }
-      };
-      scores.resize(H * L);  // scores[head * L + t]
-      for_each_token(kp, [&](int64_t t, const float* k) {
-        for (int64_t hq = 0; hq < H; ++hq) {
-          const float* qh = qb + hq * D;
-          const float* kh = k + (hq / G) * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
-          scores[hq * L + t] = dot * s;
-        }
-      });
-      for (int64_t hq = 0; hq < H; ++hq) {  // softmax over the row's tokens
-        float* sh = scores.data() + hq * L;
-        const float mx = *std::max_element(sh, sh + L);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) sum += (sh[t] = std::exp(sh[t] - mx));
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_token(vp, [&](int64_t t, const float* v) {
-        for (int64_t hq = 0; hq < H; ++hq) {
-          const float w = scores[hq * L + t];
-          const float* vh = v + (hq / G) * D;
-          float* a = acc.data() + hq * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += w * vh[d];
-        }
-      });
-      std::copy(acc.begin(), acc.end(), op + b * H * D);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {  // one row per task
+    auto rows = [&](const auto& dot) {
+      attend_rows(dot, sh, qp, kp, vp, table, len, s, op, begin, end);
+    };
+    switch (sh.D % 16 ? 0 : sh.D / 16) {
+      case 1: rows(Vec<1>{}); break;
+      case 2: rows(Vec<2>{}); break;
+      case 4: rows(Vec<4>{}); break;
+      case 8: rows(Vec<8>{}); break;
+      default: rows(Plain{sh.D});
     }
   });
   return out;
