@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the engine steps: 'process' (default: a process of its own, "
                         "the weights shared with it; a thread where it cannot start) or "
                         "'thread' (a thread of the server's process)")
+    p.add_argument("--engine-replicas", type=int, default=1, metavar="N",
+                   help="engine processes, each with its share of --max-num-seqs and of the "
+                        "KV pool (default: 1); on a machine whose cores are shared with other "
+                        "work, N single-threaded replicas keep going where one engine's "
+                        "threads wait for each other (vLLM: --data-parallel-size)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -107,7 +112,7 @@ def server_options(args: argparse.Namespace) -> dict:
                 api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                 allowed_hosts=hosts, scheduling_policy=args.scheduling_policy,
                 read_timeout_s=args.read_timeout, max_header_bytes=args.max_header_bytes,
-                threads=args.threads, engine_in=args.engine_in)
+                threads=args.threads, engine_in=args.engine_in, replicas=args.engine_replicas)
 
 
 def load_model(name: str, device=None):

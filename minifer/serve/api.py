@@ -47,6 +47,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..checks import check_int
 from .async_engine import DEFAULT_MAX_WAITING, AsyncEngine, RequestHandle, engine_max_model_len
 from .engine_process import ENGINES, EngineProcess
 from .errors import APIError
@@ -60,6 +61,7 @@ from .guard import (
     json_bytes,
 )
 from .prometheus import ServerMetrics
+from .replicas import EngineReplicas
 
 __all__ = ["create_app", "running_server", "server_config", "ServerMetrics", "DEFAULT_HOST",
            "LOOPBACK_HOSTS"]
@@ -77,7 +79,8 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
                scheduling_policy: str = "fcfs", read_timeout_s: float = READ_TIMEOUT_S,
                max_body_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES,
-               threads: int | str | None = None, engine_in: str = "thread"):
+               threads: int | str | None = None, engine_in: str = "thread",
+               replicas: int = 1):
     """A FastAPI app serving `engine` (an `LLMEngine`) as model `model_name`.
 
     Limits (claim MET-5): `max_model_len` (prompt + max_tokens - 1; default: what the engine can
@@ -93,6 +96,9 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     ``"thread"`` (`AsyncEngine`, a thread of this process) or ``"process"`` (`EngineProcess`,
     a process of its own, built from `engine`'s model and options, or in a thread after a
     warning where that process cannot start). It starts and stops with the app (its lifespan).
+    `replicas` (with ``engine_in="process"``): that many engine processes, each with its share
+    of ``max_num_seqs`` and of the KV pool (`EngineReplicas`; one process where they cannot
+    start).
     """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -111,6 +117,10 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                          f"engine can hold), got {max_model_len!r}")
     if engine_in not in ENGINES:
         raise ValueError(f"engine_in must be one of {ENGINES}, got {engine_in!r}")
+    check_int("replicas", replicas, 1)
+    if replicas > 1 and engine_in != "process":
+        raise ValueError(f"replicas={replicas} runs engine processes: it needs "
+                         f"engine_in='process', got {engine_in!r}")
     if scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
                          f"{scheduling_policy!r}")
@@ -137,7 +147,11 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                        max_model_len=limits.max_model_len, permission=[S.ModelPermission(
                            id=f"modelperm-{model_name}", created=created)])
 
-    if engine_in == "process":
+    if replicas > 1:
+        bm = engine.block_manager
+        aengine = EngineReplicas(engine, replicas, max_waiting=max_waiting, threads=threads,
+                                 blocks_needed=-(-max_model_len // bm.block_size), fallback=True)
+    elif engine_in == "process":
         aengine = EngineProcess(engine, max_waiting=max_waiting, threads=threads, fallback=True)
     else:
         aengine = AsyncEngine(engine, max_waiting=max_waiting, threads=threads)
@@ -430,7 +444,7 @@ def _free_socket(host: str, port: int) -> socket.socket:
 
 _APP_OPTIONS = ("model_root", "max_model_len", "max_tokens", "request_timeout_s", "max_waiting",
                 "api_key", "allowed_hosts", "scheduling_policy", "read_timeout_s",
-                "max_body_bytes", "max_header_bytes", "threads", "engine_in")
+                "max_body_bytes", "max_header_bytes", "threads", "engine_in", "replicas")
 
 
 @contextlib.contextmanager

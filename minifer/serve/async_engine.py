@@ -111,6 +111,8 @@ class AsyncEngine:
     (`minifer.threads.ThreadGovernor`).
     """
 
+    id_prefix = "srv-"  # request ids are id_prefix + a count (`EngineReplicas` sets one each)
+
     def __init__(self, engine: Any, *, max_waiting: int = DEFAULT_MAX_WAITING,
                  on_finish: Callable[[Any], None] | None = None,
                  on_step: Callable[[], None] | None = None,
@@ -159,6 +161,12 @@ class AsyncEngine:
         with self._cv:
             return len(self._unstarted)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted by the server and not finished (queued, waiting or running)."""
+        with self._cv:
+            return len(self._unstarted.union(self._handles))
+
     async def add(self, prompt, params, priority: int = 0, *,
                   prompt_logprobs: int | None = None, **options) -> RequestHandle:
         """Queue a request; its handle once the engine accepted it.
@@ -181,7 +189,7 @@ class AsyncEngine:
                                f" retry in {RETRY_AFTER_S} s", type="rate_limit_error",
                                code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
             self._counter += 1
-            rid = f"srv-{self._counter}"
+            rid = f"{self.id_prefix}{self._counter}"
             handle = RequestHandle(rid)
             self._unstarted.add(rid)
             self._inbox.append(("add", rid, prompt, params, priority, dict(options),

@@ -1,0 +1,192 @@
+"""`EngineReplicas`: several engine processes behind one server, each with a share of the seats.
+
+torch splits one step over its threads and the threads meet at the end of every operation, so
+a step goes at the pace of its slowest thread: when another program (or the server's own HTTP
+side) takes part of a core, the thread on that core holds up the whole step, and from about 40%
+busy a second thread is worth nothing (BENCHMARKS.md, "Threads under load"). Replicas split
+the work the other way: each is a whole `LLMEngine` in a process of its own (`EngineProcess`)
+with one share of `max_num_seqs` and of the KV pool, stepping its own requests with its own
+threads, and no replica ever waits for another. The operating system shares the cores out
+between them, so a core that is partly busy slows one replica a little instead of every step
+of the only one. vLLM calls the same layout data parallelism (``--data-parallel-size``).
+
+The server's limits stay what they say: ``max_num_seqs=32`` over 2 replicas is 16 seats each,
+32 in all; the pool's blocks are split the same way. A new request goes to the replica with the
+fewest requests in flight. The model's weights reach every replica in shared memory (one copy).
+Prefix caching works within a replica; the same prefix sent to two replicas is computed twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from types import SimpleNamespace
+from typing import Any
+
+from ..checks import check_int
+from .async_engine import DEFAULT_MAX_WAITING, RETRY_AFTER_S, check_loop_options, engine_stats
+from .engine_process import EngineProcess
+from .errors import APIError
+
+__all__ = ["EngineReplicas", "split", "replica_options"]
+
+log = logging.getLogger("minifer.serve")
+
+_RID = re.compile(r"^srv-r(\d+)-\d+$")
+
+
+def split(total: int, parts: int) -> list[int]:
+    """`total` in `parts` shares that differ by at most one, the larger ones first."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def replica_options(options: dict, replicas: int, blocks_needed: int) -> list[dict]:
+    """Each replica's `LLMEngine` options: `options` with ``max_num_seqs`` and ``num_blocks``
+    split between `replicas`. ValueError when a share would hold no seat, or fewer blocks than
+    the longest request the server admits (`blocks_needed`)."""
+    check_int("replicas", replicas, 1)
+    seats, blocks = options["max_num_seqs"], options["num_blocks"]
+    if replicas > seats:
+        raise ValueError(f"replicas must be at most max_num_seqs ({seats}): every replica "
+                         f"needs a seat, got {replicas}")
+    if blocks // replicas < blocks_needed:
+        raise ValueError(f"num_blocks={blocks} split over {replicas} replicas leaves "
+                         f"{blocks // replicas} blocks each, fewer than the {blocks_needed} the "
+                         f"longest request needs; use fewer replicas or more blocks")
+    return [dict(options, max_num_seqs=s, num_blocks=b)
+            for s, b in zip(split(seats, replicas), split(blocks, replicas))]
+
+
+class EngineReplicas:
+    """`AsyncEngine`'s interface (add, abort, stats, alive, num_waiting; the same admission
+    control and errors) over `replicas` engine processes (see the module docstring).
+
+    `engine`: an `LLMEngine` whose model and options the replicas are built from (it is never
+    stepped). `threads` applies in each replica (``"auto"`` there counts the other replicas'
+    CPU time as others' load). `fallback`: where a replica cannot start, run one
+    `EngineProcess` with every seat instead (itself falling back to a thread), with a warning.
+    """
+
+    def __init__(self, engine: Any, replicas: int, *, max_waiting: int = DEFAULT_MAX_WAITING,
+                 on_finish=None, on_step=None, threads: int | str | None = None,
+                 blocks_needed: int = 1, fallback: bool = False) -> None:
+        check_loop_options(max_waiting, threads)
+        options = getattr(engine, "options", None)
+        if not isinstance(options, dict):
+            raise TypeError(f"replicas are built from an engine's options; a "
+                            f"{type(engine).__name__} has none (an LLMEngine has)")
+        self.engine, self.max_waiting, self.threads = engine, max_waiting, threads
+        self.fallback = fallback
+        self._on_finish, self._on_step = on_finish, on_step
+        self.children: list[EngineProcess] = []
+        for i, opts in enumerate(replica_options(options, replicas, blocks_needed)):
+            shard = SimpleNamespace(model=engine.model, tokenizer=engine.tokenizer, options=opts)
+            child = EngineProcess(shard, max_waiting=max_waiting, on_finish=on_finish,
+                                  on_step=on_step, threads=threads)
+            child.id_prefix = f"srv-r{i}-"
+            # its gauges until the replica reports: the given engine's (never stepped, so
+            # empty), with this replica's share of the blocks
+            child.stats = dict(engine_stats(engine), blocks_total=opts["num_blocks"])
+            self.children.append(child)
+
+    # ---- callbacks, set on every replica ---------------------------------------------------
+    @property
+    def on_finish(self):
+        return self._on_finish
+
+    @on_finish.setter
+    def on_finish(self, fn) -> None:
+        self._on_finish = fn
+        for c in self.children:
+            c.on_finish = fn
+
+    @property
+    def on_step(self):
+        return self._on_step
+
+    @on_step.setter
+    def on_step(self, fn) -> None:
+        self._on_step = fn
+        for c in self.children:
+            c.on_step = fn
+
+    # ---- life ------------------------------------------------------------------------------
+    def start(self) -> None:
+        started = []
+        try:
+            for c in self.children:
+                c.start()
+                started.append(c)
+        except RuntimeError as err:
+            for c in started:
+                c.stop()
+            if not self.fallback:
+                raise
+            log.warning("%s; serving with one engine process instead of %d replicas", err,
+                        len(self.children))
+            one = EngineProcess(self.engine, max_waiting=self.max_waiting,
+                                on_finish=self._on_finish, on_step=self._on_step,
+                                threads=self.threads, fallback=True)
+            self.children = [one]
+            one.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for c in self.children:
+            c.stop(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return all(c.alive for c in self.children)
+
+    # ---- requests ---------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return sum(c.num_waiting for c in self.children)
+
+    async def add(self, prompt, params, priority: int = 0, **options):
+        """Queue a request on the replica with the fewest in flight (see `AsyncEngine.add`)."""
+        waiting = self.num_waiting
+        if waiting >= self.max_waiting:
+            raise APIError(429, f"server over capacity: {waiting} requests are already "
+                           f"waiting for their first token (max_waiting={self.max_waiting}); "
+                           f"retry in {RETRY_AFTER_S} s", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        child = min(self.children, key=lambda c: c.num_in_flight)
+        return await child.add(prompt, params, priority, **options)
+
+    def abort(self, request_id: str) -> None:
+        m = _RID.match(request_id)
+        if m is not None and int(m.group(1)) < len(self.children):
+            self.children[int(m.group(1))].abort(request_id)
+        elif len(self.children) == 1:  # after a fallback: one engine with every request
+            self.children[0].abort(request_id)
+
+    # ---- what the metrics read ---------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, float]:
+        """The replicas' gauges added up (the KV usage and prefix hit rate over all blocks)."""
+        parts = [dict(c.stats) for c in self.children]
+        total: dict[str, float] = {}
+        for key in ("running", "waiting", "preemptions", "blocks_total", "blocks_used"):
+            if all(key in p for p in parts):
+                total[key] = sum(p[key] for p in parts)
+        if total.get("blocks_total"):
+            total["kv_usage"] = total["blocks_used"] / total["blocks_total"]
+        rates = [p["prefix_cache_hit_rate"] for p in parts if "prefix_cache_hit_rate" in p]
+        if rates:
+            total["prefix_cache_hit_rate"] = math.fsum(rates) / len(rates)
+        return total
+
+    @property
+    def num_steps(self) -> int:
+        return sum(c.num_steps for c in self.children)
+
+    @property
+    def num_step_errors(self) -> int:
+        return sum(c.num_step_errors for c in self.children)
+
+    @property
+    def threads_in_force(self) -> list[int | None]:
+        """Each replica's torch threads."""
+        return [c.threads_in_force for c in self.children]

@@ -1,0 +1,133 @@
+"""Engine replicas (`EngineReplicas`, ``--engine-replicas N``): the seats and the pool split
+without losing any, every replica serving, the same greedy streams as one engine, the server's
+limits over all replicas, aborts reaching the replica that holds the request, and clear errors
+for splits that cannot work."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from conftest import lively_model
+from process_double import FileSteeredGPT
+
+import minifer as mf
+from minifer.serve.api import running_server
+from minifer.serve.engine import LLMEngine
+from minifer.serve.errors import APIError
+from minifer.serve.replicas import EngineReplicas, replica_options, split
+
+PROMPTS = ["Hello", "To be, or not", "a", "The quick brown fox", "0123456789", "zz top",
+           "One more", "and the last"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lively_model("tiny")
+
+
+def test_shares_add_up_and_bad_splits_are_refused():
+    assert split(32, 2) == [16, 16] and split(7, 3) == [3, 2, 2] and split(5, 1) == [5]
+    opts = dict(max_num_seqs=5, num_blocks=40, block_size=16, policy="continuous")
+    shares = replica_options(opts, 2, blocks_needed=8)
+    assert [s["max_num_seqs"] for s in shares] == [3, 2]
+    assert [s["num_blocks"] for s in shares] == [20, 20]
+    assert all(s["policy"] == "continuous" and s["block_size"] == 16 for s in shares)
+    with pytest.raises(ValueError, match="replicas must be at most max_num_seqs"):
+        replica_options(opts, 6, blocks_needed=1)
+    with pytest.raises(ValueError, match="fewer than the 30 the longest request needs"):
+        replica_options(opts, 2, blocks_needed=30)
+    with pytest.raises(ValueError, match="replicas"):
+        replica_options(opts, 0, blocks_needed=1)
+
+
+def test_replicas_need_an_engine_with_options_and_processes(model):
+    with pytest.raises(TypeError, match="has none"):
+        EngineReplicas(object(), 2)
+    with pytest.raises(ValueError, match="engine_in='process'"):
+        with running_server(model, mf.ByteTokenizer(), model_name="tiny", max_num_seqs=4,
+                            engine_in="thread", replicas=2):
+            pass
+
+
+def _stream(url: str, prompt: str) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def _all_streams(url: str) -> list[str]:
+    async def everyone():
+        return await asyncio.gather(*(asyncio.to_thread(_stream, url, p) for p in PROMPTS))
+
+    return asyncio.run(everyone())
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_two_replicas_stream_what_one_engine_streams_and_share_the_work(model):
+    tok = mf.ByteTokenizer()
+    alone = [c.text for c in mf.generate(model, PROMPTS, mf.SamplingParams(
+        temperature=0, max_new_tokens=10, ignore_eos=True), tok)]
+    engine = LLMEngine(model, tok, max_num_seqs=4, kv_read="kernel")
+    with running_server(engine=engine, model_name="tiny", engine_in="process",
+                        replicas=2) as url:
+        for _ in range(3):  # the first round warms both replicas up
+            assert _all_streams(url) == alone
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _metric(url, "minifer_kv_blocks_used"):
+            time.sleep(0.05)
+        assert _metric(url, "minifer_kv_blocks_used") == 0
+        assert _metric(url, "minifer_kv_blocks_total") == engine.block_manager.num_blocks
+
+
+def test_limits_hold_over_all_replicas_and_aborts_reach_their_replica(model, tmp_path):
+    gate = tmp_path / "gate"
+    steered = FileSteeredGPT.like(model, str(gate), str(tmp_path / "fail"))
+    reps = EngineReplicas(LLMEngine(steered, mf.ByteTokenizer(), max_num_seqs=2), 2,
+                          max_waiting=3)
+    reps.start()
+    try:
+        assert reps.alive and len(reps.threads_in_force) == 2
+        assert reps.stats["blocks_used"] == 0 and reps.stats["blocks_total"] == 128 * 2 // 16
+        params = mf.SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)
+
+        async def scenario():
+            gate.touch()  # every forward call waits: no request gets its first token
+            queued = [asyncio.create_task(reps.add([1, 2, 3], params)) for _ in range(3)]
+            await asyncio.sleep(0.5)
+            assert reps.num_waiting == 3
+            assert sorted(c.num_in_flight for c in reps.children) == [1, 2]  # least loaded
+            with pytest.raises(APIError) as err:  # max_waiting counts every replica's
+                await reps.add([1, 2, 3], params)
+            assert err.value.status == 429
+            gate.unlink()
+            handles = await asyncio.gather(*queued)
+            for h in handles:
+                reps.abort(h.request_id)  # each abort goes to the replica holding it
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and (reps.stats["blocks_used"]
+                                                   or sum(c.num_in_flight
+                                                          for c in reps.children)):
+                await asyncio.sleep(0.05)
+            assert reps.stats["blocks_used"] == 0 and reps.stats["running"] == 0
+            assert {h.request_id.split("-")[1] for h in handles} == {"r0", "r1"}
+
+        asyncio.run(scenario())
+    finally:
+        reps.stop()
+    assert not reps.alive
