@@ -34,12 +34,14 @@ __all__ = ["Variant", "HttpRow", "free_port", "checkout_root", "server_takes", "
 @dataclass(frozen=True)
 class Variant:
     """A server to start: the checkout on ``PYTHONPATH`` (None: this one), its ``--threads``
-    (None: the server's default) and its ``--engine-in`` (None: the server's default)."""
+    (None: the server's default), its ``--engine-in`` and its ``--engine-replicas`` (None:
+    the server's default)."""
 
     label: str
     root: str | None = None
     threads: int | str | None = None
     engine_in: str | None = None
+    replicas: int | None = None
 
 
 @dataclass
@@ -118,6 +120,8 @@ def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
         cmd += ["--threads", str(variant.threads)]
     if variant.engine_in is not None:
         cmd += ["--engine-in", variant.engine_in]
+    if variant.replicas is not None:
+        cmd += ["--engine-replicas", str(variant.replicas)]
     env = dict(os.environ)
     if variant.root is not None:
         env["PYTHONPATH"] = checkout_root(variant.root)

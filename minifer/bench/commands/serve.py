@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="one variant per --engine-in of the server: the engine in a thread "
                       "of the server's process or in a process of its own (default: the "
                       "server's default; a checkout whose server has no --engine-in runs once)")
+    http.add_argument("--server-replicas", nargs="+", type=int, default=None, metavar="N",
+                      help="one variant per --engine-replicas of the server (engine processes "
+                      "sharing the seats; default: the server's default; a checkout whose "
+                      "server has no --engine-replicas runs once)")
     http.add_argument("--rates", type=float, nargs="+", default=[float("inf")],
                       help="arrival rates, requests/s (default: inf)")
     http.add_argument("--busy-cores", type=int, nargs="+", default=[0],
@@ -130,12 +134,17 @@ def _run_http(args: argparse.Namespace) -> int:
         engines = [None if e == "default" else e for e in args.server_engines or ["default"]]
         if not server_takes(root, "--engine-in"):  # an older checkout: its own default only
             engines = [None]
+        replicas = args.server_replicas or [None]
+        if not server_takes(root, "--engine-replicas"):
+            replicas = [None]
         for t in threads:
             value = None if t == "default" else (t if t == "auto" else int(t))
             for where in engines:
-                name = label + (f" threads={t}" if len(threads) > 1 else "") \
-                    + (f" engine in {where or 'default'}" if len(engines) > 1 else "")
-                variants.append(Variant(name, root, value, where))
+                for n in replicas:
+                    name = label + (f" threads={t}" if len(threads) > 1 else "") \
+                        + (f" engine in {where or 'default'}" if len(engines) > 1 else "") \
+                        + (f" replicas={n}" if len(replicas) > 1 else "")
+                    variants.append(Variant(name, root, value, where, n))
     model = (args.models or ["shakespeare"])[0]
     info, before = machine_info(), loadavg()
 
