@@ -13,6 +13,7 @@ import httpx
 import pytest
 from conftest import lively_model
 from process_double import FileSteeredGPT
+from test_serve_engine_process import _metric
 
 import minifer as mf
 from minifer.serve.api import running_server
@@ -70,13 +71,6 @@ def _all_streams(url: str) -> list[str]:
         return await asyncio.gather(*(asyncio.to_thread(_stream, url, p) for p in PROMPTS))
 
     return asyncio.run(everyone())
-
-
-def _metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no {name} in /metrics")
 
 
 def test_two_replicas_stream_what_one_engine_streams_and_share_the_work(model):
