@@ -48,11 +48,13 @@ def test_shares_add_up_and_bad_splits_are_refused():
 def test_auto_threads_share_the_cores_between_replicas(model, monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     engine = LLMEngine(model, mf.ByteTokenizer(), max_num_seqs=4)
-    assert EngineReplicas(engine, 2, threads="auto").threads == 4
-    assert EngineReplicas(engine, 3, threads="auto").threads == 2
+    reps = EngineReplicas(engine, 2, threads="auto")
+    assert reps.replica_threads == 4 and [c.threads for c in reps.children] == [4, 4]
+    assert reps.threads == "auto"  # a fallback to one engine process still follows the cores
+    assert EngineReplicas(engine, 3, threads="auto").replica_threads == 2
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    assert EngineReplicas(engine, 4, threads="auto").threads == 1
-    assert EngineReplicas(engine, 2, threads=3).threads == 3  # a number stays as given
+    assert EngineReplicas(engine, 4, threads="auto").replica_threads == 1
+    assert EngineReplicas(engine, 2, threads=3).replica_threads == 3  # a number stays as given
 
 
 def test_replicas_need_an_engine_with_options_and_processes(model):

@@ -79,9 +79,11 @@ class EngineReplicas:
         if not isinstance(options, dict):
             raise TypeError(f"replicas are built from an engine's options; a "
                             f"{type(engine).__name__} has none (an LLMEngine has)")
+        # as given: what a fallback to one engine process uses
+        self.engine, self.max_waiting, self.threads = engine, max_waiting, threads
         if threads == "auto":
             threads = max(1, (os.cpu_count() or 1) // replicas)
-        self.engine, self.max_waiting, self.threads = engine, max_waiting, threads
+        self.replica_threads = threads
         self.fallback = fallback
         self._on_finish, self._on_step = on_finish, on_step
         self.children: list[EngineProcess] = []
