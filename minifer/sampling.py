@@ -298,7 +298,7 @@ def sample(
         raise ValueError(f"generators must hold one generator per row ({processed.shape[0]}), "
                          f"got {len(generators)}")
     if params.greedy:
-        return processed.argmax(dim=-1)
+        return first_argmax(processed)
     probs = processed.softmax(dim=-1)
     if generators is None:
         return draw(probs)
@@ -319,6 +319,31 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     u = torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=dtype, device=probs.device)
     idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1)
     return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def first_argmax(logits: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """Each row's argmax of ``(B, V)`` logits (the first index of its maximum), as
+    ``logits.argmax(dim=-1)`` gives it: the greedy token.
+
+    On the CPU, torch's argmax keeps an index beside every comparison and runs about 10x slower
+    than its plain maximum (5.6 against 0.5 ms for 64 rows of GPT-2's 50,257 logits, one
+    thread: 3% of a batch-64 decode step). So the row is cut into chunks of `chunk` entries:
+    each chunk's maximum (a plain max-reduction), the first chunk holding the row's maximum
+    (an argmax over a few hundred numbers), and the first maximum inside that chunk. The first
+    chunk holding the maximum holds its first index, so the answer is argmax's exactly (NaN
+    included: a chunk's max is NaN where it holds one, and argmax takes NaN as the largest).
+    """
+    B, V = logits.shape
+    n = V // chunk
+    if logits.device.type != "cpu" or n < 4:
+        return logits.argmax(dim=-1)
+    maxima = logits[:, : n * chunk].reshape(B, n, chunk).amax(dim=-1)  # (B, n)
+    if V > n * chunk:
+        maxima = torch.cat([maxima, logits[:, n * chunk :].amax(dim=-1, keepdim=True)], dim=1)
+    first = maxima.argmax(dim=-1)  # (B,): the chunk of each row's first maximum
+    cols = first[:, None] * chunk + torch.arange(chunk, device=logits.device)
+    cols = cols.clamp_(max=V - 1)  # the last chunk may be short: repeat its last entry
+    return first * chunk + logits.gather(1, cols).argmax(dim=-1)
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from minifer.sampling import (
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
+    first_argmax,
     make_generators,
     process_logits,
     sample,
@@ -193,6 +194,28 @@ def test_greedy_is_argmax(values, k, p):
     params = SamplingParams(temperature=0, top_k=k, top_p=p, seed=3)
     assert torch.equal(sample(logits, params), logits.argmax(-1))
     assert make_generators(params, 2, torch.device("cpu")) is None  # greedy needs no RNG
+
+
+@FAST
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 300), chunk=st.integers(1, 40),
+       levels=st.integers(1, 6), specials=st.lists(st.sampled_from([math.inf, -math.inf, math.nan]),
+                                                   max_size=3), seed=st.integers(0, 999))
+def test_first_argmax_is_torch_argmax(rows, vocab, chunk, levels, specials, seed):
+    """The chunked argmax picks what torch's argmax picks: the first maximum, with ties (few
+    distinct values), ±inf, NaN, a short last chunk and rows of one chunk or less."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(levels, (rows, vocab), generator=g).float()
+    for i, value in enumerate(specials):
+        logits.view(-1)[(seed * (i + 7)) % logits.numel()] = value
+    assert torch.equal(first_argmax(logits, chunk), logits.argmax(-1))
+
+
+def test_first_argmax_on_a_vocabulary_of_gpt2s_size():
+    logits = torch.randn(16, 50257, generator=torch.Generator().manual_seed(2))
+    logits[3, 50256] = logits[5, 0] = logits[7, 25000] = 100.0  # the last, first, a middle entry
+    logits[9, 100] = logits[9, 40000] = 100.0  # a tie: the first one wins
+    assert torch.equal(first_argmax(logits), logits.argmax(-1))
+    assert first_argmax(logits)[9] == 100
 
 
 def test_top_k_1_sampling_is_greedy():
