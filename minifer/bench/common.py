@@ -19,7 +19,7 @@ import torch
 
 from ..checks import check_int
 
-__all__ = ["random_ids", "busy_warning", "loadavg", "machine_info"]
+__all__ = ["random_ids", "busy_warning", "loadavg", "machine_info", "background_load", "cpu_seconds"]
 
 
 def random_ids(batch: int, tokens: int, vocab_size: int, seed: int = 0,
@@ -71,16 +71,45 @@ def machine_info() -> dict:
 
 
 @contextlib.contextmanager
-def background_load(cores: int, max_s: float = 600.0) -> Iterator[None]:
+def background_load(cores: int, max_s: float = 600.0) -> Iterator[list[int]]:
     """`cores` processes that each keep one core busy while the block runs (each also stops by
-    itself after `max_s` seconds, so none outlives a crashed benchmark for long)."""
+    itself after `max_s` seconds, so none outlives a crashed benchmark for long); yields their
+    process ids (for `cpu_seconds`)."""
     check_int("cores", cores, 0)
     spin = f"import time\nend = time.monotonic() + {max_s}\nwhile time.monotonic() < end: pass"
     procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(cores)]
     try:
-        yield
+        yield [p.pid for p in procs]
     finally:
         for p in procs:
             p.kill()
         for p in procs:
             p.wait()
+
+
+def cpu_seconds(pids: list[int], descendants: bool = True) -> float | None:
+    """CPU time (user + system, seconds) the processes `pids` have used so far, with their
+    descendants' (a server's engine processes), read from ``/proc``; None where there is no
+    ``/proc`` (not Linux). Two readings around a run say where the machine's time went: the
+    server's CPU per output token, and how much of the cores a background load took."""
+    if not os.path.isdir("/proc/self/task"):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    table: dict[int, tuple[int, float]] = {}  # pid -> (parent, cpu seconds)
+    for name in os.listdir("/proc") if descendants else map(str, pids):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces
+        except OSError:  # gone meanwhile
+            continue
+        table[int(name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    wanted, frontier = set(pids), list(pids)
+    while descendants and frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _) in table.items():
+            if ppid == parent and pid not in wanted:
+                wanted.add(pid)
+                frontier.append(pid)
+    return sum(table[p][1] for p in wanted if p in table)

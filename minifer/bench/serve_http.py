@@ -8,8 +8,12 @@ ids as prompts so every server sees the same tokens), and stops the server. The 
 turns within every round, on the quiet machine and beside a background load
 (`bench.threads.background_load`: processes that keep cores busy), so a slow spell of the
 machine hits all of them. Reported per variant and load: medians over the rounds of output
-tokens/s, mean TTFT and TPOT median / p99 (vLLM's serving-benchmark metrics), and output
-tokens/s against the first variant on the quiet machine.
+tokens/s, mean TTFT and TPOT median / p99 (vLLM's serving-benchmark metrics), output
+tokens/s against the first variant on the quiet machine, and where the CPU went during the
+load (read from ``/proc`` on Linux): the server's CPU milliseconds per output token, counting
+its engine processes, and the cores the server, the client and the background load kept busy.
+A server that uses no more CPU per token beside a busy core than on the quiet machine wastes
+nothing waiting; what it then loses is the share of the cores the background load takes.
 """
 
 from __future__ import annotations
@@ -25,8 +29,14 @@ import time
 from dataclasses import dataclass, field
 
 from ..checks import check_int
+from .common import cpu_seconds
 from .serve_load import make_requests, run_load
 from .threads import background_load
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
 
 __all__ = ["Variant", "HttpRow", "free_port", "checkout_root", "server_takes", "serve_once", "compare", "format_http"]
 
@@ -108,9 +118,12 @@ def server_takes(root: str | None, option: str) -> bool:
 
 
 def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
-               max_num_seqs: int = 32, warmup: int = 8, timeout_s: float = 600.0) -> dict:
+               max_num_seqs: int = 32, warmup: int = 8, timeout_s: float = 600.0,
+               background: list[int] = ()) -> dict:
     """Start `variant`'s server, warm it up, run `requests` (``make_requests``'s tuples)
-    against it, stop it; returns the load's summary."""
+    against it, stop it; returns the load's summary, with ``"cpu"``: the CPU seconds the
+    server (with its engine processes), this client and the `background` processes used
+    during the measured load, and its wall time (Linux; None elsewhere)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "minifer.serve", "--model", model, "--port", str(port),
@@ -136,7 +149,11 @@ def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
                 raise RuntimeError(f"{variant.label}: {err}\n{log.read()[-2000:]}") from None
             if warmup:
                 run_load(url, [(r[0], 8, 0.0) for r in requests[:warmup]], timeout_s=timeout_s)
+            before = _cpu_readings(proc.pid, background)
+            wall = time.perf_counter()
             result = run_load(url, requests, timeout_s=timeout_s)
+            wall = time.perf_counter() - wall
+            after = _cpu_readings(proc.pid, background)
         finally:
             proc.terminate()
             try:
@@ -147,7 +164,20 @@ def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
     if result.errors:
         raise RuntimeError(f"{variant.label}: {len(result.errors)} requests failed: "
                            f"{result.errors[:3]}")
-    return result.summary
+    cpu = {"wall_s": wall}
+    for key in before:
+        cpu[key] = None if before[key] is None else after[key] - before[key]
+    return {**result.summary, "cpu": cpu}
+
+
+def _cpu_readings(server: int, background: list[int]) -> dict:
+    """CPU seconds so far: the server's process tree, this process (the client), the
+    background load's processes."""
+    own = resource.getrusage(resource.RUSAGE_SELF) if resource else None
+    return {"server_s": cpu_seconds([server]),
+            "client_s": own.ru_utime + own.ru_stime if own else None,
+            "background_s": cpu_seconds(list(background), descendants=False) if background
+            else 0.0}
 
 
 def compare(variants: list[Variant], *, rates: tuple[float, ...] = (float("inf"),),
@@ -164,10 +194,10 @@ def compare(variants: list[Variant], *, rates: tuple[float, ...] = (float("inf")
     for i in range(rounds):
         for rate in rates:
             for b in busy_cores:
-                with background_load(b):
+                with background_load(b) as spinners:
                     for v in variants:
                         summary = serve_once(v, loads[rate], model=model,
-                                             max_num_seqs=max_num_seqs)
+                                             max_num_seqs=max_num_seqs, background=spinners)
                         rows[v, b, rate].runs.append(summary)
                         if on_run is not None:
                             on_run(i, rows[v, b, rate], summary)
@@ -175,8 +205,10 @@ def compare(variants: list[Variant], *, rates: tuple[float, ...] = (float("inf")
 
 
 def format_http(rows: list[HttpRow], header: str = "") -> str:
-    """A table per rate: output tok/s, mean TTFT, TPOT median / p99 (medians over rounds), and
-    output tok/s ÷ the first variant's on the quiet machine."""
+    """A table per rate: output tok/s, mean TTFT, TPOT median / p99 (medians over rounds),
+    output tok/s ÷ the first variant's on the quiet machine, and where the CPU went (medians
+    over rounds): the server's CPU milliseconds per output token (all its processes), and the
+    cores the server, the client and the background load kept busy on average."""
     lines = [header] if header else []
     for rate in sorted({r.rate for r in rows}):
         base_row = next((r for r in rows if r.rate == rate and r.busy_cores == 0), None)
@@ -184,12 +216,28 @@ def format_http(rows: list[HttpRow], header: str = "") -> str:
         lines += ["", f"rate {rate:g} req/s"
                   f" (÷ {base_row.variant.label} on the quiet machine)" if base_row else "",
                   f"{'server':<28} {'busy':>4} {'out tok/s':>10} {'per round':>22} "
-                  f"{'TTFT mean':>10} {'TPOT med/p99 ms':>16} {'÷ base':>7}"]
+                  f"{'TTFT mean':>10} {'TPOT med/p99 ms':>16} {'÷ base':>7} "
+                  f"{'CPU ms/tok':>10} {'cores srv/cli/bg':>17}"]
         for r in (r for r in rows if r.rate == rate):
             tput = r.median("output_throughput")
             per = ", ".join(f"{x['output_throughput']:.0f}" for x in r.runs)
             tpot = f"{r.median('tpot', 'median') * 1e3:.0f} / {r.median('tpot', 'p99') * 1e3:.0f}"
             ratio = f"{tput / base:.2f}" if base else "-"
+            per_token, cores = _cpu_columns(r)
             lines.append(f"{r.variant.label:<28} {r.busy_cores:>4} {tput:>10.0f} {per:>22} "
-                         f"{r.median('ttft', 'mean'):>9.2f}s {tpot:>16} {ratio:>7}")
+                         f"{r.median('ttft', 'mean'):>9.2f}s {tpot:>16} {ratio:>7} "
+                         f"{per_token:>10} {cores:>17}")
     return "\n".join(lines)
+
+
+def _cpu_columns(row: HttpRow) -> tuple[str, str]:
+    """The server's CPU ms per output token and the cores each side kept busy, as text ("-"
+    where a reading is missing: not Linux, or a summary without ``"cpu"``)."""
+    cpus = [r.get("cpu") for r in row.runs]
+    if not cpus or any(c is None or c.get("server_s") is None for c in cpus):
+        return "-", "-"
+    per_token = statistics.median(1e3 * c["server_s"] / max(1, r["output_tokens"])
+                                  for c, r in zip(cpus, row.runs))
+    cores = [statistics.median((c[k] or 0.0) / c["wall_s"] for c in cpus)
+             for k in ("server_s", "client_s", "background_s")]
+    return f"{per_token:.2f}", "/".join(f"{x:.2f}" for x in cores)
