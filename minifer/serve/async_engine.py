@@ -101,6 +101,15 @@ class RequestHandle:
         return item
 
 
+def queue_full(waiting: int, max_waiting: int) -> APIError:
+    """The 429 a server answers when `max_waiting` requests already wait for their first
+    token (`AsyncEngine` and `EngineReplicas` alike)."""
+    return APIError(429, f"server over capacity: {waiting} requests are already waiting for "
+                    f"their first token (max_waiting={max_waiting}); retry in {RETRY_AFTER_S} s",
+                    type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 class AsyncEngine:
     """Runs `engine.step()` in one background thread whenever there is work (see module doc).
 
@@ -184,10 +193,7 @@ class AsyncEngine:
         with self._cv:
             waiting = len(self._unstarted)
             if waiting >= self.max_waiting:
-                raise APIError(429, f"server over capacity: {waiting} requests are already "
-                               f"waiting for their first token (max_waiting={self.max_waiting});"
-                               f" retry in {RETRY_AFTER_S} s", type="rate_limit_error",
-                               code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+                raise queue_full(waiting, self.max_waiting)
             self._counter += 1
             rid = f"{self.id_prefix}{self._counter}"
             handle = RequestHandle(rid)

@@ -26,9 +26,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..checks import check_int
-from .async_engine import DEFAULT_MAX_WAITING, RETRY_AFTER_S, check_loop_options, engine_stats
+from .async_engine import DEFAULT_MAX_WAITING, check_loop_options, engine_stats, queue_full
 from .engine_process import EngineProcess
-from .errors import APIError
 
 __all__ = ["EngineReplicas", "split", "replica_options"]
 
@@ -155,10 +154,7 @@ class EngineReplicas:
         """Queue a request on the replica with the fewest in flight (see `AsyncEngine.add`)."""
         waiting = self.num_waiting
         if waiting >= self.max_waiting:
-            raise APIError(429, f"server over capacity: {waiting} requests are already "
-                           f"waiting for their first token (max_waiting={self.max_waiting}); "
-                           f"retry in {RETRY_AFTER_S} s", type="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise queue_full(waiting, self.max_waiting)
         child = min(self.children, key=lambda c: c.num_in_flight)
         return await child.add(prompt, params, priority, **options)
 
