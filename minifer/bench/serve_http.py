@@ -105,16 +105,21 @@ def checkout_root(root: str) -> str:
     return root
 
 
-@functools.cache
 def server_takes(root: str | None, option: str) -> bool:
     """Whether the ``python -m minifer.serve`` of checkout `root` (None: this one) has
     `option` (an older checkout may not)."""
+    return option in _server_usage(root)
+
+
+@functools.cache
+def _server_usage(root: str | None) -> str:
+    """The ``--help`` text of checkout `root`'s server: one process (which imports torch)
+    per checkout, however many options are asked about."""
     env = dict(os.environ)
     if root is not None:
         env["PYTHONPATH"] = checkout_root(root)
-    usage = subprocess.run([sys.executable, "-m", "minifer.serve", "--help"], env=env,
-                           cwd=root or None, capture_output=True, text=True).stdout
-    return option in usage
+    return subprocess.run([sys.executable, "-m", "minifer.serve", "--help"], env=env,
+                          cwd=root or None, capture_output=True, text=True).stdout
 
 
 def serve_once(variant: Variant, requests: list, *, model: str = "shakespeare",
