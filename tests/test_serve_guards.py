@@ -10,6 +10,7 @@ server schedules by priority. Everything talks to a real uvicorn server on 127.0
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -265,6 +266,32 @@ def test_huge_headers_and_bodies_are_refused(server):
     r = httpx.post(f"{url}/v1/completions", content=chunks(),
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_huge_headers_get_431_however_they_arrive(server, pieces):
+    """In one read the whole request reaches the app and `Guard` refuses it; in two, h11's
+    buffer fills first (uvicorn's own answer would be a plain 400): the same JSON 431 either
+    way."""
+    url, _ = server
+    request = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nX-Big: "
+               + b"a" * 40_000 + b"\r\n\r\n")
+    with socket.create_connection(address(url)) as sock:
+        if pieces == 1:
+            sock.sendall(request)
+        else:
+            sock.sendall(request[:20_000])
+            time.sleep(0.2)  # read by the server before the rest arrives
+            with contextlib.suppress(OSError):  # the server may have answered and closed
+                sock.sendall(request[20_000:])
+        got = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431"), head
+    assert json.loads(body)["error"]["code"] == "headers_too_large"
+    assert httpx.get(f"{url}/health").status_code == 200
 
 
 def test_connections_are_limited(tiny_model):

@@ -428,8 +428,9 @@ def server_config(app, *, max_connections: int = MAX_CONNECTIONS, log_level: str
     if isinstance(max_connections, bool) or not isinstance(max_connections, int) \
             or max_connections < 1:
         raise ValueError(f"max_connections must be a positive integer, got {max_connections!r}")
-    return uvicorn.Config(app, http=h11_protocol(app.state.read_timeout_s), log_level=log_level,
-                          h11_max_incomplete_event_size=app.state.max_header_bytes,
+    limit = app.state.max_header_bytes
+    return uvicorn.Config(app, http=h11_protocol(app.state.read_timeout_s, limit),
+                          log_level=log_level, h11_max_incomplete_event_size=limit,
                           limit_concurrency=max_connections, timeout_graceful_shutdown=2,
                           lifespan="on", **kwargs)
 

@@ -184,10 +184,13 @@ def _body_too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit:,} bytes", code="body_too_large")
 
 
-def h11_protocol(header_timeout_s: float):
+def h11_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES):
     """uvicorn's h11 protocol, plus a deadline for each request's headers: a connection that
     sends nothing, or trickles its headers, is answered 408 and closed after `header_timeout_s`
-    (uvicorn itself only times out idle keep-alive connections)."""
+    (uvicorn itself only times out idle keep-alive connections). Headers that outgrow h11's
+    buffer (`max_header_bytes`, uvicorn's ``h11_max_incomplete_event_size``) before they end
+    are answered with the same JSON 431 as `Guard` gives: which of the two sees them depends on
+    how the bytes arrive (one read of the whole request, or several)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -226,6 +229,23 @@ def h11_protocol(header_timeout_s: float):
                                      b"content-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
                                      % (len(body), body))
                 self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's answer to any h11.RemoteProtocolError; h11 raises one for a buffer past
+            # its limit with the headers not yet ended (its only 431 case), and keeps the buffer
+            pending, _ = self.conn.trailing_data
+            if self.conn.their_state is not h11.ERROR or len(pending) <= max_header_bytes:
+                return super().send_400_response(msg)
+            err = APIError(431, f"the request headers are over {max_header_bytes:,} bytes "
+                           f"({len(pending):,} arrived before they ended); this server takes "
+                           f"at most {max_header_bytes:,}", code="headers_too_large")
+            body = json_bytes(err.body())
+            self.transport.write(self.conn.send(h11.Response(status_code=431, headers=[
+                (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                (b"connection", b"close")])))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+            self.transport.close()
 
         def connection_lost(self, exc) -> None:
             self._disarm()
