@@ -98,5 +98,8 @@ def test_interference_run_records_every_gap(shakespeare):
     assert run.stall_ms > 0 and run.typical_ms > 0
     assert run.others_done_s == max(ts[-1] for ts in run.short_times) - run.long_sent_s
     assert run.others_tokens_within(1e9) == sum(t >= run.long_sent_s for ts in run.short_times for t in ts)
+    # 64 prompt tokens at most 14 a step (16 less the two decodes): 5 steps, a token to each
+    # short request in at least the first 4 before the long prompt's first token
+    assert 8 <= run.others_tokens_during_long_prefill <= run.others_tokens_within(1e9)
     fig = S.interference_figure([run])
     assert fig.data[0].name == "chunked prefill"

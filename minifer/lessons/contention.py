@@ -57,6 +57,14 @@ class InterferenceRun:
         """When the last short request finished, in seconds after the long prompt was sent."""
         return max(ts[-1] for ts in self.short_times) - self.long_sent_s
 
+    @property
+    def others_tokens_during_long_prefill(self) -> int:
+        """Tokens the short requests received between the long prompt's arrival and its first
+        token: the engine steps its prefill took, times the requests decoding beside it (a
+        count, so no busy machine can move it)."""
+        return sum(self.long_sent_s <= t <= self.long_first_token_s
+                   for ts in self.short_times for t in ts)
+
     def others_tokens_within(self, seconds: float) -> int:
         """Tokens the short requests received in the first `seconds` after the long prompt."""
         return sum(self.long_sent_s <= t <= self.long_sent_s + seconds
