@@ -81,7 +81,7 @@ class PackedLinear(nn.Linear):
 
     def pack(self) -> None:
         with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(),
                                                                    self.batch_size)
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ...: repack on next use

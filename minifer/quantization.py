@@ -556,7 +556,7 @@ class QuantizedLinear(nn.Module):
                                  f"({N} × {K}): {problem}; use impl='reference'")
         self = cls(K, N, bits, group_size=group_size if bits == 4 else K, impl=impl,
                    compute_dtype=compute_dtype)
-        w = linear.weight.detach()
+        w = linear.weight.detach().contiguous()  # the kernels read (out, in) rows
         device = w.device
         if bits == 8:
             q, scale = quantize_int8(w)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
+import minifer as mf
 from minifer import GPT, StaticKVCache, decode_step, prefill
 
 ATOL = 1e-5
@@ -229,3 +232,39 @@ def test_range_check_skips_accelerator_decode_steps():
 def test_empty_idx_raises(tiny, shape):
     with pytest.raises(ValueError, match="idx.*empty"):
         tiny(torch.zeros(shape, dtype=torch.long))
+
+
+def _linears(model):
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_linear_weights_are_column_major_and_compute_what_row_major_does(tie):
+    """GPT keeps each linear weight (out, in) column-major, the layout CPU GEMMs are fastest
+    at: the same function as the row-major weights, to float rounding, the same greedy tokens,
+    and the same int8 weights when quantized."""
+    model = GPT.from_config(mf.GPTConfig.preset("tiny").replace(tie_embeddings=tie), seed=2)
+    assert all(m.weight.t().is_contiguous() and not m.weight.is_contiguous()
+               for m in _linears(model))
+    assert (model.lm_head.weight is model.transformer.wte.weight) == tie
+    rows = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in _linears(rows):
+            m.weight.data = m.weight.data.contiguous()
+    assert all(m.weight.is_contiguous() for m in _linears(rows))
+    assert (rows.lm_head.weight is rows.transformer.wte.weight) == tie
+    ids = _ids(model, 3, 20)
+    _close(model(ids), rows(ids))
+    params = mf.SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    prompts = ids[:, :8].tolist()
+    assert [c.token_ids for c in mf.generate(model, prompts, params)] == \
+        [c.token_ids for c in mf.generate(rows, prompts, params)]
+    q_cols = mf.quantize(model, "int8", impl="reference")
+    q_rows = mf.quantize(rows, "int8", impl="reference")
+    for a, b in zip(q_cols.buffers(), q_rows.buffers()):
+        assert torch.equal(a, b)
+
+
+def test_the_layout_survives_to_and_deepcopy():
+    model = GPT.from_config("tiny").to(dtype=torch.bfloat16)
+    assert all(m.weight.t().is_contiguous() for m in _linears(copy.deepcopy(model)))

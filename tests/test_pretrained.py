@@ -178,6 +178,9 @@ def test_save_load_round_trip(tmp_path, tie):
     assert torch.equal(model(ids), loaded(ids))
     if tie:
         assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    # saved contiguous, loaded back into GPT's column-major layout (model.column_major_linears)
+    assert all(m.weight.t().is_contiguous() for m in loaded.modules()
+               if isinstance(m, torch.nn.Linear))
     raw = path.read_bytes()  # safetensors, not a pickle: 8-byte header length, JSON header, data
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     assert "transformer.wte.weight" in header
