@@ -31,6 +31,7 @@ after a near-tie.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -83,11 +84,37 @@ def decode_step(model: torch.nn.Module, tokens: torch.Tensor, cache: StaticKVCac
 
 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_compiled: dict[str | None, Callable] = {}
+_compiled: dict[tuple[str, bool], Callable] = {}
+# model -> its weights' stamp when a frozen step last ran it (`_weights_stamp`)
+_frozen_stamps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# graphs torch.compile keeps per step function: one per batch size and cache length (and per
+# model where weights are frozen). torch's default of 8 made a ninth shape a hard error.
+RECOMPILE_LIMIT = 256
 
 
 def _decode(model, tokens, cache, slot):
     return model(tokens, cache=cache, slot=slot)
+
+
+def _decode_frozen(model, tokens, cache, slot):  # its own code object: its own compiled graphs
+    return model(tokens, cache=cache, slot=slot)
+
+
+class _FrozenStep:
+    """A compiled step whose graphs inductor compiles with ``freezing`` on. The setting is read
+    while a call compiles (``torch.compile(options=...)`` does not reach where it is read), so
+    it is switched on around each call: other code this process compiles is left as it was."""
+
+    def __init__(self) -> None:
+        self._step = torch.compile(_decode_frozen, fullgraph=True, dynamic=False)
+
+    def __call__(self, model, tokens, cache, slot):
+        config = torch._inductor.config  # set and restored by hand: config.patch costs ~90 µs
+        before, config.freezing = config.freezing, True
+        try:
+            return self._step(model, tokens, cache, slot)
+        finally:
+            config.freezing = before
 
 
 def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> Callable:
@@ -95,17 +122,54 @@ def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> Callable
 
     `mode` None picks ``"reduce-overhead"`` on CUDA (the step captured as a CUDA graph and
     replayed with one launch; untested here, where no GPU was available) and inductor's default
-    elsewhere (on a CPU: fused C++ kernels for everything between the matmuls; needs a C++
-    compiler). Compiled once per process and mode; torch compiles one graph per batch size and
-    cache length (``fullgraph=True``: a graph break is an error, not a silent slow path).
+    elsewhere. On a CPU the default also **freezes** the weights (inductor's ``freezing``): they
+    become constants of the compiled graph, and every linear weight is prepacked once into the
+    blocked layout of oneDNN's (bf16: AMX where the CPU has it) or MKL's (fp32) GEMM, beside
+    fused C++ kernels for everything between the matmuls (needs a C++ compiler). That is what
+    `minifer.prepack` does eagerly, and what the CPU engines do at load: on a 2-core Xeon with AMX
+    it made a compiled bf16 GPT-2 step 1.7x faster at batch 1 (BENCHMARKS.md). Frozen weights are
+    a copy: `_compile_step` compiles again when a model's weights have changed since.
+
+    Compiled once per process and mode; torch compiles one graph per batch size and cache
+    length (``fullgraph=True``: a graph break is an error, not a silent slow path).
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+    cpu = next(model.parameters()).device.type == "cpu"
     if mode is None:
-        mode = "reduce-overhead" if next(model.parameters()).is_cuda else "default"
-    if mode not in _compiled:
-        _compiled[mode] = torch.compile(_decode, mode=mode, fullgraph=True, dynamic=False)
-    return _compiled[mode]
+        mode = "default" if cpu else "reduce-overhead"
+    freeze = cpu and mode == "default"
+    if (mode, freeze) not in _compiled:
+        _raise_recompile_limit()
+        _compiled[mode, freeze] = (_FrozenStep() if freeze else
+                                   torch.compile(_decode, mode=mode, fullgraph=True,
+                                                 dynamic=False))
+    return _compiled[mode, freeze]
+
+
+def _raise_recompile_limit() -> None:
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+
+
+def _weights_stamp(model: torch.nn.Module) -> tuple:
+    """What changes when a model's weights do: each tensor's storage and in-place version."""
+    return tuple((t.data_ptr(), t._version) for t in
+                 [*model.parameters(), *model.buffers()])
+
+
+def _unfreeze_if_changed(model: torch.nn.Module) -> None:
+    """Frozen steps hold a copy of the weights they were compiled with, and torch's guards do
+    not see a weight changed in place (a fine-tuning step, `load_state_dict`): if `model`'s
+    weights changed since a frozen step last ran it, every compiled step is dropped
+    (`torch.compiler.reset`) and compiled again on its next call."""
+    stamp = _weights_stamp(model)
+    before = _frozen_stamps.get(model)
+    if before is not None and before != stamp:
+        torch.compiler.reset()
+        _frozen_stamps.clear()
+    _frozen_stamps[model] = stamp
 
 
 def _compile_step(model: torch.nn.Module, compile: bool | str, cache: StaticKVCache
@@ -120,6 +184,8 @@ def _compile_step(model: torch.nn.Module, compile: bool | str, cache: StaticKVCa
         raise ValueError(f"compile=True needs a model with the fixed-shape step GPT.decode, got "
                          f"{type(model).__name__}")
     step = compiled_decode(model, None if compile is True else compile)
+    if step is _compiled.get(("default", True)):
+        _unfreeze_if_changed(model)
     if cache.slot.is_cuda:  # CUDA graphs may write the cache in place only at fixed addresses
         for t in cache.k + cache.v + (cache.k_scale + cache.v_scale if cache.quantized else []):
             torch._dynamo.mark_static_address(t)

@@ -115,7 +115,12 @@ tiny = lively_model("tiny")
 eager = [c.token_ids for c in mf.generate(tiny, prompts, greedy)]
 compiled = [c.token_ids for c in mf.generate(tiny, prompts, greedy, compile=True)]
 again = [c.token_ids for c in mf.generate(tiny, prompts[:2], greedy, compile=True)]
-print(json.dumps({"eager": eager, "compiled": compiled, "again": again}))
+# the CPU step froze tiny's weights into its graph: new weights loaded in place must be seen
+tiny.load_state_dict(lively_model("tiny", seed=1).state_dict())
+eager_new = [c.token_ids for c in mf.generate(tiny, prompts[:2], greedy)]
+compiled_new = [c.token_ids for c in mf.generate(tiny, prompts[:2], greedy, compile=True)]
+print(json.dumps({"eager": eager, "compiled": compiled, "again": again,
+                  "eager_new": eager_new, "compiled_new": compiled_new}))
 """
 
 
@@ -141,6 +146,48 @@ def test_compiled_step_gives_identical_greedy_tokens():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["compiled"] == got["eager"]
     assert got["again"] == got["eager"][:2]  # a new request reuses the compiled step
+    assert got["eager_new"] != got["eager"][:2]  # the new weights decode other tokens ...
+    assert got["compiled_new"] == got["eager_new"]  # ... and the frozen step follows them
+
+
+def test_cpu_compiled_step_freezes_weights(tiny):
+    """On the CPU the default compiled step freezes (and prepacks) the weights; other modes,
+    which accelerators use, do not. Either way a ninth batch size or cache length compiles
+    another graph instead of failing (torch's default limit is 8)."""
+    from minifer import generation
+
+    frozen = compiled_decode(tiny)
+    assert frozen is compiled_decode(tiny, "default")
+    assert frozen is not compiled_decode(tiny, "max-autotune")
+    assert generation._compiled["default", True] is frozen
+    config = torch._dynamo.config
+    limit = config.recompile_limit if hasattr(config, "recompile_limit") else config.cache_size_limit
+    assert limit >= generation.RECOMPILE_LIMIT
+
+
+def test_frozen_steps_are_dropped_when_weights_change(monkeypatch):
+    """A frozen step holds a copy of the weights: a change in place (which torch's guards do not
+    see) or a new tensor drops the compiled steps; the same weights keep them."""
+    from conftest import lively_model
+
+    from minifer import generation
+
+    resets = []
+    monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append(1))
+    monkeypatch.setattr(generation, "_frozen_stamps", generation.weakref.WeakKeyDictionary())
+    model = lively_model("tiny")
+    generation._unfreeze_if_changed(model)
+    generation._unfreeze_if_changed(model)
+    assert resets == []
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.add_(1.0)  # in place: the same storage
+    generation._unfreeze_if_changed(model)
+    assert resets == [1]
+    generation._unfreeze_if_changed(model)
+    assert resets == [1]
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    generation._unfreeze_if_changed(model)
+    assert resets == [1, 1]
 
 
 def test_textbook_engine_and_minifer_decoder_agree(tiny):
