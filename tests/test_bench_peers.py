@@ -73,7 +73,7 @@ def test_openvino_left_pads_prompts_of_different_lengths():
 def test_a_missing_peer_is_skipped_with_a_message(monkeypatch, capsys):
     problems = {"ctranslate2": None, "openvino": "needs openvino_genai (the optional peers extra)"}
     monkeypatch.setattr(peers, "peer_problems", lambda: problems)
-    monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen, compiled=False:
+    monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen, compiled=False, **kw:
                         [peers.MiniferEngine(model)] + [_Echo(p) for p in chosen])
     [row] = peers.run(precisions=("fp32",), batches=(1,), prompt_len=4, new_tokens=3, rounds=1,
                       model=lively_model("tiny"))
@@ -147,7 +147,7 @@ def test_the_timed_rounds_can_run_beside_busy_cores(monkeypatch):
     monkeypatch.setattr(common, "background_load", fake_load)
     monkeypatch.setattr(peers, "peer_problems", lambda: {"ctranslate2": None, "openvino": None})
     monkeypatch.setattr(peers, "peers_problem", lambda: None)
-    monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen, compiled=False:
+    monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen, compiled=False, **kw:
                         [peers.MiniferEngine(model), _Echo("ctranslate2")])
     rows = peers.run(precisions=("fp32",), batches=(1, 2), prompt_len=4, new_tokens=3,
                      rounds=2, model=lively_model("tiny"), busy_cores=1)
@@ -160,3 +160,34 @@ def test_without_onednn_fp32_and_bf16_still_run_minifer_unpacked(monkeypatch, tm
     model = lively_model("tiny")
     assert [e.name for e in peers._engines(model, "fp32", 1, tmp_path, ())] == ["minifer"]
     assert [e.name for e in peers._engines(model, "bf16", 1, tmp_path, ())] == ["minifer bf16"]
+
+
+def test_an_engine_in_a_process_of_its_own_decodes_the_same_tokens_and_times_itself(tmp_path):
+    model = lively_model("tiny")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    spec = peers.EngineSpec("minifer", "minifer", "fp32")
+    alone = peers.ProcessEngine(spec, model, 1, tmp_path)
+    try:
+        assert alone.name == "minifer"
+        assert alone.generate(prompts, 5) == peers.MiniferEngine(model).generate(prompts, 5)
+        assert 0 < peers.timed(alone, prompts, 5) == alone.last_seconds < 60
+    finally:
+        alone.close()
+    assert not alone._proc.is_alive()
+
+
+def test_an_engine_that_cannot_start_in_its_process_says_why(tmp_path):
+    broken = peers.EngineSpec("minifer int8 turbo", "minifer", "int8", kernel="turbo")
+    with pytest.raises(ValueError, match="turbo"):  # quantize's own message, from the child
+        peers.ProcessEngine(broken, lively_model("tiny"), 1, tmp_path)
+
+
+def test_the_specs_name_minifers_variants_then_the_peers():
+    from minifer.prepack import prepack_problem
+
+    names = [s.name for s in peers.engine_specs("fp32", ("ctranslate2", "openvino"), True)]
+    packed = ["minifer prepacked"] if prepack_problem() is None else []
+    assert names == ["minifer", *packed, "minifer compiled", "ctranslate2 float32",
+                     "openvino fp32"]
+    with pytest.raises(ValueError, match="precision"):
+        peers.engine_specs("fp8", ())

@@ -18,7 +18,9 @@ size:
   ``batch × (new_tokens − 1) / (t_N − t_1)`` from the medians of both times over the rounds.
   The engines take turns in every round (a slow spell of the machine hits all of them), and
   the spread (max/min) of each engine's ``t_N`` over the rounds is reported: the figure that a
-  busy machine moves.
+  busy machine moves. Each engine runs in a process of its own (`ProcessEngine`), as a user
+  runs one engine: in one shared process, CTranslate2's OpenMP runtime beside torch's slowed
+  minifer's fp32 decode by 30% once CTranslate2 had run (``--same-process`` shows it).
 
 Precisions:
 
@@ -58,7 +60,8 @@ import torch
 from ..model import GPT
 
 __all__ = ["PEERS_EXTRA", "PEERS", "PRECISIONS", "peer_problems", "available_peers",
-           "peers_problem", "MiniferEngine", "CTranslate2Engine", "OpenVINOEngine", "PeerRow",
+           "peers_problem", "MiniferEngine", "CTranslate2Engine", "OpenVINOEngine", "EngineSpec",
+           "engine_specs", "build_engine", "ProcessEngine", "PeerRow",
            "agreement", "timed", "decode_rate", "run", "format_report"]
 
 PEERS_EXTRA = "pip install 'minifer[peers]'"
@@ -312,10 +315,11 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def timed(engine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Seconds for `engine` to generate `new_tokens` tokens from `prompts`."""
+    """Seconds for `engine` to generate `new_tokens` tokens from `prompts` (an engine in a
+    process of its own times itself there: the pipe to it is not counted)."""
     t0 = time.perf_counter()
     engine.generate(prompts, new_tokens)
-    return time.perf_counter() - t0
+    return getattr(engine, "last_seconds", time.perf_counter() - t0)
 
 
 def decode_rate(batch: int, new_tokens: int, t_one: float, t_all: float) -> float:
@@ -345,56 +349,183 @@ class PeerRow:
 _CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
 
 
-def _peer_engines(model: torch.nn.Module, precision: str, peers: tuple[str, ...],
-                  threads: int | None, folder: Path) -> list:
-    """The peers that offer `precision` on this CPU; a message on stderr for each that does not."""
-    out = []
-    for peer in peers:
-        try:
-            if peer == "ctranslate2":
-                out.append(CTranslate2Engine(model, _CT2_TYPES[precision], threads, folder))
-            else:
-                out.append(OpenVINOEngine(model, precision, threads, folder))
-        except ValueError as e:  # the precision not offered on this CPU, a shape not exported
-            print(f"peers: {precision}: skipping {peer}: {e}", file=sys.stderr)
-    return out
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine of a run, described, not built: where it is built (this process or its own)
+    is `run`'s choice. `kind` is ``"minifer"`` or a peer; for minifer, `kernel` is the int8
+    kernel (``"weight-only"``, ``"integer"``, ``"auto"``) and `how` ``"eager"``, ``"prepacked"``
+    or ``"compiled"``."""
+
+    name: str
+    kind: str
+    precision: str
+    kernel: str | None = None
+    how: str = "eager"
 
 
-def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder: Path,
-             peers: tuple[str, ...], compiled: bool = False):
-    from ..prepack import prepack, prepack_problem
-    from ..quantization import integer_problem, quantize
+def engine_specs(precision: str, peers: tuple[str, ...], compiled: bool = False
+                 ) -> list[EngineSpec]:
+    """The engines a run times for `precision`: minifer's variants, then the peers."""
+    from ..prepack import prepack_problem
+    from ..quantization import integer_problem
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if precision in ("fp32", "bf16"):
-            ours = [MiniferEngine(model) if precision == "fp32"
-                    else MiniferEngine(quantize(model, "bf16"), "minifer bf16")]
-            if prepack_problem() is None:
-                ours.append(MiniferEngine(prepack(ours[0].model), f"{ours[0].name} prepacked"))
-        else:
-            try:
-                weight_only = quantize(model, "int8", impl="fused")
-            except RuntimeError:  # no fused int8 kernel in this torch: the same weights, slower
-                weight_only = quantize(model, "int8", impl="reference")
-            ours = [MiniferEngine(weight_only, "minifer int8 weight-only")]
-            if integer_problem() is None:
-                ours.append(MiniferEngine(quantize(model, "int8", impl="integer"),
-                                          "minifer int8 integer"))
-                ours.append(MiniferEngine(quantize(model, "int8"), "minifer int8 auto"))
+    if precision in ("fp32", "bf16"):
+        base = "minifer" if precision == "fp32" else "minifer bf16"
+        ours = [EngineSpec(base, "minifer", precision)]
+        if prepack_problem() is None:
+            ours.append(EngineSpec(f"{base} prepacked", "minifer", precision, how="prepacked"))
+    else:
+        ours = [EngineSpec("minifer int8 weight-only", "minifer", "int8", "weight-only")]
+        if integer_problem() is None:
+            ours += [EngineSpec(f"minifer int8 {k}", "minifer", "int8", k)
+                     for k in ("integer", "auto")]
     if compiled:  # the default model of the precision, its decode step through torch.compile
         default = ours[-1] if precision == "int8" else ours[0]
-        ours.append(MiniferEngine(default.model, f"{default.name} compiled", compile=True))
-    return ours + _peer_engines(model, precision, peers, threads, folder)
+        ours.append(EngineSpec(f"{default.name} compiled", "minifer", precision, default.kernel,
+                               "compiled"))
+    names = {"ctranslate2": f"ctranslate2 {_CT2_TYPES[precision]}",
+             "openvino": f"openvino {precision}"}
+    return ours + [EngineSpec(names[p], p, precision) for p in peers]
+
+
+def _minifer_model(model: torch.nn.Module, precision: str, kernel: str | None):
+    from ..quantization import quantize
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if precision == "fp32":
+            return model
+        if precision == "bf16":
+            return quantize(model, "bf16")
+        if kernel == "weight-only":
+            try:
+                return quantize(model, "int8", impl="fused")
+            except RuntimeError:  # no fused int8 kernel in this torch: the same weights, slower
+                return quantize(model, "int8", impl="reference")
+        return quantize(model, "int8", impl=kernel)
+
+
+def build_engine(spec: EngineSpec, model: torch.nn.Module, threads: int | None, folder: Path,
+                 _models: dict | None = None):
+    """`spec` built here, on `model`'s weights. A peer that does not offer the precision on this
+    CPU raises ValueError. `_models` shares minifer's quantized copies between specs."""
+    from ..prepack import prepack
+
+    if spec.kind == "ctranslate2":
+        return CTranslate2Engine(model, _CT2_TYPES[spec.precision], threads, folder)
+    if spec.kind == "openvino":
+        return OpenVINOEngine(model, spec.precision, threads, folder)
+    models = {} if _models is None else _models
+    key = (spec.precision, spec.kernel)
+    if key not in models:
+        models[key] = _minifer_model(model, spec.precision, spec.kernel)
+    ours = prepack(models[key]) if spec.how == "prepacked" else models[key]
+    return MiniferEngine(ours, spec.name, compile=spec.how == "compiled")
+
+
+def _serve_engine(conn, spec: EngineSpec, model, threads: int | None, folder: str) -> None:
+    """A child process's life: build `spec`, then generate on request, timing itself."""
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        engine = build_engine(spec, model, threads, Path(folder))
+        del model
+        conn.send(("ready", engine.name))
+    except BaseException as e:  # noqa: BLE001 - the parent decides; nothing is lost
+        conn.send(("error", type(e).__name__, str(e)))
+        return
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        prompts, new_tokens = request
+        try:
+            t0 = time.perf_counter()
+            tokens = engine.generate(prompts, new_tokens)
+            conn.send(("done", tokens, time.perf_counter() - t0))
+        except BaseException as e:  # noqa: BLE001
+            conn.send(("error", type(e).__name__, str(e)))
+
+
+class ProcessEngine:
+    """An engine built and run in a process of its own, so that no two engines share a process.
+
+    Engines in one process share its global state: measured on a 2-core Xeon, running a
+    CTranslate2 generator once (it brings its own OpenMP runtime beside torch's) left minifer's
+    fp32 decode in that process 30% slower from then on (35 against 49-51 tok/s). Each call is
+    timed inside the child, around the engine's own ``generate``."""
+
+    def __init__(self, spec: EngineSpec, model: torch.nn.Module, threads: int | None,
+                 folder: Path) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing inherited
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_engine, daemon=True,
+                                 args=(child, spec, model, threads, str(folder)))
+        self._proc.start()
+        child.close()
+        self.name, self.last_seconds = spec.name, float("nan")
+        self._reply()
+
+    def _reply(self):
+        try:
+            reply = self._conn.recv()
+        except EOFError:
+            self.close()
+            raise RuntimeError(f"{self.name}: its process ended (exit code "
+                               f"{self._proc.exitcode})") from None
+        if reply[0] == "error":
+            self.close()
+            kind = ValueError if reply[1] == "ValueError" else RuntimeError
+            raise kind(f"{reply[2]}" if kind is ValueError else f"{self.name}: {reply[1]}: "
+                       f"{reply[2]}")
+        return reply
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        self._conn.send((prompts, new_tokens))
+        _, tokens, self.last_seconds = self._reply()
+        return tokens
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            with contextlib.suppress(OSError, BrokenPipeError):
+                self._conn.send(None)
+            self._proc.join(30)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._conn.close()
+
+
+def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder: Path,
+             peers: tuple[str, ...], compiled: bool = False, isolate: bool = False) -> list:
+    """The engines of `engine_specs`, built here or each in its own process (`isolate`); a
+    peer that does not offer `precision` on this CPU is skipped with a message on stderr."""
+    out, models = [], {}
+    for spec in engine_specs(precision, peers, compiled):
+        try:
+            out.append(ProcessEngine(spec, model, threads, folder) if isolate
+                       else build_engine(spec, model, threads, folder, models))
+        except ValueError as e:  # the precision not offered on this CPU, a shape not exported
+            if spec.kind == "minifer":
+                raise
+            print(f"peers: {precision}: skipping {spec.kind}: {e}", file=sys.stderr)
+    return out
+
+
+def _close(engines: list) -> None:
+    for e in engines:
+        if isinstance(e, ProcessEngine):
+            e.close()
 
 
 def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
         batches: tuple[int, ...] = (1, 16), prompt_len: int = 32, new_tokens: int = 32,
         rounds: int = 3, threads: int | None = None, seed: int = 0,
         model: GPT | None = None, peers: tuple[str, ...] | None = None,
-        busy_cores: int = 0, compiled: bool = False) -> list[PeerRow]:
+        busy_cores: int = 0, compiled: bool = False, isolate: bool = True) -> list[PeerRow]:
     """Every precision × batch: agreement with minifer's greedy tokens and decode tokens/s of
     each engine, the engines alternating within every round (one warm-up call each first).
     The model is `preset` with random weights (timings do not depend on them), or `model`.
@@ -404,9 +535,9 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
     `busy_cores`: processes that each keep a core busy while the timed rounds run (a
     student's laptop with something else running; `common.background_load`).
     `compiled`: also run each precision's default minifer model with ``compile=True`` (the
-    first call for each batch size compiles, in the warm-up)."""
-    from .common import background_load
-
+    first call for each batch size compiles, in the warm-up).
+    `isolate`: build and run every engine in a process of its own (`ProcessEngine`), each
+    with `threads` threads; False runs them all in this process, as before 2026-12-05."""
     if problem := peers_problem():
         raise RuntimeError(f"python -m minifer.bench peers: {problem}")
     problems = peer_problems()
@@ -424,27 +555,41 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
     rows = []
     with tempfile.TemporaryDirectory(prefix="minifer-peers-") as tmp:
         for precision in precisions:
-            engines = _engines(model, precision, threads, Path(tmp), chosen, compiled)
-            if not any(not e.name.startswith("minifer") for e in engines):
-                continue
-            for batch in batches:
-                prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
-                                        generator=gen).tolist()
-                outs = {e.name: e.generate(prompts, new_tokens) for e in engines}  # warm-up
-                first = outs[engines[0].name]
-                agree = {k: agreement(first, v) for k, v in outs.items() if k != engines[0].name}
-                ones: dict[str, list[float]] = {e.name: [] for e in engines}
-                alls: dict[str, list[float]] = {e.name: [] for e in engines}
-                with background_load(busy_cores):
-                    for _ in range(rounds):
-                        for e in engines:
-                            ones[e.name].append(timed(e, prompts, 1))
-                            alls[e.name].append(timed(e, prompts, new_tokens))
-                rows.append(PeerRow(
-                    precision, batch,
-                    {k: decode_rate(batch, new_tokens, statistics.median(ones[k]),
-                                    statistics.median(alls[k])) for k in alls},
-                    {k: max(v) / min(v) for k, v in alls.items()}, agree))
+            engines = _engines(model, precision, threads, Path(tmp), chosen, compiled,
+                               isolate=isolate)
+            try:
+                if any(not e.name.startswith("minifer") for e in engines):
+                    rows += _time_engines(engines, model, precision, batches, prompt_len,
+                                          new_tokens, rounds, busy_cores, gen)
+            finally:
+                _close(engines)
+    return rows
+
+
+def _time_engines(engines: list, model: GPT, precision: str, batches: tuple[int, ...],
+                  prompt_len: int, new_tokens: int, rounds: int, busy_cores: int,
+                  gen: torch.Generator) -> list[PeerRow]:
+    from .common import background_load
+
+    rows = []
+    for batch in batches:
+        prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
+                                generator=gen).tolist()
+        outs = {e.name: e.generate(prompts, new_tokens) for e in engines}  # warm-up
+        first = outs[engines[0].name]
+        agree = {k: agreement(first, v) for k, v in outs.items() if k != engines[0].name}
+        ones: dict[str, list[float]] = {e.name: [] for e in engines}
+        alls: dict[str, list[float]] = {e.name: [] for e in engines}
+        with background_load(busy_cores):
+            for _ in range(rounds):
+                for e in engines:
+                    ones[e.name].append(timed(e, prompts, 1))
+                    alls[e.name].append(timed(e, prompts, new_tokens))
+        rows.append(PeerRow(
+            precision, batch,
+            {k: decode_rate(batch, new_tokens, statistics.median(ones[k]),
+                            statistics.median(alls[k])) for k in alls},
+            {k: max(v) / min(v) for k, v in alls.items()}, agree))
     return rows
 
 

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run minifer's default model of each precision with "
                              "compile=True (torch.compile's step; compiling adds ~15-30 s per "
                              "batch size to the warm-up)")
+    parser.add_argument("--same-process", action="store_true",
+                        help="run every engine in this one process (default: each in a process "
+                             "of its own; engines sharing a process share its OpenMP runtimes "
+                             "and can slow each other)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the rows as JSON to PATH")
 
@@ -61,20 +65,22 @@ def run_command(args: argparse.Namespace) -> int:
           f"tokens, greedy, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"load average {load}"
           + (f"; {args.busy_cores} core(s) kept busy by another process while timing"
-             if args.busy_cores else ""))
+             if args.busy_cores else "")
+          + ("; every engine in this one process" if args.same_process
+             else "; each engine in a process of its own"))
     print("peers: " + "; ".join(versions.values()))
     batches = args.batches or ([1, 16, 64] if args.full else [1, 16])
     rounds = args.rounds or (5 if args.full else 3)
     rows = run(args.preset, tuple(args.precisions), tuple(batches), args.prompt_len,
                args.new_tokens, rounds, threads=torch.get_num_threads(),
                peers=tuple(args.peers) if args.peers else None, busy_cores=args.busy_cores,
-               compiled=args.compiled)
+               compiled=args.compiled, isolate=not args.same_process)
     print(format_report(rows))
     print(f"load average after: {loadavg()}")
     if args.json:
         out = {"command": "python -m minifer.bench " + " ".join(sys.argv[1:]),
                "machine": machine_info(), "peers": versions, "loadavg_before": load, "loadavg_after": loadavg(),
-               "busy_cores": args.busy_cores,
+               "busy_cores": args.busy_cores, "same_process": args.same_process,
                "rows": [{"precision": r.precision, "batch": r.batch,
                          "tokens_per_s": r.tokens_per_s, "spread": r.spread,
                          "agreement": r.agreement, "ratio": r.ratio} for r in rows]}
