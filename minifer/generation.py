@@ -37,9 +37,11 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .cache import KVCache, StaticKVCache
+from .checks import check_int
 from .device import sync
 from .sampling import SamplingParams, make_generators, mask_padded_vocab, sample
 from .sequence import Completion, Prepared, Sequence, TokenEvent, encode_prompts, prepare
+from .threads import shared_governor
 from .tokenizer import TokenizerLike
 
 __all__ = ["prefill", "decode_step", "compiled_decode", "advance", "stream", "run_batch",
@@ -230,6 +232,7 @@ def stream(
     completions: list[Completion] | None = None,
     kv_dtype: torch.dtype | str | None = None,
     compile: bool | str = False,
+    threads: int | str | None = None,
 ) -> Iterator[TokenEvent]:
     """Yield a `TokenEvent` for every generated token of every prompt, as soon as it exists.
 
@@ -240,11 +243,16 @@ def stream(
     ``"reduce-overhead"``; see `compiled_decode`). The first call for a batch size and cache
     length pays for compiling (seconds to minutes); later ones reuse it. fp32 greedy tokens are
     identical to eager (tested on CPU).
+    `threads`: torch's CPU threads for this call (restored after it); ``"auto"`` lets the
+    process's `minifer.threads.ThreadGovernor` set them between steps from the cores other
+    programs leave free (two threads beside a busy core can run many times slower than one);
+    None keeps torch's setting.
     """
     req = prepare(model, prompts, params, tokenizer, device=device)
     if completions is not None:  # the caller's list may already hold earlier results
         completions.extend(s.result for s in req.sequences)
-    yield from run_batch(model, req, use_cache=use_cache, kv_dtype=kv_dtype, compile=compile)
+    yield from run_batch(model, req, use_cache=use_cache, kv_dtype=kv_dtype, compile=compile,
+                         threads=threads)
 
 
 def run_batch(
@@ -256,6 +264,7 @@ def run_batch(
     compile: bool | str = False,
     cache: StaticKVCache | None = None,
     sampler: Callable[[Sampler], Sampler] | None = None,
+    threads: int | str | None = None,
 ) -> Iterator[TokenEvent]:
     """Generate for checked request input (`sequence.prepare`): prefill → (sample → append →
     decode step)* → stop, one `TokenEvent` per token; `stream` is this plus the checks.
@@ -264,7 +273,15 @@ def run_batch(
     one holding only its rank's heads; default: one sized for the request. `sampler` wraps the
     sampler: given the default one (logits → tokens), it returns the one to use (tensor
     parallelism samples on rank 0 only and broadcasts the tokens to the other ranks).
+    `threads`: see `stream`.
     """
+    governor, restore = None, None
+    if threads == "auto":
+        governor = shared_governor()
+        governor.maybe_adjust()
+    elif threads is not None:
+        threads = check_int("threads", threads, 1, allowed="be a positive integer or 'auto'")
+        restore = torch.get_num_threads()
     seqs, device, vocab = req.sequences, req.device, req.vocab
     params = seqs[0].params
     B, T = len(seqs), max(len(s.prompt_ids) for s in seqs)
@@ -309,6 +326,8 @@ def run_batch(
     def step() -> list[list[int]]:
         """One decode step (the first: the prefill) and one sampled token per row."""
         nonlocal n, tokens
+        if governor is not None:
+            governor.maybe_adjust()
         if tokens is None:
             if use_cache:
                 logits = prefill(model, buf[:, :T], cache)
@@ -327,9 +346,15 @@ def run_batch(
             seen[rows, tokens] = True
         return [[t] for t in host]
 
-    with torch.inference_mode():
-        yield from advance(seqs, step, time.perf_counter())
-        sync(device)
+    if restore is not None:
+        torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            yield from advance(seqs, step, time.perf_counter())
+            sync(device)
+    finally:
+        if restore is not None:
+            torch.set_num_threads(restore)
 
 
 def generate(
@@ -342,15 +367,18 @@ def generate(
     device: torch.device | str | None = None,
     kv_dtype: torch.dtype | str | None = None,
     compile: bool | str = False,
+    threads: int | str | None = None,
 ) -> list[Completion]:
     """Generate for one prompt or a batch; returns one `Completion` per prompt, in order.
 
     `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
-    `compile`: compile the decode step with `torch.compile` (see `stream`).
+    `compile`: compile the decode step with `torch.compile`; `threads`: torch's CPU threads,
+    or ``"auto"`` (see `stream`).
     """
     completions: list[Completion] = []
     for _ in stream(model, prompts, params, tokenizer, use_cache=use_cache, device=device,
-                    completions=completions, kv_dtype=kv_dtype, compile=compile):
+                    completions=completions, kv_dtype=kv_dtype, compile=compile,
+                    threads=threads):
         pass
     return completions
 

@@ -27,7 +27,7 @@ import torch
 from .checks import check_int
 
 __all__ = ["cpu_times", "idle_cpus", "auto_threads", "apply_threads", "parse_threads",
-           "ThreadGovernor"]
+           "ThreadGovernor", "shared_governor"]
 
 
 def cpu_times() -> tuple[float, float] | None:
@@ -148,3 +148,16 @@ class ThreadGovernor:
         torch.set_num_threads(want)
         self.changes += 1
         return want
+
+
+_shared: ThreadGovernor | None = None
+
+
+def shared_governor() -> ThreadGovernor:
+    """The process's one `ThreadGovernor` for ``generate(..., threads="auto")``. It is kept
+    between calls, so a program that generates many short answers still gets its look every
+    second; the count it sets stays in force after a call, as the server's does."""
+    global _shared
+    if _shared is None:
+        _shared = ThreadGovernor()
+    return _shared

@@ -191,3 +191,10 @@ def test_the_specs_name_minifers_variants_then_the_peers():
                      "openvino fp32"]
     with pytest.raises(ValueError, match="precision"):
         peers.engine_specs("fp8", ())
+
+
+def test_auto_threads_adds_each_minifer_engine_with_the_governor():
+    specs = peers.engine_specs("fp32", ("ctranslate2",), auto_threads=True)
+    auto = [s for s in specs if s.threads == "auto"]
+    assert auto and all(s.kind == "minifer" and s.name.endswith(" threads=auto") for s in auto)
+    assert len(auto) == sum(s.kind == "minifer" for s in specs) // 2

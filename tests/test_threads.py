@@ -179,3 +179,42 @@ def test_the_engine_loop_sets_its_threads_and_auto_keeps_a_governor():
                 assert engine.threads_in_force == 1
     finally:
         torch.set_num_threads(saved)
+
+
+def test_generate_runs_with_the_threads_it_is_given_and_restores_torchs():
+    import minifer as mf
+
+    model = mf.GPT.from_config("tiny")
+    greedy = mf.SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    before = torch.get_num_threads()
+    seen = []
+    hook = model.transformer.h[0].register_forward_hook(
+        lambda *_: seen.append(torch.get_num_threads()))
+    try:
+        plain = mf.generate(model, [[1, 2, 3]], greedy)[0].token_ids
+        seen.clear()
+        one = mf.generate(model, [[1, 2, 3]], greedy, threads=1)[0].token_ids
+    finally:
+        hook.remove()
+    assert one == plain and set(seen) == {1} and torch.get_num_threads() == before
+    for bad in (0, -2, 1.5, "many"):
+        with pytest.raises(ValueError, match="threads must be a positive integer or 'auto'"):
+            mf.generate(model, [[1, 2, 3]], greedy, threads=bad)
+
+
+def test_generate_with_auto_threads_asks_the_shared_governor_at_every_step(monkeypatch):
+    import minifer as mf
+
+    class Counting:
+        looks = 0
+
+        def maybe_adjust(self):
+            Counting.looks += 1
+
+    monkeypatch.setattr(T, "_shared", Counting())
+    model = mf.GPT.from_config("tiny")
+    greedy = mf.SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    auto = mf.generate(model, [[4, 5]], greedy, threads="auto")[0].token_ids
+    assert auto == mf.generate(model, [[4, 5]], greedy)[0].token_ids
+    assert Counting.looks == 1 + 5  # once at the start, then before each of the 5 steps
+    assert T.shared_governor() is T._shared

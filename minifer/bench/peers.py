@@ -42,6 +42,7 @@ minifer runs as it is and, where oneDNN is present, with its linear weights prep
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import io
@@ -126,9 +127,9 @@ def peers_problem() -> str | None:
 class MiniferEngine:
     """`minifer.generate`, greedy, past the end-of-sequence token."""
 
-    def __init__(self, model: torch.nn.Module, name: str = "minifer", compile: bool = False
-                 ) -> None:
-        self.model, self.name, self.compile = model, name, compile
+    def __init__(self, model: torch.nn.Module, name: str = "minifer", compile: bool = False,
+                 threads: int | str | None = None) -> None:
+        self.model, self.name, self.compile, self.threads = model, name, compile, threads
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         from ..generation import generate
@@ -136,7 +137,7 @@ class MiniferEngine:
 
         params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
         return [c.token_ids for c in generate(self.model, prompts, params,
-                                              compile=self.compile)]
+                                              compile=self.compile, threads=self.threads)]
 
 
 @contextlib.contextmanager
@@ -354,18 +355,21 @@ class EngineSpec:
     """One engine of a run, described, not built: where it is built (this process or its own)
     is `run`'s choice. `kind` is ``"minifer"`` or a peer; for minifer, `kernel` is the int8
     kernel (``"weight-only"``, ``"integer"``, ``"auto"``) and `how` ``"eager"``, ``"prepacked"``
-    or ``"compiled"``."""
+    or ``"compiled"``, and `threads` ``"auto"`` lets `generate`'s thread governor set its
+    thread count."""
 
     name: str
     kind: str
     precision: str
     kernel: str | None = None
     how: str = "eager"
+    threads: str | None = None
 
 
-def engine_specs(precision: str, peers: tuple[str, ...], compiled: bool = False
-                 ) -> list[EngineSpec]:
-    """The engines a run times for `precision`: minifer's variants, then the peers."""
+def engine_specs(precision: str, peers: tuple[str, ...], compiled: bool = False,
+                 auto_threads: bool = False) -> list[EngineSpec]:
+    """The engines a run times for `precision`: minifer's variants (with `auto_threads`, each
+    also with ``generate(..., threads="auto")``), then the peers."""
     from ..prepack import prepack_problem
     from ..quantization import integer_problem
 
@@ -385,6 +389,9 @@ def engine_specs(precision: str, peers: tuple[str, ...], compiled: bool = False
         default = ours[-1] if precision == "int8" else ours[0]
         ours.append(EngineSpec(f"{default.name} compiled", "minifer", precision, default.kernel,
                                "compiled"))
+    if auto_threads:
+        ours += [dataclasses.replace(o, name=f"{o.name} threads=auto", threads="auto")
+                 for o in ours]
     names = {"ctranslate2": f"ctranslate2 {_CT2_TYPES[precision]}",
              "openvino": f"openvino {precision}"}
     return ours + [EngineSpec(names[p], p, precision) for p in peers]
@@ -422,7 +429,7 @@ def build_engine(spec: EngineSpec, model: torch.nn.Module, threads: int | None, 
     if key not in models:
         models[key] = _minifer_model(model, spec.precision, spec.kernel)
     ours = prepack(models[key]) if spec.how == "prepacked" else models[key]
-    return MiniferEngine(ours, spec.name, compile=spec.how == "compiled")
+    return MiniferEngine(ours, spec.name, compile=spec.how == "compiled", threads=spec.threads)
 
 
 def _serve_engine(conn, spec: EngineSpec, model, threads: int | None, folder: str) -> None:
@@ -500,11 +507,12 @@ class ProcessEngine:
 
 
 def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder: Path,
-             peers: tuple[str, ...], compiled: bool = False, isolate: bool = False) -> list:
+             peers: tuple[str, ...], compiled: bool = False, isolate: bool = False,
+             auto_threads: bool = False) -> list:
     """The engines of `engine_specs`, built here or each in its own process (`isolate`); a
     peer that does not offer `precision` on this CPU is skipped with a message on stderr."""
     out, models = [], {}
-    for spec in engine_specs(precision, peers, compiled):
+    for spec in engine_specs(precision, peers, compiled, auto_threads):
         try:
             out.append(ProcessEngine(spec, model, threads, folder) if isolate
                        else build_engine(spec, model, threads, folder, models))
@@ -525,7 +533,8 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
         batches: tuple[int, ...] = (1, 16), prompt_len: int = 32, new_tokens: int = 32,
         rounds: int = 3, threads: int | None = None, seed: int = 0,
         model: GPT | None = None, peers: tuple[str, ...] | None = None,
-        busy_cores: int = 0, compiled: bool = False, isolate: bool = True) -> list[PeerRow]:
+        busy_cores: int = 0, compiled: bool = False, isolate: bool = True,
+        auto_threads: bool = False) -> list[PeerRow]:
     """Every precision × batch: agreement with minifer's greedy tokens and decode tokens/s of
     each engine, the engines alternating within every round (one warm-up call each first).
     The model is `preset` with random weights (timings do not depend on them), or `model`.
@@ -537,7 +546,8 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
     `compiled`: also run each precision's default minifer model with ``compile=True`` (the
     first call for each batch size compiles, in the warm-up).
     `isolate`: build and run every engine in a process of its own (`ProcessEngine`), each
-    with `threads` threads; False runs them all in this process, as before 2026-12-05."""
+    with `threads` threads; False runs them all in this process, as before 2026-12-05.
+    `auto_threads`: also run each minifer engine with ``generate(..., threads="auto")``."""
     if problem := peers_problem():
         raise RuntimeError(f"python -m minifer.bench peers: {problem}")
     problems = peer_problems()
@@ -556,7 +566,7 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
     with tempfile.TemporaryDirectory(prefix="minifer-peers-") as tmp:
         for precision in precisions:
             engines = _engines(model, precision, threads, Path(tmp), chosen, compiled,
-                               isolate=isolate)
+                               isolate=isolate, auto_threads=auto_threads)
             try:
                 if any(not e.name.startswith("minifer") for e in engines):
                     rows += _time_engines(engines, model, precision, batches, prompt_len,

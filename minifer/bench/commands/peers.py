@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run minifer's default model of each precision with "
                              "compile=True (torch.compile's step; compiling adds ~15-30 s per "
                              "batch size to the warm-up)")
+    parser.add_argument("--auto-threads", action="store_true",
+                        help="also run each minifer engine with generate(..., threads='auto'): "
+                             "a governor sets its threads from the cores other programs leave "
+                             "free")
     parser.add_argument("--same-process", action="store_true",
                         help="run every engine in this one process (default: each in a process "
                              "of its own; engines sharing a process share its OpenMP runtimes "
@@ -74,7 +78,8 @@ def run_command(args: argparse.Namespace) -> int:
     rows = run(args.preset, tuple(args.precisions), tuple(batches), args.prompt_len,
                args.new_tokens, rounds, threads=torch.get_num_threads(),
                peers=tuple(args.peers) if args.peers else None, busy_cores=args.busy_cores,
-               compiled=args.compiled, isolate=not args.same_process)
+               compiled=args.compiled, isolate=not args.same_process,
+               auto_threads=args.auto_threads)
     print(format_report(rows))
     print(f"load average after: {loadavg()}")
     if args.json:
