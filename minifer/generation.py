@@ -17,9 +17,10 @@ cache slots; in its fixed-shape form it attends over the whole preallocated cach
 so ``generate(..., compile=True)`` can hand it to `torch.compile` (on CUDA with CUDA graphs: written
 for it, untested on a GPU). Everything per request — the cache, its slot numbers,
 the token buffer — is allocated once before the loop, and the request is checked once, by
-`sequence.prepare`, not at every step. Nothing here changes torch's thread count: torch uses one
-thread per core, which is right on an idle machine; where other programs keep the cores busy,
-``torch.set_num_threads(1)`` can be many times faster (BENCHMARKS.md measures it).
+`sequence.prepare`, not at every step. By default nothing here changes torch's thread count:
+torch uses one thread per core, which is right on an idle machine; where other programs keep the
+cores busy, fewer threads can be many times faster (BENCHMARKS.md measures it), and
+``generate(..., threads="auto")`` lets a governor pick the count between steps.
 
 Prompts of different lengths share a batch by *left padding*: row b's real tokens start at slot
 ``start[b]`` and the attention mask hides the padding, so every row computes what it would
