@@ -512,14 +512,18 @@ def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder
     """The engines of `engine_specs`, built here or each in its own process (`isolate`); a
     peer that does not offer `precision` on this CPU is skipped with a message on stderr."""
     out, models = [], {}
-    for spec in engine_specs(precision, peers, compiled, auto_threads):
-        try:
-            out.append(ProcessEngine(spec, model, threads, folder) if isolate
-                       else build_engine(spec, model, threads, folder, models))
-        except ValueError as e:  # the precision not offered on this CPU, a shape not exported
-            if spec.kind == "minifer":
-                raise
-            print(f"peers: {precision}: skipping {spec.kind}: {e}", file=sys.stderr)
+    try:
+        for spec in engine_specs(precision, peers, compiled, auto_threads):
+            try:
+                out.append(ProcessEngine(spec, model, threads, folder) if isolate
+                           else build_engine(spec, model, threads, folder, models))
+            except ValueError as e:  # the precision not offered on this CPU, a shape not exported
+                if spec.kind == "minifer":
+                    raise
+                print(f"peers: {precision}: skipping {spec.kind}: {e}", file=sys.stderr)
+    except BaseException:
+        _close(out)  # the processes started so far
+        raise
     return out
 
 
