@@ -187,7 +187,7 @@ def _compile_step(model: torch.nn.Module, compile: bool | str, cache: StaticKVCa
         raise ValueError(f"compile=True needs a model with the fixed-shape step GPT.decode, got "
                          f"{type(model).__name__}")
     step = compiled_decode(model, None if compile is True else compile)
-    if step is _compiled.get(("default", True)):
+    if isinstance(step, _FrozenStep):
         _unfreeze_if_changed(model)
     if cache.slot.is_cuda:  # CUDA graphs may write the cache in place only at fixed addresses
         for t in cache.k + cache.v + (cache.k_scale + cache.v_scale if cache.quantized else []):

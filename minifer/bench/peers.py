@@ -486,9 +486,9 @@ class ProcessEngine:
                                f"{self._proc.exitcode})") from None
         if reply[0] == "error":
             self.close()
-            kind = ValueError if reply[1] == "ValueError" else RuntimeError
-            raise kind(f"{reply[2]}" if kind is ValueError else f"{self.name}: {reply[1]}: "
-                       f"{reply[2]}")
+            if reply[1] == "ValueError":  # e.g. a precision a peer does not offer: skipped
+                raise ValueError(reply[2])
+            raise RuntimeError(f"{self.name}: {reply[1]}: {reply[2]}")
         return reply
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
