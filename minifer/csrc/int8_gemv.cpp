@@ -7,7 +7,9 @@
 // VNNI's vpdpbusd multiplies 64 unsigned by 64 signed bytes and adds each group of four
 // products into an int32 lane: one instruction for 64 multiply-adds. Its first operand is
 // unsigned, so x goes in as xq + 128 and 128 * sum_k w[n, k] (`rowsum`, computed once per
-// layer) comes off the total. Four weight rows share each load of x; the output rows are split
+// layer) comes off the total. Four weight rows share each load of x, and a line of each of the
+// rows four groups on is prefetched (one line in four before: 1.08x at one thread, 1.05x at two
+// on a 2-core Xeon, GPT-2 124M's 49 matrices, weights in L3). The output rows are split
 // over torch's threads (at::parallel_for).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,10 +31,16 @@ void dot_rows(const int8_t* w, const uint8_t* xu, int64_t K, int64_t N, int64_t 
   for (; n + 4 <= n1; n += 4) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     const int8_t* r = w + n * K;
-    const bool ahead = n + 12 <= N;  // prefetch the rows two groups on, inside the matrix
+    const bool ahead = n + 20 <= N;  // inside the matrix
     for (int64_t k = 0; k < full; k += 64) {
       const __m512i xv = _mm512_loadu_si512(xu + k);
-      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(r + 8 * K + k), _MM_HINT_T0);
+      if (ahead) {  // a line of each row four groups on (rows are contiguous)
+        const char* p = reinterpret_cast<const char*>(r + 16 * K + k);
+        _mm_prefetch(p, _MM_HINT_T0);
+        _mm_prefetch(p + K, _MM_HINT_T0);
+        _mm_prefetch(p + 2 * K, _MM_HINT_T0);
+        _mm_prefetch(p + 3 * K, _MM_HINT_T0);
+      }
       a0 = _mm512_dpbusd_epi32(a0, xv, _mm512_loadu_si512(r + k));
       a1 = _mm512_dpbusd_epi32(a1, xv, _mm512_loadu_si512(r + K + k));
       a2 = _mm512_dpbusd_epi32(a2, xv, _mm512_loadu_si512(r + 2 * K + k));
