@@ -17,10 +17,12 @@ cache slots; in its fixed-shape form it attends over the whole preallocated cach
 so ``generate(..., compile=True)`` can hand it to `torch.compile` (on CUDA with CUDA graphs: written
 for it, untested on a GPU). Everything per request — the cache, its slot numbers,
 the token buffer — is allocated once before the loop, and the request is checked once, by
-`sequence.prepare`, not at every step. By default nothing here changes torch's thread count:
-torch uses one thread per core, which is right on an idle machine; where other programs keep the
-cores busy, fewer threads can be many times faster (BENCHMARKS.md measures it), and
-``generate(..., threads="auto")`` lets a governor pick the count between steps.
+`sequence.prepare`, not at every step. Threads: torch uses one per core, which is right on an
+idle machine; where other programs keep cores busy, fewer threads can be many times faster
+(BENCHMARKS.md measures it). So on a CPU a governor (`minifer.threads`) looks once a second
+between steps and lowers the count while cores are busy, never above the count in force when
+the call began, which it restores after; ``threads=n`` fixes the count instead, and
+``threads="auto"`` lets the governor use every idle core.
 
 Prompts of different lengths share a batch by *left padding*: row b's real tokens start at slot
 ``start[b]`` and the attention mask hides the padding, so every row computes what it would
@@ -244,10 +246,11 @@ def stream(
     ``"reduce-overhead"``; see `compiled_decode`). The first call for a batch size and cache
     length pays for compiling (seconds to minutes); later ones reuse it. fp32 greedy tokens are
     identical to eager (tested on CPU).
-    `threads`: torch's CPU threads for this call (restored after it); ``"auto"`` lets the
-    process's `minifer.threads.ThreadGovernor` set them between steps from the cores other
-    programs leave free (two threads beside a busy core can run many times slower than one);
-    None keeps torch's setting.
+    `threads`, on a CPU: by default (None) torch's count in force is a ceiling, and the
+    process's `minifer.threads.ThreadGovernor` lowers it between steps while other programs
+    hold cores (two threads beside a busy core can run many times slower than one), then
+    restores it; an integer fixes the count for this call (restored after it); ``"auto"`` lets
+    the governor use every core other programs leave free, and keeps the count it set.
     """
     req = prepare(model, prompts, params, tokenizer, device=device)
     if completions is not None:  # the caller's list may already hold earlier results
@@ -276,14 +279,18 @@ def run_batch(
     parallelism samples on rank 0 only and broadcasts the tokens to the other ranks).
     `threads`: see `stream`.
     """
-    governor, restore = None, None
+    seqs, device, vocab = req.sequences, req.device, req.vocab
+    governor, ceiling, restore = None, None, None
     if threads == "auto":
         governor = shared_governor()
-        governor.maybe_adjust()
     elif threads is not None:
         threads = check_int("threads", threads, 1, allowed="be a positive integer or 'auto'")
         restore = torch.get_num_threads()
-    seqs, device, vocab = req.sequences, req.device, req.vocab
+    elif torch.device(device).type == "cpu":  # the default: lower the count while cores are busy
+        governor, ceiling = shared_governor(), torch.get_num_threads()
+        restore = ceiling
+    if governor is not None:
+        governor.maybe_adjust(ceiling)
     params = seqs[0].params
     B, T = len(seqs), max(len(s.prompt_ids) for s in seqs)
     total = T + params.max_new_tokens
@@ -328,7 +335,7 @@ def run_batch(
         """One decode step (the first: the prefill) and one sampled token per row."""
         nonlocal n, tokens
         if governor is not None:
-            governor.maybe_adjust()
+            governor.maybe_adjust(ceiling)
         if tokens is None:
             if use_cache:
                 logits = prefill(model, buf[:, :T], cache)
@@ -347,7 +354,7 @@ def run_batch(
             seen[rows, tokens] = True
         return [[t] for t in host]
 
-    if restore is not None:
+    if isinstance(threads, int):
         torch.set_num_threads(threads)
     try:
         with torch.inference_mode():

@@ -11,7 +11,10 @@ counters over a short interval, not the load average, which trails by a minute),
 `apply_threads` sets it: ``threads="auto"`` on the benchmark commands. A count set once cannot
 follow a load that starts later, so a long-running program (the server) keeps a
 `ThreadGovernor`, which looks again every second at how many cores *other* programs used (all
-busy time less this process's own) and re-sets the count between steps.
+busy time less this process's own) and re-sets the count between steps. `generate` on a CPU
+uses one too, by default only to go *below* the count in force (a busy core takes a thread
+away, and gives it back when it is free again; a count you set is a ceiling, restored after
+the call); ``threads=n`` fixes the count, and ``threads="auto"`` lets it use every idle core.
 ``OMP_WAIT_POLICY=passive`` (set before torch starts) makes threads sleep instead of spinning
 while they wait; `python -m minifer.bench threads` measures it beside the counts.
 """
@@ -125,7 +128,9 @@ class ThreadGovernor:
         self.others_busy: float | None = None  # cores the others used over the last period
         self.changes = 0
 
-    def maybe_adjust(self) -> int | None:
+    def maybe_adjust(self, ceiling: int | None = None) -> int | None:
+        """Look again if a period has passed; set and return the new count if it changed.
+        `ceiling`: never more threads than this (the count a caller chose)."""
         now = self._clock()
         if self._last is not None and now - self._last[0] < self.period_s:
             return None
@@ -143,6 +148,8 @@ class ThreadGovernor:
         others = max(0.0, (d_total - d_idle) / self._hz - (own - last[2]))
         self.others_busy = min(float(self.cpus), others / elapsed)
         want = auto_threads(idle=self.cpus - self.others_busy, cpus=self.cpus)
+        if ceiling is not None:
+            want = min(want, ceiling)
         if want == torch.get_num_threads():
             return None
         torch.set_num_threads(want)
@@ -154,9 +161,11 @@ _shared: ThreadGovernor | None = None
 
 
 def shared_governor() -> ThreadGovernor:
-    """The process's one `ThreadGovernor` for ``generate(..., threads="auto")``. It is kept
-    between calls, so a program that generates many short answers still gets its look every
-    second; the count it sets stays in force after a call, as the server's does."""
+    """The process's one `ThreadGovernor` for `generate` on a CPU. It is kept between calls, so
+    a program that generates many short answers still gets its look every second. By default
+    `generate` only lets it lower the count (never above the one in force when the call began,
+    which it restores after); with ``threads="auto"`` it may raise it to every idle core, and
+    the count it sets stays in force after the call, as the server's does."""
     global _shared
     if _shared is None:
         _shared = ThreadGovernor()

@@ -62,12 +62,14 @@ def test_the_benchmark_options_take_auto():
         parser.parse_args(["--threads", "0"])
 
 
-def test_default_settings_cover_one_all_and_auto_with_both_wait_policies():
+def test_default_settings_cover_one_all_auto_and_governed_with_both_wait_policies():
     names = [s.name for s in BT.default_settings(cpus=2)]
     assert names == ["threads=1", "threads=1, OMP_WAIT_POLICY=passive", "threads=2",
                      "threads=2, OMP_WAIT_POLICY=passive", "threads=auto",
-                     "threads=auto, OMP_WAIT_POLICY=passive"]
-    assert [s.threads for s in BT.default_settings(cpus=1)] == [1, 1, "auto", "auto"]
+                     "threads=auto, OMP_WAIT_POLICY=passive", "threads=governed",
+                     "threads=governed, OMP_WAIT_POLICY=passive"]
+    assert [s.threads for s in BT.default_settings(cpus=1)] == [1, 1, "auto", "auto",
+                                                                "governed", "governed"]
 
 
 def test_background_load_starts_and_ends_its_processes(monkeypatch):
@@ -89,6 +91,8 @@ def test_background_load_starts_and_ends_its_processes(monkeypatch):
 def test_a_trial_runs_in_its_own_process_with_its_settings():
     res = BT.trial(BT.Setting(1, "passive"), preset="tiny", new_tokens=4, repeats=1)
     assert res["threads"] == 1 and res["t_all"] > 0
+    governed = BT.trial(BT.Setting("governed"), preset="tiny", new_tokens=4, repeats=1)
+    assert 1 <= governed["threads"] <= (os.cpu_count() or 1)  # torch's count: every core
     assert res["tokens_per_s"] > 0 or res["tokens_per_s"] != res["tokens_per_s"]  # a rate or NaN
 
 
@@ -206,15 +210,54 @@ def test_generate_with_auto_threads_asks_the_shared_governor_at_every_step(monke
     import minifer as mf
 
     class Counting:
-        looks = 0
+        ceilings: list = []
 
-        def maybe_adjust(self):
-            Counting.looks += 1
+        def maybe_adjust(self, ceiling=None):
+            Counting.ceilings.append(ceiling)
 
     monkeypatch.setattr(T, "_shared", Counting())
     model = mf.GPT.from_config("tiny")
     greedy = mf.SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
     auto = mf.generate(model, [[4, 5]], greedy, threads="auto")[0].token_ids
+    assert Counting.ceilings == [None] * (1 + 5)  # at the start, then before each of 5 steps
+    Counting.ceilings.clear()
     assert auto == mf.generate(model, [[4, 5]], greedy)[0].token_ids
-    assert Counting.looks == 1 + 5  # once at the start, then before each of the 5 steps
+    # the default asks too, with the count in force as its ceiling
+    assert Counting.ceilings == [torch.get_num_threads()] * (1 + 5)
+    Counting.ceilings.clear()
+    mf.generate(model, [[4, 5]], greedy, threads=1)  # a fixed count: no governor
+    assert Counting.ceilings == []
     assert T.shared_governor() is T._shared
+
+
+def test_by_default_generate_gives_a_busy_core_its_thread_and_takes_no_more(monkeypatch):
+    """The default policy on a 2-core machine where another program takes a core halfway:
+    the governor drops to one thread, never rises above the count the caller set, and the
+    caller's count is back after the call."""
+    import minifer as mf
+
+    m = FakeMachine()
+    monkeypatch.setattr(T, "_shared", m.governor())
+    model = mf.GPT.from_config("tiny")
+    greedy = mf.SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    seen = []
+
+    def tick(*_):  # each step takes a second; from the fourth on, another program holds a core
+        seen.append(torch.get_num_threads())
+        busy = len(seen) >= 4
+        m.run(1.0, others=1.0 if busy else 0.0, ours=1.0 if busy else 2.0)
+
+    hook = model.transformer.h[0].register_forward_hook(tick)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        plain = mf.generate(model, [[1, 2, 3]], greedy)[0].token_ids
+        assert seen[:4] == [2, 2, 2, 2] and seen[-1] == 1 and torch.get_num_threads() == 2
+        torch.set_num_threads(1)  # a count the caller chose is a ceiling, idle machine or not
+        seen.clear()
+        m.run(1.0, others=0.0, ours=0.0)
+        assert mf.generate(model, [[1, 2, 3]], greedy)[0].token_ids == plain
+        assert set(seen) == {1} and torch.get_num_threads() == 1
+    finally:
+        hook.remove()
+        torch.set_num_threads(saved)

@@ -4,7 +4,9 @@
 Each *trial* is a fresh Python process (the wait policy, ``OMP_WAIT_POLICY``, is read once when
 torch's OpenMP runtime starts, so it cannot change inside one process). It builds the same
 seeded model, sets its thread count (`minifer.threads.apply_threads`: a number, or ``auto``:
-the cores idle right now), warms up, and times greedy generations of 1 and of ``new_tokens``
+the cores idle right now) and holds it fixed (``generate(..., threads=n)``), or, for
+``threads="governed"``, starts at every core and lets `generate`'s default governor lower the
+count between steps while other programs hold cores; then it warms up, and times greedy generations of 1 and of ``new_tokens``
 tokens from the same prompts, three times each: the difference of the medians is decode alone.
 
 A *round* runs every setting once, in turn, first on the quiet machine and then beside a
@@ -33,7 +35,8 @@ __all__ = ["Setting", "default_settings", "background_load", "trial", "ThreadsRo
 
 @dataclass(frozen=True)
 class Setting:
-    """One way to run: `threads` (a count or ``"auto"``) and the OpenMP wait policy (None:
+    """One way to run: `threads` (a count, ``"auto"`` or ``"governed"``: `generate`'s default
+    from every core) and the OpenMP wait policy (None:
     the runtime's default; ``"passive"``: waiting threads sleep; ``"active"``: they spin)."""
 
     threads: int | str
@@ -45,9 +48,10 @@ class Setting:
 
 
 def default_settings(cpus: int | None = None) -> list[Setting]:
-    """1 thread, every core, and ``auto``, each with the default and the passive wait policy."""
+    """1 thread, every core, ``auto`` and ``governed``, each with the default and the passive
+    wait policy."""
     cpus = cpus or os.cpu_count() or 1
-    counts: list[int | str] = sorted({1, cpus}) + ["auto"]
+    counts: list[int | str] = sorted({1, cpus}) + ["auto", "governed"]
     return [Setting(n, wait) for n in counts for wait in (None, "passive")]
 
 
@@ -60,14 +64,15 @@ from minifer.model import GPT
 from minifer.sampling import SamplingParams
 from minifer.threads import apply_threads
 a = json.loads(sys.argv[1])
-threads = apply_threads(a["threads"])
+governed = a["threads"] == "governed"
+threads = apply_threads(None if governed else a["threads"])
 torch.manual_seed(0)
 model = GPT.from_config(a["preset"], seed=0).eval()
 prompts = random_ids(a["batch"], a["prompt_tokens"], model.config.vocab_size).tolist()
 def run(n):
     p = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
     t = time.perf_counter()
-    generate(model, prompts, p)
+    generate(model, prompts, p, threads=None if governed else threads)
     return time.perf_counter() - t
 run(4)
 ones, alls = [], []
