@@ -290,6 +290,7 @@ def run_batch(
         governor, ceiling = shared_governor(), torch.get_num_threads()
         restore = ceiling
     if governor is not None:
+        governor.resume()  # the pause since its last call is not counted
         governor.maybe_adjust(ceiling)
     params = seqs[0].params
     B, T = len(seqs), max(len(s.prompt_ids) for s in seqs)

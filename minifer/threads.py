@@ -105,18 +105,22 @@ def apply_threads(threads: int | str | None) -> int:
 class ThreadGovernor:
     """Keeps torch's thread count at the number of cores other programs leave free.
 
-    `maybe_adjust()` is cheap (a clock read) except once per `period_s`, when it reads the
-    kernel's CPU counters and this process's CPU time: the cores the *others* used since the
-    last look are all busy time less our own, and the count becomes `auto_threads` of what
-    they left. Call it between steps of work; it returns the new count when it changed it.
-    Where the counters cannot be read it never changes anything.
+    Call `maybe_adjust()` between steps of work. At most every `sample_s` it reads the kernel's
+    CPU counters and this process's CPU time (else it only reads the clock); once the readings
+    cover `period_s` of work, the cores the *others* used over them (all busy time less our
+    own) decide the count: `auto_threads` of what they left, at most `ceiling`. That decision
+    holds, and is applied at every call, until the next one. Call `resume()` when work starts
+    again after a pause (each `generate` call does): what other programs did while we were not
+    running says little about now, so the pause is left out and the last decision stands.
+    `maybe_adjust` returns the new count when it changed it. Where the counters cannot be read
+    it never changes anything.
     """
 
     def __init__(self, cpus: int | None = None, period_s: float = 1.0, *,
                  counters=cpu_times, own_cpu_s=time.process_time, clock=time.monotonic,
-                 ticks_per_s: float | None = None) -> None:
+                 ticks_per_s: float | None = None, sample_s: float = 0.05) -> None:
         self.cpus = cpus or os.cpu_count() or 1
-        self.period_s = period_s
+        self.period_s, self.sample_s = period_s, sample_s
         self._counters, self._own, self._clock = counters, own_cpu_s, clock
         if ticks_per_s is None:
             try:
@@ -124,29 +128,32 @@ class ThreadGovernor:
             except (ValueError, OSError, AttributeError):
                 ticks_per_s = 100.0
         self._hz = ticks_per_s
-        self._last: tuple[float, tuple[float, float], float] | None = None
+        # the last reading: (clock, (idle, total) ticks, own CPU seconds)
+        self._mark: tuple[float, tuple[float, float], float] | None = None
+        self._window = [0.0, 0.0, 0.0, 0.0]  # since the last decision: total, idle ticks, own s, wall s
         self.others_busy: float | None = None  # cores the others used over the last period
         self.changes = 0
 
-    def maybe_adjust(self, ceiling: int | None = None) -> int | None:
-        """Look again if a period has passed; set and return the new count if it changed.
-        `ceiling`: never more threads than this (the count a caller chose)."""
-        now = self._clock()
-        if self._last is not None and now - self._last[0] < self.period_s:
-            return None
+    def _read(self) -> tuple[float, tuple[float, float], float] | None:
         counters = self._counters()
-        if counters is None:
+        return None if counters is None else (self._clock(), counters, self._own())
+
+    def resume(self) -> None:
+        """Work starts again after a pause: the pause is not counted."""
+        self._mark = self._read()
+
+    def maybe_adjust(self, ceiling: int | None = None) -> int | None:
+        """Read the counters if `sample_s` has passed, decide again once they cover
+        `period_s`, and set the decided count (at most `ceiling`, the count a caller chose);
+        returns the new count when it changed it."""
+        if self._mark is None or self._clock() - self._mark[0] >= self.sample_s:
+            reading = self._read()
+            if reading is not None:
+                if self._mark is not None:
+                    self._count(self._mark, reading)
+                self._mark = reading
+        if self.others_busy is None:
             return None
-        own = self._own()
-        last, self._last = self._last, (now, counters, own)
-        if last is None:
-            return None
-        d_idle, d_total = counters[0] - last[1][0], counters[1] - last[1][1]
-        if d_total <= 0:
-            return None
-        elapsed = d_total / self._hz / self.cpus  # seconds of wall time the counters cover
-        others = max(0.0, (d_total - d_idle) / self._hz - (own - last[2]))
-        self.others_busy = min(float(self.cpus), others / elapsed)
         want = auto_threads(idle=self.cpus - self.others_busy, cpus=self.cpus)
         if ceiling is not None:
             want = min(want, ceiling)
@@ -155,6 +162,20 @@ class ThreadGovernor:
         torch.set_num_threads(want)
         self.changes += 1
         return want
+
+    def _count(self, before, after) -> None:
+        """Add the work between two readings to the window; decide when it covers a period."""
+        w = self._window
+        w[0] += after[1][1] - before[1][1]
+        w[1] += after[1][0] - before[1][0]
+        w[2] += after[2] - before[2]
+        w[3] += after[0] - before[0]
+        if w[3] < self.period_s or w[0] <= 0:
+            return
+        elapsed = w[0] / self._hz / self.cpus  # seconds of wall time the counters cover
+        others = max(0.0, (w[0] - w[1]) / self._hz - w[2])
+        self.others_busy = min(float(self.cpus), others / elapsed)
+        self._window = [0.0, 0.0, 0.0, 0.0]
 
 
 _shared: ThreadGovernor | None = None

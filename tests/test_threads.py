@@ -147,6 +147,39 @@ def test_the_governor_follows_other_programs_not_its_own_work():
         torch.set_num_threads(saved)
 
 
+def test_a_decision_holds_into_the_next_call_and_a_pause_is_not_counted():
+    """Short calls (each under a period) still get the decision of earlier work at their first
+    step, and what others did while we paused (another engine's turn) does not count."""
+    saved = torch.get_num_threads()
+    try:
+        m = FakeMachine()
+        g = m.governor()
+        torch.set_num_threads(2)
+        g.resume()
+        for _ in range(4):  # a call of 4 half-second steps beside a busy core
+            m.run(0.5, others=1.0, ours=1.0)
+            g.maybe_adjust(2)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)  # the call restores the caller's count
+        m.run(10.0, others=2.0, ours=0.0)  # a pause: other programs on both cores
+        g.resume()
+        assert g.maybe_adjust(2) == 1  # the next call starts at once at the decided count
+        torch.set_num_threads(2)
+        m2 = FakeMachine()  # a quiet machine, then a pause full of others' work
+        g2 = m2.governor()
+        g2.resume()
+        for _ in range(3):
+            m2.run(0.5, others=0.0, ours=2.0)
+            assert g2.maybe_adjust(2) is None
+        m2.run(10.0, others=2.0, ours=0.0)
+        g2.resume()
+        m2.run(0.5, others=0.0, ours=2.0)
+        assert g2.maybe_adjust(2) is None and torch.get_num_threads() == 2
+        assert g2.others_busy == 0.0
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_the_governor_does_nothing_without_counters():
     g = T.ThreadGovernor(2, 0.0, counters=lambda: None)
     assert g.maybe_adjust() is None and g.maybe_adjust() is None and g.others_busy is None
@@ -212,6 +245,9 @@ def test_generate_with_auto_threads_asks_the_shared_governor_at_every_step(monke
     class Counting:
         ceilings: list = []
 
+        def resume(self):
+            Counting.ceilings.append("resume")
+
         def maybe_adjust(self, ceiling=None):
             Counting.ceilings.append(ceiling)
 
@@ -219,11 +255,12 @@ def test_generate_with_auto_threads_asks_the_shared_governor_at_every_step(monke
     model = mf.GPT.from_config("tiny")
     greedy = mf.SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
     auto = mf.generate(model, [[4, 5]], greedy, threads="auto")[0].token_ids
-    assert Counting.ceilings == [None] * (1 + 5)  # at the start, then before each of 5 steps
+    # resumed at the start, asked then and before each of the 5 steps
+    assert Counting.ceilings == ["resume"] + [None] * (1 + 5)
     Counting.ceilings.clear()
     assert auto == mf.generate(model, [[4, 5]], greedy)[0].token_ids
     # the default asks too, with the count in force as its ceiling
-    assert Counting.ceilings == [torch.get_num_threads()] * (1 + 5)
+    assert Counting.ceilings == ["resume"] + [torch.get_num_threads()] * (1 + 5)
     Counting.ceilings.clear()
     mf.generate(model, [[4, 5]], greedy, threads=1)  # a fixed count: no governor
     assert Counting.ceilings == []

@@ -25,7 +25,10 @@ size:
 Precisions:
 
 minifer runs as it is and, where oneDNN is present, with its linear weights prepacked
-(`minifer.prepack`, fp32 and bf16: what the peers do with their weights at load).
+(`minifer.prepack`, fp32 and bf16: what the peers do with their weights at load). Its engines
+call `generate` with its default thread policy: ``--threads`` is a ceiling, lowered between
+steps while other programs hold cores (``--auto-threads`` adds each with ``threads="auto"``);
+the peers keep ``--threads`` fixed, as they are built to.
 
 * ``fp32``: every engine in float32. OpenVINO's CPU plugin would otherwise compute in bf16 on
   CPUs with AVX512-BF16/AMX and keep the K/V cache in f16, so its inference precision hint and
