@@ -19,10 +19,10 @@ for it, untested on a GPU). Everything per request — the cache, its slot numbe
 the token buffer — is allocated once before the loop, and the request is checked once, by
 `sequence.prepare`, not at every step. Threads: torch uses one per core, which is right on an
 idle machine; where other programs keep cores busy, fewer threads can be many times faster
-(BENCHMARKS.md measures it). So on a CPU a governor (`minifer.threads`) looks once a second
-between steps and lowers the count while cores are busy, never above the count in force when
-the call began, which it restores after; ``threads=n`` fixes the count instead, and
-``threads="auto"`` lets the governor use every idle core.
+(BENCHMARKS.md measures it). So on a CPU a governor (`minifer.threads`) decides every
+quarter second of work, between steps, and lowers the count while cores are busy, never above
+the count in force when the call began, which it restores after; ``threads=n`` fixes the count
+instead, and ``threads="auto"`` lets the governor use every idle core.
 
 Prompts of different lengths share a batch by *left padding*: row b's real tokens start at slot
 ``start[b]`` and the attention mask hides the padding, so every row computes what it would

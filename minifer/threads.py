@@ -12,9 +12,10 @@ counters over a short interval, not the load average, which trails by a minute),
 follow a load that starts later, so a long-running program (the server) keeps a
 `ThreadGovernor`, which looks again every second at how many cores *other* programs used (all
 busy time less this process's own) and re-sets the count between steps. `generate` on a CPU
-uses one too, by default only to go *below* the count in force (a busy core takes a thread
-away, and gives it back when it is free again; a count you set is a ceiling, restored after
-the call); ``threads=n`` fixes the count, and ``threads="auto"`` lets it use every idle core.
+uses one too, deciding every quarter second of work, by default only to go *below* the count
+in force (a busy core takes a thread away, and gives it back when it is free again; a count
+you set is a ceiling, restored after the call); ``threads=n`` fixes the count, and
+``threads="auto"`` lets it use every idle core.
 ``OMP_WAIT_POLICY=passive`` (set before torch starts) makes threads sleep instead of spinning
 while they wait; `python -m minifer.bench threads` measures it beside the counts.
 """
@@ -179,15 +180,20 @@ class ThreadGovernor:
 
 
 _shared: ThreadGovernor | None = None
+# A quarter second of work: a load that starts while generating costs at most that much at the
+# old count (50 clock ticks on 2 cores: a busy core reads as 1.0 +- 0.04). The server, whose
+# work does not come in short calls, decides every second.
+GENERATE_PERIOD_S = 0.25
 
 
 def shared_governor() -> ThreadGovernor:
-    """The process's one `ThreadGovernor` for `generate` on a CPU. It is kept between calls, so
-    a program that generates many short answers still gets its look every second. By default
-    `generate` only lets it lower the count (never above the one in force when the call began,
-    which it restores after); with ``threads="auto"`` it may raise it to every idle core, and
-    the count it sets stays in force after the call, as the server's does."""
+    """The process's one `ThreadGovernor` for `generate` on a CPU, deciding after every
+    `GENERATE_PERIOD_S` of work. It is kept between calls, so a program that generates many
+    short answers still gets its decisions. By default `generate` only lets it lower the count
+    (never above the one in force when the call began, which it restores after); with
+    ``threads="auto"`` it may raise it to every idle core, and the count it sets stays in force
+    after the call, as the server's does."""
     global _shared
     if _shared is None:
-        _shared = ThreadGovernor()
+        _shared = ThreadGovernor(period_s=GENERATE_PERIOD_S)
     return _shared
