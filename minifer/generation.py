@@ -92,6 +92,8 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 _compiled: dict[tuple[str, bool], Callable] = {}
 # model -> its weights' stamp when a frozen step last ran it (`_weights_stamp`)
 _frozen_stamps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> {(compile, batch, cache length, cache dtype): thread counts compiled for}
+_compiled_threads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # graphs torch.compile keeps per step function: one per batch size and cache length (and per
 # model where weights are frozen). torch's default of 8 made a ninth shape a hard error.
 RECOMPILE_LIMIT = 256
@@ -174,7 +176,25 @@ def _unfreeze_if_changed(model: torch.nn.Module) -> None:
     if before is not None and before != stamp:
         torch.compiler.reset()
         _frozen_stamps.clear()
+        _compiled_threads.clear()
     _frozen_stamps[model] = stamp
+
+
+def _compiled_at_this_count(model: torch.nn.Module, compile: bool | str,
+                            cache: StaticKVCache) -> bool:
+    """Has the compiled step run this shape at torch's current thread count, or never at any?
+
+    torch compiles a step again for every thread count it meets (its guards include the
+    count): on a 2-core Xeon a GPT-2 step took 10 s to compile again at one thread. So when the
+    thread governor has changed the count since a shape was compiled, `run_batch` takes the
+    eager step instead (the same tokens in fp32) rather than stall; a shape met for the first
+    time compiles at the count in force."""
+    counts = _compiled_threads.setdefault(model, {}).setdefault(
+        (compile, cache.batch_size, cache.max_len, cache.k[0].dtype), set())
+    threads = torch.get_num_threads()
+    if not counts:
+        counts.add(threads)
+    return threads in counts
 
 
 def _compile_step(model: torch.nn.Module, compile: bool | str, cache: StaticKVCache
@@ -245,7 +265,9 @@ def stream(
     `compile`: run the decode step through `torch.compile` (True, or a mode such as
     ``"reduce-overhead"``; see `compiled_decode`). The first call for a batch size and cache
     length pays for compiling (seconds to minutes); later ones reuse it. fp32 greedy tokens are
-    identical to eager (tested on CPU).
+    identical to eager (tested on CPU). torch compiles again for every thread count, so where
+    the thread governor (below) has changed the count since a shape was compiled, its steps
+    run eager rather than stall.
     `threads`, on a CPU: by default (None) torch's count in force is a ceiling, and the
     process's `minifer.threads.ThreadGovernor` lowers it between steps while other programs
     hold cores (two threads beside a busy core can run many times slower than one), then
@@ -343,7 +365,11 @@ def run_batch(
             else:
                 logits = model(buf[:, :T], start=start if padded else None, last_only=True)[:, -1]
         elif use_cache:
-            logits = decode_step(model, tokens, cache, step=step_fn)
+            fn = step_fn
+            if fn is not None and governor is not None \
+                    and not _compiled_at_this_count(model, compile, cache):
+                fn = None  # the governor changed the count: eager, not a recompile
+            logits = decode_step(model, tokens, cache, step=fn)
         else:
             seq = buf[:, : T + n]
             logits = model(seq, start=start if padded else None, last_only=True)[:, -1]

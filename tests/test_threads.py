@@ -298,3 +298,46 @@ def test_by_default_generate_gives_a_busy_core_its_thread_and_takes_no_more(monk
     finally:
         hook.remove()
         torch.set_num_threads(saved)
+
+
+def test_a_compiled_step_is_not_compiled_again_when_the_governor_changes_the_count(monkeypatch):
+    """torch compiles a step again for every thread count (10 s for GPT-2 on a 2-core Xeon):
+    once the governor has lowered the count, the steps of a shape compiled at the old count run
+    eager, with the same tokens, and no compiled step is called at the new count."""
+    import minifer as mf
+    from minifer import generation as G
+
+    m = FakeMachine()
+    monkeypatch.setattr(T, "_shared", m.governor())
+    monkeypatch.setattr(G, "_compiled_threads", type(G._compiled_threads)())
+    counts = []
+
+    def spy_step(model, tokens, cache, slot):  # stands in for the compiled step
+        counts.append(torch.get_num_threads())
+        return G._decode(model, tokens, cache, slot)
+
+    monkeypatch.setattr(G, "_compile_step",
+                        lambda model, compile, cache: spy_step if compile else None)
+    model = mf.GPT.from_config("tiny")
+    greedy = mf.SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    seen = []
+
+    def tick(*_):  # each forward a second; from the fourth on, another program holds a core
+        seen.append(torch.get_num_threads())
+        busy = len(seen) >= 4
+        m.run(1.0, others=1.0 if busy else 0.0, ours=1.0 if busy else 2.0)
+
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        plain = mf.generate(model, [[1, 2, 3]], greedy, threads=2)[0].token_ids
+        hook = model.transformer.h[0].register_forward_hook(tick)
+        try:
+            out = mf.generate(model, [[1, 2, 3]], greedy, compile=True)[0].token_ids
+        finally:
+            hook.remove()
+        assert out == plain
+        assert 1 in seen and counts and set(counts) == {2}  # compiled only at the first count
+        assert len(counts) < len(seen) - 1  # the steps at one thread ran eager
+    finally:
+        torch.set_num_threads(saved)
