@@ -92,7 +92,7 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 _compiled: dict[tuple[str, bool], Callable] = {}
 # model -> its weights' stamp when a frozen step last ran it (`_weights_stamp`)
 _frozen_stamps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# model -> {(compile, batch, cache length, cache dtype): thread counts compiled for}
+# model -> {(compile, batch, cache length, cache dtype): its `_ShapeThreads`}
 _compiled_threads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # graphs torch.compile keeps per step function: one per batch size and cache length (and per
 # model where weights are frozen). torch's default of 8 made a ninth shape a hard error.
@@ -180,21 +180,45 @@ def _unfreeze_if_changed(model: torch.nn.Module) -> None:
     _frozen_stamps[model] = stamp
 
 
-def _compiled_at_this_count(model: torch.nn.Module, compile: bool | str,
-                            cache: StaticKVCache) -> bool:
-    """Has the compiled step run this shape at torch's current thread count, or never at any?
+class _ShapeThreads:
+    """The thread counts one compiled shape has graphs for, and when to compile another.
 
     torch compiles a step again for every thread count it meets (its guards include the
     count): on a 2-core Xeon a GPT-2 step took 10 s to compile again at one thread. So when the
-    thread governor has changed the count since a shape was compiled, `run_batch` takes the
-    eager step instead (the same tokens in fp32) rather than stall; a shape met for the first
-    time compiles at the count in force."""
-    counts = _compiled_threads.setdefault(model, {}).setdefault(
-        (compile, cache.batch_size, cache.max_len, cache.k[0].dtype), set())
-    threads = torch.get_num_threads()
-    if not counts:
-        counts.add(threads)
-    return threads in counts
+    thread governor moves to a count this shape has no graph for, its steps run eager (the same
+    tokens in fp32) until the time spent eager at that count equals what compiling the shape
+    took the first time; then it compiles for that count too. A stall no longer than the time
+    already spent: at most twice the cost of the better choice in hindsight, whether the new
+    count lasts a few steps or for good (the ski-rental rule)."""
+
+    def __init__(self) -> None:
+        self.counts: set[int] = set()
+        self.compile_s: float | None = None  # the first compiled call: compiling and one step
+        self.eager_s: dict[int, float] = {}
+
+    def compiled(self, threads: int) -> bool:
+        """Run the compiled step at `threads` (compiling for it if new)?"""
+        if not self.counts or threads in self.counts:
+            self.counts.add(threads)
+            return True
+        if self.compile_s is not None and self.eager_s.get(threads, 0.0) >= self.compile_s:
+            self.counts.add(threads)
+            return True
+        return False
+
+    def ran(self, threads: int, compiled: bool, seconds: float) -> None:
+        if compiled:
+            if self.compile_s is None:
+                self.compile_s = seconds
+        else:
+            self.eager_s[threads] = self.eager_s.get(threads, 0.0) + seconds
+
+
+def _shape_threads(model: torch.nn.Module, compile: bool | str,
+                   cache: StaticKVCache) -> _ShapeThreads:
+    shapes = _compiled_threads.setdefault(model, {})
+    return shapes.setdefault((compile, cache.batch_size, cache.max_len, cache.k[0].dtype),
+                             _ShapeThreads())
 
 
 def _compile_step(model: torch.nn.Module, compile: bool | str, cache: StaticKVCache
@@ -265,9 +289,9 @@ def stream(
     `compile`: run the decode step through `torch.compile` (True, or a mode such as
     ``"reduce-overhead"``; see `compiled_decode`). The first call for a batch size and cache
     length pays for compiling (seconds to minutes); later ones reuse it. fp32 greedy tokens are
-    identical to eager (tested on CPU). torch compiles again for every thread count, so where
-    the thread governor (below) has changed the count since a shape was compiled, its steps
-    run eager rather than stall.
+    identical to eager (tested on CPU). torch compiles again for every thread count: where the
+    thread governor (below) has moved to a count a shape has no graph for, its steps run eager
+    until they have taken as long as compiling it did, and then it compiles for that count.
     `threads`, on a CPU: by default (None) torch's count in force is a ceiling, and the
     process's `minifer.threads.ThreadGovernor` lowers it between steps while other programs
     hold cores (two threads beside a busy core can run many times slower than one), then
@@ -365,11 +389,14 @@ def run_batch(
             else:
                 logits = model(buf[:, :T], start=start if padded else None, last_only=True)[:, -1]
         elif use_cache:
-            fn = step_fn
-            if fn is not None and governor is not None \
-                    and not _compiled_at_this_count(model, compile, cache):
-                fn = None  # the governor changed the count: eager, not a recompile
+            fn, shape = step_fn, None
+            if fn is not None and governor is not None:  # the count may change: `_ShapeThreads`
+                shape, count = _shape_threads(model, compile, cache), torch.get_num_threads()
+                fn = fn if shape.compiled(count) else None
+                t0 = time.perf_counter()
             logits = decode_step(model, tokens, cache, step=fn)
+            if shape is not None:
+                shape.ran(count, fn is not None, time.perf_counter() - t0)
         else:
             seq = buf[:, : T + n]
             logits = model(seq, start=start if padded else None, last_only=True)[:, -1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import pytest
 import torch
@@ -303,7 +304,7 @@ def test_by_default_generate_gives_a_busy_core_its_thread_and_takes_no_more(monk
 def test_a_compiled_step_is_not_compiled_again_when_the_governor_changes_the_count(monkeypatch):
     """torch compiles a step again for every thread count (10 s for GPT-2 on a 2-core Xeon):
     once the governor has lowered the count, the steps of a shape compiled at the old count run
-    eager, with the same tokens, and no compiled step is called at the new count."""
+    eager, with the same tokens, while they have taken less time than compiling did."""
     import minifer as mf
     from minifer import generation as G
 
@@ -313,6 +314,8 @@ def test_a_compiled_step_is_not_compiled_again_when_the_governor_changes_the_cou
     counts = []
 
     def spy_step(model, tokens, cache, slot):  # stands in for the compiled step
+        if not counts:
+            time.sleep(0.3)  # compiling: far longer than the few eager steps below
         counts.append(torch.get_num_threads())
         return G._decode(model, tokens, cache, slot)
 
@@ -341,3 +344,21 @@ def test_a_compiled_step_is_not_compiled_again_when_the_governor_changes_the_cou
         assert len(counts) < len(seen) - 1  # the steps at one thread ran eager
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_new_count_gets_its_compiled_graph_once_eager_steps_have_cost_a_compile():
+    from minifer.generation import _ShapeThreads
+
+    shape = _ShapeThreads()
+    assert shape.compiled(2)  # the first count compiles
+    shape.ran(2, True, 10.0)  # ... and that took 10 s
+    assert shape.compiled(2)
+    shape.ran(2, True, 0.01)
+    assert shape.compile_s == 10.0
+    for _ in range(3):  # the governor moved to one thread: eager, 3 s a step
+        assert not shape.compiled(1)
+        shape.ran(1, False, 3.0)
+    assert shape.compiled(1) is False  # 9 s < 10 s
+    shape.ran(1, False, 3.0)
+    assert shape.compiled(1) and shape.counts == {1, 2}  # 12 s >= 10 s: compile for it now
+    assert shape.compiled(2)  # and the old count keeps its graph
