@@ -20,7 +20,7 @@ the token buffer — is allocated once before the loop, and the request is check
 `sequence.prepare`, not at every step. Threads: torch uses one per core, which is right on an
 idle machine; where other programs keep cores busy, fewer threads can be many times faster
 (BENCHMARKS.md measures it). So on a CPU a governor (`minifer.threads`) decides every
-quarter second of work, between steps, and lowers the count while cores are busy, never above
+second of work, between steps, and lowers the count while cores are busy, never above
 the count in force when the call began, which it restores after; ``threads=n`` fixes the count
 instead, and ``threads="auto"`` lets the governor use every idle core.
 

@@ -12,7 +12,7 @@ counters over a short interval, not the load average, which trails by a minute),
 follow a load that starts later, so a long-running program (the server) keeps a
 `ThreadGovernor`, which looks again every second at how many cores *other* programs used (all
 busy time less this process's own) and re-sets the count between steps. `generate` on a CPU
-uses one too, deciding every quarter second of work, by default only to go *below* the count
+uses one too, deciding every second of work, by default only to go *below* the count
 in force (a busy core takes a thread away, and gives it back when it is free again; a count
 you set is a ceiling, restored after the call); ``threads=n`` fixes the count, and
 ``threads="auto"`` lets it use every idle core.
@@ -180,10 +180,11 @@ class ThreadGovernor:
 
 
 _shared: ThreadGovernor | None = None
-# A quarter second of work: a load that starts while generating costs at most that much at the
-# old count (50 clock ticks on 2 cores: a busy core reads as 1.0 +- 0.04). The server, whose
-# work does not come in short calls, decides every second.
-GENERATE_PERIOD_S = 0.25
+# A second of work, as the server. With a quarter second, the peers benchmark's quiet 2-thread
+# decode at batch 16 and 64 ran 0.57-0.77x as fast (BENCHMARKS.md): short windows see brief
+# bursts of other programs (likely the peers' OpenMP threads, which spin a while after their
+# work) as a busy core, and a compiled step runs eager at the lowered count.
+GENERATE_PERIOD_S = 1.0
 
 
 def shared_governor() -> ThreadGovernor:
