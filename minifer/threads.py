@@ -180,10 +180,8 @@ class ThreadGovernor:
 
 
 _shared: ThreadGovernor | None = None
-# A second of work, as the server. With a quarter second, the peers benchmark's quiet 2-thread
-# decode at batch 16 and 64 ran 0.57-0.77x as fast (BENCHMARKS.md): short windows see brief
-# bursts of other programs (likely the peers' OpenMP threads, which spin a while after their
-# work) as a busy core, and a compiled step runs eager at the lowered count.
+# A second of work, as the server: at 2 cores, 200 clock ticks, so a brief burst of another
+# program does not read as a busy core (a quarter second was tried; BENCHMARKS.md).
 GENERATE_PERIOD_S = 1.0
 
 
