@@ -217,8 +217,10 @@ class _ShapeThreads:
 def _shape_threads(model: torch.nn.Module, compile: bool | str,
                    cache: StaticKVCache) -> _ShapeThreads:
     shapes = _compiled_threads.setdefault(model, {})
-    return shapes.setdefault((compile, cache.batch_size, cache.max_len, cache.k[0].dtype),
-                             _ShapeThreads())
+    key = (compile, cache.batch_size, cache.max_len, cache.k[0].dtype)
+    if key not in shapes:
+        shapes[key] = _ShapeThreads()
+    return shapes[key]
 
 
 def _compile_step(model: torch.nn.Module, compile: bool | str, cache: StaticKVCache
@@ -370,6 +372,9 @@ def run_batch(
                              f"{cache.batch_size} and {cache.max_len}")
         cache.reset(start)
         step_fn = _compile_step(model, compile, cache)
+    # a compiled step whose thread count the governor may change: see `_ShapeThreads`
+    shape = (_shape_threads(model, compile, cache)
+             if step_fn is not None and governor is not None else None)
 
     def default_sampler(logits: torch.Tensor) -> torch.Tensor:
         return sample(mask_padded_vocab(logits, vocab), params, seen, gens)
@@ -389,9 +394,9 @@ def run_batch(
             else:
                 logits = model(buf[:, :T], start=start if padded else None, last_only=True)[:, -1]
         elif use_cache:
-            fn, shape = step_fn, None
-            if fn is not None and governor is not None:  # the count may change: `_ShapeThreads`
-                shape, count = _shape_threads(model, compile, cache), torch.get_num_threads()
+            fn = step_fn
+            if shape is not None:
+                count = torch.get_num_threads()
                 fn = fn if shape.compiled(count) else None
                 t0 = time.perf_counter()
             logits = decode_step(model, tokens, cache, step=fn)
