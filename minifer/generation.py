@@ -420,6 +420,8 @@ def run_batch(
             yield from advance(seqs, step, time.perf_counter())
             sync(device)
     finally:
+        if governor is not None:
+            governor.pause()  # the steps since its last reading count (a short call has no other)
         if restore is not None:
             torch.set_num_threads(restore)
 

@@ -11,7 +11,8 @@ counters over a short interval, not the load average, which trails by a minute),
 `apply_threads` sets it: ``threads="auto"`` on the benchmark commands. A count set once cannot
 follow a load that starts later, so a long-running program (the server) keeps a
 `ThreadGovernor`, which looks again every second at how many cores *other* programs used (all
-busy time less this process's own) and re-sets the count between steps. `generate` on a CPU
+busy time less this process's own) and re-sets the count between steps; a core that another
+program clearly takes lowers the count within a tenth of a second. `generate` on a CPU
 uses one too, deciding every second of work, by default only to go *below* the count
 in force (a busy core takes a thread away, and gives it back when it is free again; a count
 you set is a ceiling, restored after the call); ``threads=n`` fixes the count, and
@@ -25,12 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
 from .checks import check_int
 
-__all__ = ["cpu_times", "idle_cpus", "auto_threads", "apply_threads", "parse_threads",
+__all__ = ["cpu_times", "run_queue_wait", "idle_cpus", "auto_threads", "apply_threads", "parse_threads",
            "ThreadGovernor", "shared_governor"]
 
 
@@ -103,80 +105,184 @@ def apply_threads(threads: int | str | None) -> int:
     return torch.get_num_threads()
 
 
+def run_queue_wait() -> float | None:
+    """Seconds this process's threads have spent ready to run but waiting for a core, summed
+    over its threads (Linux ``/proc/self/task/*/schedstat``; None elsewhere; always 0 where the
+    kernel keeps no scheduler statistics).
+
+    It is the direct sign of a core taken by someone else: two torch threads alone on two cores
+    wait well under 1% of the time, beside a program that keeps one core busy they wait 50-150%
+    of a core's time (each of them in turn), and one thread beside it does not wait at all. The
+    CPU counters (`cpu_times`) see it late: spinning threads crowd the other program out, so
+    it shows as less than half a core while it wants a whole one."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    total, found = 0, False
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])  # run time, run-queue wait (ns), time slices
+            found = True
+        except (OSError, IndexError, ValueError):  # the thread ended meanwhile
+            continue
+    return total / 1e9 if found else None
+
+
+@dataclass(frozen=True)
+class _Reading:
+    clock: float  # seconds
+    idle_ticks: float  # the machine's, since boot
+    total_ticks: float
+    own_cpu_s: float  # this process's CPU time
+    waited_s: float  # this process's threads' run-queue wait (0 where unknown)
+
+
+@dataclass
+class _Window:
+    """The work between readings since the last decision, summed."""
+    wall_s: float = 0.0
+    total_ticks: float = 0.0
+    idle_ticks: float = 0.0
+    own_cpu_s: float = 0.0
+    waited_s: float = 0.0
+
+    def add(self, before: _Reading, after: _Reading) -> None:
+        self.wall_s += after.clock - before.clock
+        self.total_ticks += after.total_ticks - before.total_ticks
+        self.idle_ticks += after.idle_ticks - before.idle_ticks
+        self.own_cpu_s += after.own_cpu_s - before.own_cpu_s
+        self.waited_s += max(0.0, after.waited_s - before.waited_s)  # an ended thread's leaves
+
+
+# Our threads waiting for a core this much of the time (cores' worth) means another program
+# holds one: alone, two threads wait under 0.01 (`run_queue_wait`).
+CONTENDED = 0.25
+
+
 class ThreadGovernor:
     """Keeps torch's thread count at the number of cores other programs leave free.
 
     Call `maybe_adjust()` between steps of work. At most every `sample_s` it reads the kernel's
-    CPU counters and this process's CPU time (else it only reads the clock); once the readings
-    cover `period_s` of work, the cores the *others* used over them (all busy time less our
-    own) decide the count: `auto_threads` of what they left, at most `ceiling`. That decision
-    holds, and is applied at every call, until the next one. Call `resume()` when work starts
-    again after a pause (each `generate` call does): what other programs did while we were not
-    running says little about now, so the pause is left out and the last decision stands.
-    `maybe_adjust` returns the new count when it changed it. Where the counters cannot be read
-    it never changes anything.
+    CPU counters, this process's CPU time and how long its threads waited for a core (else it
+    only reads the clock). Two signals decide the count:
+
+    - *Our threads wait for a core* (`run_queue_wait`): a `sample_s` of readings in which
+      they waited `CONTENDED` of the time or more takes one thread away at once. Threads
+      beside a busy core run several times slower, so a load that starts must be met within a
+      fraction of a second, and it is this wait that shows it first.
+    - *The cores the others used* (all busy time less our own): once the readings cover
+      `period_s` of work, `auto_threads` of what they left, at most `ceiling`. This is what
+      gives a thread back when a core comes free (after a period at the lower count), and
+      lowers the count where the wait cannot be read; a `quick_s` that already shows the others
+      clearly on a core we use (by a quarter core over the rounding) decides at once too.
+
+    A decision holds, and is applied at every call, until the next one. Call `pause()` when
+    work stops and `resume()` when it starts again (each `generate` call does both): what other
+    programs did while we were not running says little about now, so the pause is left out and
+    the last decision stands. `maybe_adjust` returns the new count when it changed it. Where the counters cannot
+    be read it never changes anything.
     """
 
     def __init__(self, cpus: int | None = None, period_s: float = 1.0, *,
-                 counters=cpu_times, own_cpu_s=time.process_time, clock=time.monotonic,
-                 ticks_per_s: float | None = None, sample_s: float = 0.05) -> None:
+                 counters=cpu_times, own_cpu_s=time.process_time, waited_s=run_queue_wait,
+                 clock=time.monotonic, ticks_per_s: float | None = None,
+                 sample_s: float = 0.05, quick_s: float = 0.1) -> None:
         self.cpus = cpus or os.cpu_count() or 1
-        self.period_s, self.sample_s = period_s, sample_s
-        self._counters, self._own, self._clock = counters, own_cpu_s, clock
+        self.period_s, self.sample_s, self.quick_s = period_s, sample_s, quick_s
+        self._counters, self._own, self._waited, self._clock = counters, own_cpu_s, waited_s, clock
         if ticks_per_s is None:
             try:
                 ticks_per_s = float(os.sysconf("SC_CLK_TCK"))
             except (ValueError, OSError, AttributeError):
                 ticks_per_s = 100.0
         self._hz = ticks_per_s
-        # the last reading: (clock, (idle, total) ticks, own CPU seconds)
-        self._mark: tuple[float, tuple[float, float], float] | None = None
-        self._window = [0.0, 0.0, 0.0, 0.0]  # since the last decision: total, idle ticks, own s, wall s
-        self.others_busy: float | None = None  # cores the others used over the last period
+        self._mark: _Reading | None = None
+        self._window = _Window()  # since the last decision
+        self._recent = _Window()  # the last `quick_s`
+        self.decided: int | None = None  # the count decided last, before a caller's ceiling
+        self.others_busy: float | None = None  # cores the others used over the last window
+        self.waiting: float | None = None  # cores' worth of our threads' wait, last window
         self.changes = 0
 
-    def _read(self) -> tuple[float, tuple[float, float], float] | None:
+    def _read(self) -> _Reading | None:
         counters = self._counters()
-        return None if counters is None else (self._clock(), counters, self._own())
+        if counters is None:
+            return None
+        waited = self._waited()
+        return _Reading(self._clock(), counters[0], counters[1], self._own(),
+                        0.0 if waited is None else waited)
 
     def resume(self) -> None:
         """Work starts again after a pause: the pause is not counted."""
         self._mark = self._read()
 
+    def pause(self) -> None:
+        """Work stops for now: the work since the last reading counts (for a short call, it is
+        all there is), and may decide the count for the next `resume`."""
+        reading = self._read() if self._mark is not None else None
+        if reading is not None:
+            self._count(self._mark, reading)
+        self._mark = None
+
+    def _count(self, before: _Reading, after: _Reading) -> None:
+        self._window.add(before, after)
+        self._recent.add(before, after)
+        self._decide()
+
     def maybe_adjust(self, ceiling: int | None = None) -> int | None:
-        """Read the counters if `sample_s` has passed, decide again once they cover
-        `period_s`, and set the decided count (at most `ceiling`, the count a caller chose);
+        """Read the counters if `sample_s` has passed, decide again when a window shows a
+        reason to, and set the decided count (at most `ceiling`, the count a caller chose);
         returns the new count when it changed it."""
-        if self._mark is None or self._clock() - self._mark[0] >= self.sample_s:
+        if self._mark is None or self._clock() - self._mark.clock >= self.sample_s:
             reading = self._read()
             if reading is not None:
                 if self._mark is not None:
                     self._count(self._mark, reading)
                 self._mark = reading
-        if self.others_busy is None:
+        if self.decided is None:
             return None
-        want = auto_threads(idle=self.cpus - self.others_busy, cpus=self.cpus)
-        if ceiling is not None:
-            want = min(want, ceiling)
+        want = self.decided if ceiling is None else min(self.decided, ceiling)
         if want == torch.get_num_threads():
             return None
         torch.set_num_threads(want)
         self.changes += 1
         return want
 
-    def _count(self, before, after) -> None:
-        """Add the work between two readings to the window; decide when it covers a period."""
-        w = self._window
-        w[0] += after[1][1] - before[1][1]
-        w[1] += after[1][0] - before[1][0]
-        w[2] += after[2] - before[2]
-        w[3] += after[0] - before[0]
-        if w[3] < self.period_s or w[0] <= 0:
+    def _decide(self) -> None:
+        """Decide if the last readings (from `sample_s` on: the wait is read to the nanosecond)
+        or the window since the last decision show a reason to. The recent readings start
+        again after each look at them, the window at a decision."""
+        recent, window = self._recent, self._window
+        if recent.wall_s < min(self.sample_s, self.quick_s, self.period_s) or recent.wall_s <= 0:
             return
-        elapsed = w[0] / self._hz / self.cpus  # seconds of wall time the counters cover
-        others = max(0.0, (w[0] - w[1]) / self._hz - w[2])
-        self.others_busy = min(float(self.cpus), others / elapsed)
-        self._window = [0.0, 0.0, 0.0, 0.0]
+        now = torch.get_num_threads()
+        waiting = recent.waited_s / recent.wall_s
+        if waiting >= CONTENDED and now > 1:
+            decided, others = now - 1, self._others(recent)
+        elif recent.wall_s < min(self.quick_s, self.period_s):
+            return  # the clock ticks need a longer look
+        else:
+            others = self._others(recent)
+            if auto_threads(idle=self.cpus - others + 0.25, cpus=self.cpus) < now:
+                decided = auto_threads(idle=self.cpus - others, cpus=self.cpus)
+            elif window.wall_s >= self.period_s:
+                others, waiting = self._others(window), window.waited_s / window.wall_s
+                decided = auto_threads(idle=self.cpus - others, cpus=self.cpus)
+            else:
+                self._recent = _Window()
+                return
+        self.decided, self.others_busy, self.waiting = decided, others, waiting
+        self._window, self._recent = _Window(), _Window()
+
+    def _others(self, w: _Window) -> float:
+        """Cores the other programs used over `w`: all busy time less our own."""
+        if w.total_ticks <= 0:
+            return 0.0
+        elapsed = w.total_ticks / self._hz / self.cpus  # seconds of wall time the counters cover
+        busy = (w.total_ticks - w.idle_ticks) / self._hz
+        return min(float(self.cpus), max(0.0, busy - w.own_cpu_s) / elapsed)
 
 
 _shared: ThreadGovernor | None = None

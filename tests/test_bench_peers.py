@@ -152,6 +152,11 @@ def test_the_timed_rounds_can_run_beside_busy_cores(monkeypatch):
     rows = peers.run(precisions=("fp32",), batches=(1, 2), prompt_len=4, new_tokens=3,
                      rounds=2, model=lively_model("tiny"), busy_cores=1)
     assert len(rows) == 2 and loads == [1, 1]  # one background load per batch's timed rounds
+    for row in rows:  # each round's times are kept, and the spread is theirs
+        for name, times in row.rounds.items():
+            assert len(times) == 2 and all(0 < one and 0 < full for one, full in times)
+            fulls = [full for _, full in times]
+            assert row.spread[name] == max(fulls) / min(fulls)
 
 
 def test_without_onednn_fp32_and_bf16_still_run_minifer_unpacked(monkeypatch, tmp_path):

@@ -113,18 +113,21 @@ class FakeMachine:
 
     def __init__(self, cpus=2):
         self.cpus, self.t, self.idle, self.total, self.own = cpus, 0.0, 0.0, 0.0, 0.0
+        self.waited = 0.0
 
-    def run(self, seconds, others, ours):
-        """`seconds` pass with `others` cores busy in other programs and `ours` in this one."""
+    def run(self, seconds, others, ours, waiting=0.0):
+        """`seconds` pass with `others` cores busy in other programs and `ours` in this one,
+        our threads waiting for a core `waiting` cores' worth of the time."""
         self.t += seconds
         self.total += 100 * seconds * self.cpus
         self.idle += 100 * seconds * max(0.0, self.cpus - others - ours)
         self.own += seconds * ours
+        self.waited += seconds * waiting
 
     def governor(self, **kw):
         return T.ThreadGovernor(self.cpus, 1.0, counters=lambda: (self.idle, self.total),
-                                own_cpu_s=lambda: self.own, clock=lambda: self.t,
-                                ticks_per_s=100, **kw)
+                                own_cpu_s=lambda: self.own, waited_s=lambda: self.waited,
+                                clock=lambda: self.t, ticks_per_s=100, **kw)
 
 
 def test_the_governor_follows_other_programs_not_its_own_work():
@@ -144,6 +147,58 @@ def test_the_governor_follows_other_programs_not_its_own_work():
         assert g.maybe_adjust() == 2 and g.changes == 2
         m.run(1.0, others=0.4, ours=1.6)  # a little noise is not a busy core
         assert g.maybe_adjust() is None and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_load_that_starts_is_met_within_a_tenth_of_a_second_and_a_free_core_in_a_period():
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        m = FakeMachine()
+        g = m.governor()
+        g.resume()
+        m.run(0.1, others=0.7, ours=1.3)  # more than half a core, but not clearly a core
+        assert g.maybe_adjust(2) is None and torch.get_num_threads() == 2
+        m.run(0.1, others=1.0, ours=1.0)  # a spinner starts: a tenth of a second decides
+        assert g.maybe_adjust(2) == 1 and g.others_busy > 0.75
+        m.run(0.5, others=0.0, ours=1.0)  # it stops: not raised within the period...
+        assert g.maybe_adjust(2) is None
+        m.run(0.5, others=0.0, ours=1.0)  # ...but at its end
+        assert g.maybe_adjust(2) == 2
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_our_threads_waiting_for_a_core_take_one_away_within_a_tenth_of_a_second():
+    """Two spinning threads crowd a starting program out, so the counters show it on less than
+    half a core; the wait of our own threads for a core shows it at once."""
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        m = FakeMachine()
+        g = m.governor()
+        g.resume()
+        m.run(0.1, others=0.0, ours=2.0, waiting=0.01)  # alone: the scheduler's noise
+        assert g.maybe_adjust(2) is None
+        m.run(0.1, others=0.45, ours=1.55, waiting=0.8)  # crowded out, and we wait
+        assert g.maybe_adjust(2) == 1 and g.waiting == pytest.approx(0.8)
+        assert g.others_busy < 0.5  # what the counters saw: not enough to decide
+        m.run(0.1, others=1.0, ours=1.0)  # one thread beside it waits no more: held
+        assert g.maybe_adjust(2) is None
+        m.run(1.0, others=1.0, ours=1.0)  # the period's counters see the core taken: held
+        assert g.maybe_adjust(2) is None and torch.get_num_threads() == 1
+        m.run(1.1, others=0.0, ours=1.0)  # it has gone: given back after a period
+        assert g.maybe_adjust(2) == 2
+        g.resume()
+        assert g.maybe_adjust(2) is None
+        m.run(0.3, others=0.5, ours=1.5, waiting=0.9)  # a call of one step (a prefill)...
+        g.pause()  # ...is counted when it ends, and the next call starts lower
+        torch.set_num_threads(2)
+        g.resume()
+        assert g.maybe_adjust(2) == 1
+        m.run(0.2, others=2.0, ours=1.0, waiting=1.0)  # one thread can go no lower
+        assert g.maybe_adjust(1) is None and g.decided >= 1
     finally:
         torch.set_num_threads(saved)
 
@@ -249,6 +304,9 @@ def test_generate_with_auto_threads_asks_the_shared_governor_at_every_step(monke
         def resume(self):
             Counting.ceilings.append("resume")
 
+        def pause(self):
+            Counting.ceilings.append("pause")
+
         def maybe_adjust(self, ceiling=None):
             Counting.ceilings.append(ceiling)
 
@@ -256,12 +314,12 @@ def test_generate_with_auto_threads_asks_the_shared_governor_at_every_step(monke
     model = mf.GPT.from_config("tiny")
     greedy = mf.SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
     auto = mf.generate(model, [[4, 5]], greedy, threads="auto")[0].token_ids
-    # resumed at the start, asked then and before each of the 5 steps
-    assert Counting.ceilings == ["resume"] + [None] * (1 + 5)
+    # resumed at the start, asked then and before each of the 5 steps, paused at the end
+    assert Counting.ceilings == ["resume"] + [None] * (1 + 5) + ["pause"]
     Counting.ceilings.clear()
     assert auto == mf.generate(model, [[4, 5]], greedy)[0].token_ids
     # the default asks too, with the count in force as its ceiling
-    assert Counting.ceilings == ["resume"] + [torch.get_num_threads()] * (1 + 5)
+    assert Counting.ceilings == ["resume"] + [torch.get_num_threads()] * (1 + 5) + ["pause"]
     Counting.ceilings.clear()
     mf.generate(model, [[4, 5]], greedy, threads=1)  # a fixed count: no governor
     assert Counting.ceilings == []

@@ -340,6 +340,8 @@ class PeerRow:
     tokens_per_s: dict[str, float]  # engine -> median decode tokens/s
     spread: dict[str, float]  # engine -> max/min of the rounds' times for new_tokens tokens
     agreement: dict[str, float] = field(default_factory=dict)  # engine -> share equal to minifer's
+    # engine -> each round's seconds for 1 and for new_tokens tokens, in the order timed
+    rounds: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -606,7 +608,8 @@ def _time_engines(engines: list, model: GPT, precision: str, batches: tuple[int,
             precision, batch,
             {k: decode_rate(batch, new_tokens, statistics.median(ones[k]),
                             statistics.median(alls[k])) for k in alls},
-            {k: max(v) / min(v) for k, v in alls.items()}, agree))
+            {k: max(v) / min(v) for k, v in alls.items()}, agree,
+            {k: list(zip(ones[k], alls[k])) for k in alls}))
     return rows
 
 

@@ -88,7 +88,8 @@ def run_command(args: argparse.Namespace) -> int:
                "busy_cores": args.busy_cores, "same_process": args.same_process,
                "rows": [{"precision": r.precision, "batch": r.batch,
                          "tokens_per_s": r.tokens_per_s, "spread": r.spread,
-                         "agreement": r.agreement, "ratio": r.ratio} for r in rows]}
+                         "agreement": r.agreement,
+                         "rounds_s": r.rounds, "ratio": r.ratio} for r in rows]}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
