@@ -10,9 +10,10 @@ waits, and a 2-thread decode can run several times slower than a 1-thread one
 counters over a short interval, not the load average, which trails by a minute), and
 `apply_threads` sets it: ``threads="auto"`` on the benchmark commands. A count set once cannot
 follow a load that starts later, so a long-running program (the server) keeps a
-`ThreadGovernor`, which looks again every second at how many cores *other* programs used (all
-busy time less this process's own) and re-sets the count between steps; a core that another
-program clearly takes lowers the count within a tenth of a second. `generate` on a CPU
+`ThreadGovernor`, which re-sets the count between steps: it takes a thread away as soon as
+its threads are seen waiting for a core (`run_queue_wait`), and gives it back after a second
+of work in which the *other* programs (all busy time less this process's own) left a core
+free. `generate` on a CPU
 uses one too, deciding every second of work, by default only to go *below* the count
 in force (a busy core takes a thread away, and gives it back when it is free again; a count
 you set is a ceiling, restored after the call); ``threads=n`` fixes the count, and
@@ -157,8 +158,9 @@ class _Window:
 
 
 # Our threads waiting for a core this much of the time (cores' worth) means another program
-# holds one: alone, two threads wait under 0.01 (`run_queue_wait`).
-CONTENDED = 0.25
+# holds one: alone, two threads wait under 0.01 (`run_queue_wait`), beside a program that
+# keeps a core busy 0.5-0.9; a server's front end that streams the tokens takes less.
+CONTENDED = 0.5
 
 
 class ThreadGovernor:

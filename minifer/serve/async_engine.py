@@ -116,7 +116,7 @@ class AsyncEngine:
     `on_finish(output)` is called in the engine thread for every request's last output,
     `on_step()` after every step (metrics). `threads`: torch's CPU threads for the steps — None
     leaves torch's choice, a number sets it when the loop starts, ``"auto"`` keeps it at the
-    cores other programs leave free, looked at again every second between steps
+    cores other programs leave free, looked at again between steps
     (`minifer.threads.ThreadGovernor`).
     """
 
