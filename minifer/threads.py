@@ -158,9 +158,9 @@ class _Window:
 
 
 # Our threads waiting for a core this much of the time (cores' worth) means another program
-# holds one: alone, two threads wait under 0.01 (`run_queue_wait`), beside a program that
-# keeps a core busy 0.5-0.9; a server's front end that streams the tokens takes less.
-CONTENDED = 0.5
+# wants at least about half a core (the counters' rounding): alone, two threads wait under
+# 0.01 (`run_queue_wait`), beside a program that keeps a core busy 0.5-0.95.
+CONTENDED = 0.35
 
 
 class ThreadGovernor:
