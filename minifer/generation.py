@@ -40,11 +40,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .cache import KVCache, StaticKVCache
-from .checks import check_int
 from .device import sync
 from .sampling import SamplingParams, make_generators, mask_padded_vocab, sample
 from .sequence import Completion, Prepared, Sequence, TokenEvent, encode_prompts, prepare
-from .threads import shared_governor
+from .threads import thread_policy
 from .tokenizer import TokenizerLike
 
 __all__ = ["prefill", "decode_step", "compiled_decode", "advance", "stream", "run_batch",
@@ -328,18 +327,6 @@ def run_batch(
     `threads`: see `stream`.
     """
     seqs, device, vocab = req.sequences, req.device, req.vocab
-    governor, ceiling, restore = None, None, None
-    if threads == "auto":
-        governor = shared_governor()
-    elif threads is not None:
-        threads = check_int("threads", threads, 1, allowed="be a positive integer or 'auto'")
-        restore = torch.get_num_threads()
-    elif torch.device(device).type == "cpu":  # the default: lower the count while cores are busy
-        governor, ceiling = shared_governor(), torch.get_num_threads()
-        restore = ceiling
-    if governor is not None:
-        governor.resume()  # the pause since its last call is not counted
-        governor.maybe_adjust(ceiling)
     params = seqs[0].params
     B, T = len(seqs), max(len(s.prompt_ids) for s in seqs)
     total = T + params.max_new_tokens
@@ -373,8 +360,9 @@ def run_batch(
         cache.reset(start)
         step_fn = _compile_step(model, compile, cache)
     # a compiled step whose thread count the governor may change: see `_ShapeThreads`
+    governed = threads == "auto" or (threads is None and torch.device(device).type == "cpu")
     shape = (_shape_threads(model, compile, cache)
-             if step_fn is not None and governor is not None else None)
+             if step_fn is not None and governed else None)
 
     def default_sampler(logits: torch.Tensor) -> torch.Tensor:
         return sample(mask_padded_vocab(logits, vocab), params, seen, gens)
@@ -386,8 +374,7 @@ def run_batch(
     def step() -> list[list[int]]:
         """One decode step (the first: the prefill) and one sampled token per row."""
         nonlocal n, tokens
-        if governor is not None:
-            governor.maybe_adjust(ceiling)
+        between_steps()
         if tokens is None:
             if use_cache:
                 logits = prefill(model, buf[:, :T], cache)
@@ -413,17 +400,9 @@ def run_batch(
             seen[rows, tokens] = True
         return [[t] for t in host]
 
-    if isinstance(threads, int):
-        torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            yield from advance(seqs, step, time.perf_counter())
-            sync(device)
-    finally:
-        if governor is not None:
-            governor.pause()  # the steps since its last reading count (a short call has no other)
-        if restore is not None:
-            torch.set_num_threads(restore)
+    with thread_policy(threads, device) as between_steps, torch.inference_mode():
+        yield from advance(seqs, step, time.perf_counter())
+        sync(device)
 
 
 def generate(

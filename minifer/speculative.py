@@ -49,6 +49,7 @@ from .device import sync
 from .generation import advance, prefill
 from .sampling import SamplingParams, draw, mask_padded_vocab, process_logits, sample
 from .sequence import Completion, Sequence, prepare
+from .threads import thread_policy
 
 __all__ = ["SpecStats", "SpecCompletion", "Drafter", "DraftContext", "ModelDrafter",
            "PromptLookupDrafter", "speculative_generate", "accept_with_ratio",
@@ -341,6 +342,7 @@ def speculative_generate(
     draft_tokenizer=None,
     target_cache: StaticKVCache | None = None,
     accept: AcceptRule = accept_with_ratio,
+    threads: int | str | None = None,
 ) -> list[SpecCompletion]:
     """Generate with speculative decoding; returns one `SpecCompletion` (with `.stats`) per prompt.
 
@@ -358,7 +360,8 @@ def speculative_generate(
     `target_cache`: a batch-1 `StaticKVCache` for the target to use (and leave filled) instead
     of allocating one; pass a `ModelDrafter` as `draft` to keep the draft's cache (`.cache`)
     the same way. `accept(p_d, q_d, u)`: the acceptance rule used when sampling (default: the
-    exact one, `accept_with_ratio`).
+    exact one, `accept_with_ratio`). `threads`: torch's CPU threads, as for `minifer.generate`
+    (by default the count in force is a ceiling that a busy core lowers between rounds).
     """
     check_int("k (draft tokens per target pass)", k, 1)
     if not callable(accept):
@@ -383,16 +386,19 @@ def speculative_generate(
         if target_cache.batch_size != 1 or target_cache.max_len < need:
             raise ValueError(f"target_cache must have batch_size 1 and max_len >= {need}, got "
                              f"{target_cache.batch_size} and {target_cache.max_len}")
-    run = _SpecRun(target, drafter, k, req.vocab, device, accept)
-    return [run.generate(seq, target_cache) for seq in req.sequences]
+    with thread_policy(threads, device) as between_steps:
+        run = _SpecRun(target, drafter, k, req.vocab, device, accept, between_steps)
+        return [run.generate(seq, target_cache) for seq in req.sequences]
 
 
 class _SpecRun:
     """Speculative decoding of one sequence at a time: the buffers and rules shared by a call."""
 
     def __init__(self, target: torch.nn.Module, drafter: Drafter, k: int, vocab: int,
-                 device: torch.device, accept: AcceptRule) -> None:
+                 device: torch.device, accept: AcceptRule,
+                 between_steps: Callable[[], None] = lambda: None) -> None:
         self.target, self.drafter, self.k = target, drafter, k
+        self.between_steps = between_steps  # the thread count's hook (`thread_policy`)
         self.vocab, self.device, self.accept = vocab, device, accept
         self.V = target.config.vocab_size
         self.ids_buf = torch.empty(1, k + 1, dtype=torch.long, device=device)
@@ -420,6 +426,7 @@ class _SpecRun:
             """The first step prefills (target, then drafter) and samples one token; every
             later one is a round: the accepted drafts, then the target's own next token."""
             nonlocal cache, started
+            self.between_steps()
             if not started:
                 started = True
                 t0 = time.perf_counter()

@@ -25,8 +25,11 @@ while they wait; `python -m minifer.bench threads` measures it beside the counts
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +37,7 @@ import torch
 from .checks import check_int
 
 __all__ = ["cpu_times", "run_queue_wait", "idle_cpus", "auto_threads", "apply_threads", "parse_threads",
-           "ThreadGovernor", "shared_governor"]
+           "ThreadGovernor", "shared_governor", "thread_policy"]
 
 
 def cpu_times() -> tuple[float, float] | None:
@@ -201,6 +204,7 @@ class ThreadGovernor:
                 ticks_per_s = 100.0
         self._hz = ticks_per_s
         self._mark: _Reading | None = None
+        self._lock = threading.Lock()  # ranks of tensor parallelism in threads share it
         self._window = _Window()  # since the last decision
         self._recent = _Window()  # the last `quick_s`
         self.decided: int | None = None  # the count decided last, before a caller's ceiling
@@ -218,15 +222,17 @@ class ThreadGovernor:
 
     def resume(self) -> None:
         """Work starts again after a pause: the pause is not counted."""
-        self._mark = self._read()
+        with self._lock:
+            self._mark = self._read()
 
     def pause(self) -> None:
         """Work stops for now: the work since the last reading counts (for a short call, it is
         all there is), and may decide the count for the next `resume`."""
-        reading = self._read() if self._mark is not None else None
-        if reading is not None:
-            self._count(self._mark, reading)
-        self._mark = None
+        with self._lock:
+            reading = self._read() if self._mark is not None else None
+            if reading is not None:
+                self._count(self._mark, reading)
+            self._mark = None
 
     def _count(self, before: _Reading, after: _Reading) -> None:
         self._window.add(before, after)
@@ -237,20 +243,21 @@ class ThreadGovernor:
         """Read the counters if `sample_s` has passed, decide again when a window shows a
         reason to, and set the decided count (at most `ceiling`, the count a caller chose);
         returns the new count when it changed it."""
-        if self._mark is None or self._clock() - self._mark.clock >= self.sample_s:
-            reading = self._read()
-            if reading is not None:
-                if self._mark is not None:
-                    self._count(self._mark, reading)
-                self._mark = reading
-        if self.decided is None:
-            return None
-        want = self.decided if ceiling is None else min(self.decided, ceiling)
-        if want == torch.get_num_threads():
-            return None
-        torch.set_num_threads(want)
-        self.changes += 1
-        return want
+        with self._lock:
+            if self._mark is None or self._clock() - self._mark.clock >= self.sample_s:
+                reading = self._read()
+                if reading is not None:
+                    if self._mark is not None:
+                        self._count(self._mark, reading)
+                    self._mark = reading
+            if self.decided is None:
+                return None
+            want = self.decided if ceiling is None else min(self.decided, ceiling)
+            if want == torch.get_num_threads():
+                return None
+            torch.set_num_threads(want)
+            self.changes += 1
+            return want
 
     def _decide(self) -> None:
         """Decide if the last readings (from `sample_s` on: the wait is read to the nanosecond)
@@ -304,3 +311,43 @@ def shared_governor() -> ThreadGovernor:
     if _shared is None:
         _shared = ThreadGovernor(period_s=GENERATE_PERIOD_S)
     return _shared
+
+
+@contextlib.contextmanager
+def thread_policy(threads: int | str | None, device: torch.device | str = "cpu"
+                  ) -> Iterator[Callable[[], None]]:
+    """The thread count for one call of generation work (`generate`, `speculative_generate`),
+    and the hook its loop calls before every step.
+
+    `threads`: None on a CPU, the default: the count in force is a ceiling, the shared
+    governor lowers it between steps while other programs hold cores, and the count is
+    restored at the end. An integer: that count for the call, restored at the end. ``"auto"``:
+    the shared governor, up to every idle core, and the count it set stays. None on another
+    device changes nothing. Yields `between_steps()`.
+    """
+    governor, ceiling, restore = None, None, None
+    if threads == "auto":
+        governor = shared_governor()
+    elif threads is not None:
+        threads = check_int("threads", threads, 1, allowed="be a positive integer or 'auto'")
+        restore = torch.get_num_threads()
+    elif torch.device(device).type == "cpu":
+        governor, ceiling = shared_governor(), torch.get_num_threads()
+        restore = ceiling
+    if isinstance(threads, int):
+        torch.set_num_threads(threads)
+    if governor is not None:
+        governor.resume()  # the pause since its last call is not counted
+
+    def between_steps() -> None:
+        if governor is not None:
+            governor.maybe_adjust(ceiling)
+
+    between_steps()
+    try:
+        yield between_steps
+    finally:
+        if governor is not None:
+            governor.pause()  # the steps since its last reading count (a short call has no other)
+        if restore is not None:
+            torch.set_num_threads(restore)

@@ -326,6 +326,44 @@ def test_generate_with_auto_threads_asks_the_shared_governor_at_every_step(monke
     assert T.shared_governor() is T._shared
 
 
+def test_speculative_generate_keeps_the_same_thread_policy(monkeypatch):
+    import minifer as mf
+    from minifer.speculative import PromptLookupDrafter, speculative_generate
+
+    calls = []
+
+    class Counting:
+        def resume(self):
+            calls.append("resume")
+
+        def pause(self):
+            calls.append("pause")
+
+        def maybe_adjust(self, ceiling=None):
+            calls.append(ceiling)
+
+    monkeypatch.setattr(T, "_shared", Counting())
+    model = mf.GPT.from_config("tiny")
+    greedy = mf.SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    prompt = [[4, 5, 6, 4, 5]]
+    plain = mf.generate(model, prompt, greedy, threads=1)[0].token_ids
+    saved = torch.get_num_threads()
+    spec = speculative_generate(model, PromptLookupDrafter(), prompt, greedy)[0].token_ids
+    assert spec == plain and torch.get_num_threads() == saved
+    # resumed, asked before the prefill and every round, paused at the end, with the count
+    # in force as the ceiling
+    assert calls[0] == "resume" and calls[-1] == "pause" and len(calls) >= 4
+    assert set(calls[1:-1]) == {saved}
+    calls.clear()
+    speculative_generate(model, PromptLookupDrafter(), prompt, greedy, threads="auto")
+    assert set(calls[1:-1]) == {None}
+    calls.clear()
+    speculative_generate(model, PromptLookupDrafter(), prompt, greedy, threads=1)
+    assert calls == [] and torch.get_num_threads() == saved
+    with pytest.raises(ValueError, match="threads"):
+        speculative_generate(model, PromptLookupDrafter(), prompt, greedy, threads=0)
+
+
 def test_by_default_generate_gives_a_busy_core_its_thread_and_takes_no_more(monkeypatch):
     """The default policy on a 2-core machine where another program takes a core halfway:
     the governor drops to one thread, never rises above the count the caller set, and the
