@@ -13,11 +13,10 @@ follow a load that starts later, so a long-running program (the server) keeps a
 `ThreadGovernor`, which re-sets the count between steps: it takes a thread away as soon as
 its threads are seen waiting for a core (`run_queue_wait`), and gives it back after a second
 of work in which the *other* programs (all busy time less this process's own) left a core
-free. `generate` on a CPU
-uses one too, deciding every second of work, by default only to go *below* the count
-in force (a busy core takes a thread away, and gives it back when it is free again; a count
-you set is a ceiling, restored after the call); ``threads=n`` fixes the count, and
-``threads="auto"`` lets it use every idle core.
+free. `generate` and `speculative_generate` on a CPU use one too (`thread_policy`), by
+default only to go *below* the count in force (a busy core takes a thread away, and gives it
+back when it is free again; a count you set is a ceiling, restored after the call);
+``threads=n`` fixes the count, and ``threads="auto"`` lets it use every idle core.
 ``OMP_WAIT_POLICY=passive`` (set before torch starts) makes threads sleep instead of spinning
 while they wait; `python -m minifer.bench threads` measures it beside the counts.
 """
@@ -36,8 +35,8 @@ import torch
 
 from .checks import check_int
 
-__all__ = ["cpu_times", "run_queue_wait", "idle_cpus", "auto_threads", "apply_threads", "parse_threads",
-           "ThreadGovernor", "shared_governor", "thread_policy"]
+__all__ = ["cpu_times", "run_queue_wait", "idle_cpus", "auto_threads", "apply_threads",
+           "parse_threads", "ThreadGovernor", "shared_governor", "thread_policy"]
 
 
 def cpu_times() -> tuple[float, float] | None:
@@ -145,7 +144,7 @@ class _Reading:
 
 @dataclass
 class _Window:
-    """The work between readings since the last decision, summed."""
+    """The work between readings over a stretch of them, summed."""
     wall_s: float = 0.0
     total_ticks: float = 0.0
     idle_ticks: float = 0.0
@@ -186,8 +185,8 @@ class ThreadGovernor:
     A decision holds, and is applied at every call, until the next one. Call `pause()` when
     work stops and `resume()` when it starts again (each `generate` call does both): what other
     programs did while we were not running says little about now, so the pause is left out and
-    the last decision stands. `maybe_adjust` returns the new count when it changed it. Where the counters cannot
-    be read it never changes anything.
+    the last decision stands. `maybe_adjust` returns the new count when it changed it. Where
+    the counters cannot be read it never changes anything.
     """
 
     def __init__(self, cpus: int | None = None, period_s: float = 1.0, *,
