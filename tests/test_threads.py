@@ -130,77 +130,71 @@ class FakeMachine:
                                 clock=lambda: self.t, ticks_per_s=100, **kw)
 
 
-def test_the_governor_follows_other_programs_not_its_own_work():
+@pytest.fixture
+def machine():
+    """A 2-core `FakeMachine` and its governor, torch at two threads (its count restored after)."""
     saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    m = FakeMachine()
     try:
-        torch.set_num_threads(2)
-        m = FakeMachine()
-        g = m.governor()
-        assert g.maybe_adjust() is None  # the first look only starts counting
-        m.run(1.0, others=0.0, ours=2.0)  # we keep both cores busy: nothing to change
-        assert g.maybe_adjust() is None and g.others_busy == 0.0 and torch.get_num_threads() == 2
-        m.run(1.0, others=1.0, ours=1.0)  # another program takes a core
-        assert g.maybe_adjust() == 1 and torch.get_num_threads() == 1
-        m.run(0.5, others=0.0, ours=1.0)  # within the period: no look
-        assert g.maybe_adjust() is None
-        m.run(1.0, others=0.0, ours=1.0)  # it has gone: both cores again
-        assert g.maybe_adjust() == 2 and g.changes == 2
-        m.run(1.0, others=0.4, ours=1.6)  # a little noise is not a busy core
-        assert g.maybe_adjust() is None and torch.get_num_threads() == 2
+        yield m, m.governor()
     finally:
         torch.set_num_threads(saved)
 
 
-def test_a_load_that_starts_is_met_within_a_tenth_of_a_second_and_a_free_core_in_a_period():
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        m = FakeMachine()
-        g = m.governor()
-        g.resume()
-        m.run(0.1, others=0.7, ours=1.3)  # more than half a core, but not clearly a core
-        assert g.maybe_adjust(2) is None and torch.get_num_threads() == 2
-        m.run(0.1, others=1.0, ours=1.0)  # a spinner starts: a tenth of a second decides
-        assert g.maybe_adjust(2) == 1 and g.others_busy > 0.75
-        m.run(0.5, others=0.0, ours=1.0)  # it stops: not raised within the period...
-        assert g.maybe_adjust(2) is None
-        m.run(0.5, others=0.0, ours=1.0)  # ...but at its end
-        assert g.maybe_adjust(2) == 2
-    finally:
-        torch.set_num_threads(saved)
+def test_the_governor_follows_other_programs_not_its_own_work(machine):
+    m, g = machine
+    assert g.maybe_adjust() is None  # the first look only starts counting
+    m.run(1.0, others=0.0, ours=2.0)  # we keep both cores busy: nothing to change
+    assert g.maybe_adjust() is None and g.others_busy == 0.0 and torch.get_num_threads() == 2
+    m.run(1.0, others=1.0, ours=1.0)  # another program takes a core
+    assert g.maybe_adjust() == 1 and torch.get_num_threads() == 1
+    m.run(0.5, others=0.0, ours=1.0)  # within the period: no look
+    assert g.maybe_adjust() is None
+    m.run(1.0, others=0.0, ours=1.0)  # it has gone: both cores again
+    assert g.maybe_adjust() == 2 and g.changes == 2
+    m.run(1.0, others=0.4, ours=1.6)  # a little noise is not a busy core
+    assert g.maybe_adjust() is None and torch.get_num_threads() == 2
 
 
-def test_our_threads_waiting_for_a_core_take_one_away_within_a_tenth_of_a_second():
+def test_a_load_that_starts_is_met_within_a_tenth_of_a_second_and_a_free_core_in_a_period(machine):
+    m, g = machine
+    g.resume()
+    m.run(0.1, others=0.7, ours=1.3)  # more than half a core, but not clearly a core
+    assert g.maybe_adjust(2) is None and torch.get_num_threads() == 2
+    m.run(0.1, others=1.0, ours=1.0)  # a spinner starts: a tenth of a second decides
+    assert g.maybe_adjust(2) == 1 and g.others_busy > 0.75
+    m.run(0.5, others=0.0, ours=1.0)  # it stops: not raised within the period...
+    assert g.maybe_adjust(2) is None
+    m.run(0.5, others=0.0, ours=1.0)  # ...but at its end
+    assert g.maybe_adjust(2) == 2
+
+
+def test_our_threads_waiting_for_a_core_take_one_away_within_a_tenth_of_a_second(machine):
     """Two spinning threads crowd a starting program out, so the counters show it on less than
     half a core; the wait of our own threads for a core shows it at once."""
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        m = FakeMachine()
-        g = m.governor()
-        g.resume()
-        m.run(0.1, others=0.0, ours=2.0, waiting=0.01)  # alone: the scheduler's noise
-        assert g.maybe_adjust(2) is None
-        m.run(0.1, others=0.45, ours=1.55, waiting=0.8)  # crowded out, and we wait
-        assert g.maybe_adjust(2) == 1 and g.waiting == pytest.approx(0.8)
-        assert g.others_busy < 0.5  # what the counters saw: not enough to decide
-        m.run(0.1, others=1.0, ours=1.0)  # one thread beside it waits no more: held
-        assert g.maybe_adjust(2) is None
-        m.run(1.0, others=1.0, ours=1.0)  # the period's counters see the core taken: held
-        assert g.maybe_adjust(2) is None and torch.get_num_threads() == 1
-        m.run(1.1, others=0.0, ours=1.0)  # it has gone: given back after a period
-        assert g.maybe_adjust(2) == 2
-        g.resume()
-        assert g.maybe_adjust(2) is None
-        m.run(0.3, others=0.5, ours=1.5, waiting=0.9)  # a call of one step (a prefill)...
-        g.pause()  # ...is counted when it ends, and the next call starts lower
-        torch.set_num_threads(2)
-        g.resume()
-        assert g.maybe_adjust(2) == 1
-        m.run(0.2, others=2.0, ours=1.0, waiting=1.0)  # one thread can go no lower
-        assert g.maybe_adjust(1) is None and g.decided >= 1
-    finally:
-        torch.set_num_threads(saved)
+    m, g = machine
+    g.resume()
+    m.run(0.1, others=0.0, ours=2.0, waiting=0.01)  # alone: the scheduler's noise
+    assert g.maybe_adjust(2) is None
+    m.run(0.1, others=0.45, ours=1.55, waiting=0.8)  # crowded out, and we wait
+    assert g.maybe_adjust(2) == 1 and g.waiting == pytest.approx(0.8)
+    assert g.others_busy < 0.5  # what the counters saw: not enough to decide
+    m.run(0.1, others=1.0, ours=1.0)  # one thread beside it waits no more: held
+    assert g.maybe_adjust(2) is None
+    m.run(1.0, others=1.0, ours=1.0)  # the period's counters see the core taken: held
+    assert g.maybe_adjust(2) is None and torch.get_num_threads() == 1
+    m.run(1.1, others=0.0, ours=1.0)  # it has gone: given back after a period
+    assert g.maybe_adjust(2) == 2
+    g.resume()
+    assert g.maybe_adjust(2) is None
+    m.run(0.3, others=0.5, ours=1.5, waiting=0.9)  # a call of one step (a prefill)...
+    g.pause()  # ...is counted when it ends, and the next call starts lower
+    torch.set_num_threads(2)
+    g.resume()
+    assert g.maybe_adjust(2) == 1
+    m.run(0.2, others=2.0, ours=1.0, waiting=1.0)  # one thread can go no lower
+    assert g.maybe_adjust(1) is None and g.decided >= 1
 
 
 def test_a_decision_holds_into_the_next_call_and_a_pause_is_not_counted():
