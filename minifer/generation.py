@@ -19,8 +19,8 @@ for it, untested on a GPU). Everything per request — the cache, its slot numbe
 the token buffer — is allocated once before the loop, and the request is checked once, by
 `sequence.prepare`, not at every step. Threads: torch uses one per core, which is right on an
 idle machine; where other programs keep cores busy, fewer threads can be many times faster
-(BENCHMARKS.md measures it). So on a CPU a governor (`minifer.threads`) decides every
-second of work, between steps, and lowers the count while cores are busy, never above
+(BENCHMARKS.md measures it). So on a CPU a governor (`minifer.threads.thread_policy`) looks
+between steps and lowers the count while cores are busy, never above
 the count in force when the call began, which it restores after; ``threads=n`` fixes the count
 instead, and ``threads="auto"`` lets the governor use every idle core.
 
@@ -359,10 +359,7 @@ def run_batch(
                              f"{cache.batch_size} and {cache.max_len}")
         cache.reset(start)
         step_fn = _compile_step(model, compile, cache)
-    # a compiled step whose thread count the governor may change: see `_ShapeThreads`
-    governed = threads == "auto" or (threads is None and torch.device(device).type == "cpu")
-    shape = (_shape_threads(model, compile, cache)
-             if step_fn is not None and governed else None)
+    shape = None  # a compiled step's thread counts, when a governor moves them
 
     def default_sampler(logits: torch.Tensor) -> torch.Tensor:
         return sample(mask_padded_vocab(logits, vocab), params, seen, gens)
@@ -374,7 +371,7 @@ def run_batch(
     def step() -> list[list[int]]:
         """One decode step (the first: the prefill) and one sampled token per row."""
         nonlocal n, tokens
-        between_steps()
+        policy.between_steps()
         if tokens is None:
             if use_cache:
                 logits = prefill(model, buf[:, :T], cache)
@@ -400,7 +397,9 @@ def run_batch(
             seen[rows, tokens] = True
         return [[t] for t in host]
 
-    with thread_policy(threads, device) as between_steps, torch.inference_mode():
+    with thread_policy(threads, device) as policy, torch.inference_mode():
+        if step_fn is not None and policy.governed:  # see `_ShapeThreads`
+            shape = _shape_threads(model, compile, cache)
         yield from advance(seqs, step, time.perf_counter())
         sync(device)
 

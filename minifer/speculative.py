@@ -386,8 +386,8 @@ def speculative_generate(
         if target_cache.batch_size != 1 or target_cache.max_len < need:
             raise ValueError(f"target_cache must have batch_size 1 and max_len >= {need}, got "
                              f"{target_cache.batch_size} and {target_cache.max_len}")
-    with thread_policy(threads, device) as between_steps:
-        run = _SpecRun(target, drafter, k, req.vocab, device, accept, between_steps)
+    with thread_policy(threads, device) as policy:
+        run = _SpecRun(target, drafter, k, req.vocab, device, accept, policy.between_steps)
         return [run.generate(seq, target_cache) for seq in req.sequences]
 
 

@@ -28,7 +28,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +36,7 @@ import torch
 from .checks import check_int
 
 __all__ = ["cpu_times", "run_queue_wait", "idle_cpus", "auto_threads", "apply_threads",
-           "parse_threads", "ThreadGovernor", "shared_governor", "thread_policy"]
+           "parse_threads", "ThreadGovernor", "shared_governor", "StepPolicy", "thread_policy"]
 
 
 def cpu_times() -> tuple[float, float] | None:
@@ -312,9 +312,26 @@ def shared_governor() -> ThreadGovernor:
     return _shared
 
 
+class StepPolicy:
+    """What `thread_policy` yields: `between_steps()` for the loop to call before every step,
+    and whether a governor moves the count (`governed`: a compiled step must then expect new
+    counts, see `generation._ShapeThreads`)."""
+
+    def __init__(self, governor: ThreadGovernor | None, ceiling: int | None) -> None:
+        self.governor, self.ceiling = governor, ceiling
+
+    @property
+    def governed(self) -> bool:
+        return self.governor is not None
+
+    def between_steps(self) -> None:
+        if self.governor is not None:
+            self.governor.maybe_adjust(self.ceiling)
+
+
 @contextlib.contextmanager
 def thread_policy(threads: int | str | None, device: torch.device | str = "cpu"
-                  ) -> Iterator[Callable[[], None]]:
+                  ) -> Iterator[StepPolicy]:
     """The thread count for one call of generation work (`generate`, `speculative_generate`),
     and the hook its loop calls before every step.
 
@@ -322,7 +339,7 @@ def thread_policy(threads: int | str | None, device: torch.device | str = "cpu"
     governor lowers it between steps while other programs hold cores, and the count is
     restored at the end. An integer: that count for the call, restored at the end. ``"auto"``:
     the shared governor, up to every idle core, and the count it set stays. None on another
-    device changes nothing. Yields `between_steps()`.
+    device changes nothing.
     """
     governor, ceiling, restore = None, None, None
     if threads == "auto":
@@ -330,21 +347,16 @@ def thread_policy(threads: int | str | None, device: torch.device | str = "cpu"
     elif threads is not None:
         threads = check_int("threads", threads, 1, allowed="be a positive integer or 'auto'")
         restore = torch.get_num_threads()
+        torch.set_num_threads(threads)
     elif torch.device(device).type == "cpu":
         governor, ceiling = shared_governor(), torch.get_num_threads()
         restore = ceiling
-    if isinstance(threads, int):
-        torch.set_num_threads(threads)
     if governor is not None:
         governor.resume()  # the pause since its last call is not counted
-
-    def between_steps() -> None:
-        if governor is not None:
-            governor.maybe_adjust(ceiling)
-
-    between_steps()
+    policy = StepPolicy(governor, ceiling)
+    policy.between_steps()
     try:
-        yield between_steps
+        yield policy
     finally:
         if governor is not None:
             governor.pause()  # the steps since its last reading count (a short call has no other)

@@ -289,44 +289,12 @@ def test_generate_runs_with_the_threads_it_is_given_and_restores_torchs():
             mf.generate(model, [[1, 2, 3]], greedy, threads=bad)
 
 
-def test_generate_with_auto_threads_asks_the_shared_governor_at_every_step(monkeypatch):
-    import minifer as mf
-
-    class Counting:
-        ceilings: list = []
-
-        def resume(self):
-            Counting.ceilings.append("resume")
-
-        def pause(self):
-            Counting.ceilings.append("pause")
-
-        def maybe_adjust(self, ceiling=None):
-            Counting.ceilings.append(ceiling)
-
-    monkeypatch.setattr(T, "_shared", Counting())
-    model = mf.GPT.from_config("tiny")
-    greedy = mf.SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
-    auto = mf.generate(model, [[4, 5]], greedy, threads="auto")[0].token_ids
-    # resumed at the start, asked then and before each of the 5 steps, paused at the end
-    assert Counting.ceilings == ["resume"] + [None] * (1 + 5) + ["pause"]
-    Counting.ceilings.clear()
-    assert auto == mf.generate(model, [[4, 5]], greedy)[0].token_ids
-    # the default asks too, with the count in force as its ceiling
-    assert Counting.ceilings == ["resume"] + [torch.get_num_threads()] * (1 + 5) + ["pause"]
-    Counting.ceilings.clear()
-    mf.generate(model, [[4, 5]], greedy, threads=1)  # a fixed count: no governor
-    assert Counting.ceilings == []
-    assert T.shared_governor() is T._shared
-
-
-def test_speculative_generate_keeps_the_same_thread_policy(monkeypatch):
-    import minifer as mf
-    from minifer.speculative import PromptLookupDrafter, speculative_generate
-
+@pytest.fixture
+def asked(monkeypatch):
+    """The shared governor replaced by one that records what it is asked, in order."""
     calls = []
 
-    class Counting:
+    class Recording:
         def resume(self):
             calls.append("resume")
 
@@ -336,7 +304,32 @@ def test_speculative_generate_keeps_the_same_thread_policy(monkeypatch):
         def maybe_adjust(self, ceiling=None):
             calls.append(ceiling)
 
-    monkeypatch.setattr(T, "_shared", Counting())
+    monkeypatch.setattr(T, "_shared", Recording())
+    return calls
+
+
+def test_generate_with_auto_threads_asks_the_shared_governor_at_every_step(asked):
+    import minifer as mf
+
+    model = mf.GPT.from_config("tiny")
+    greedy = mf.SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    auto = mf.generate(model, [[4, 5]], greedy, threads="auto")[0].token_ids
+    # resumed at the start, asked then and before each of the 5 steps, paused at the end
+    assert asked == ["resume"] + [None] * (1 + 5) + ["pause"]
+    asked.clear()
+    assert auto == mf.generate(model, [[4, 5]], greedy)[0].token_ids
+    # the default asks too, with the count in force as its ceiling
+    assert asked == ["resume"] + [torch.get_num_threads()] * (1 + 5) + ["pause"]
+    asked.clear()
+    mf.generate(model, [[4, 5]], greedy, threads=1)  # a fixed count: no governor
+    assert asked == []
+    assert T.shared_governor() is T._shared
+
+
+def test_speculative_generate_keeps_the_same_thread_policy(asked):
+    import minifer as mf
+    from minifer.speculative import PromptLookupDrafter, speculative_generate
+
     model = mf.GPT.from_config("tiny")
     greedy = mf.SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     prompt = [[4, 5, 6, 4, 5]]
@@ -346,14 +339,14 @@ def test_speculative_generate_keeps_the_same_thread_policy(monkeypatch):
     assert spec == plain and torch.get_num_threads() == saved
     # resumed, asked before the prefill and every round, paused at the end, with the count
     # in force as the ceiling
-    assert calls[0] == "resume" and calls[-1] == "pause" and len(calls) >= 4
-    assert set(calls[1:-1]) == {saved}
-    calls.clear()
+    assert asked[0] == "resume" and asked[-1] == "pause" and len(asked) >= 4
+    assert set(asked[1:-1]) == {saved}
+    asked.clear()
     speculative_generate(model, PromptLookupDrafter(), prompt, greedy, threads="auto")
-    assert set(calls[1:-1]) == {None}
-    calls.clear()
+    assert set(asked[1:-1]) == {None}
+    asked.clear()
     speculative_generate(model, PromptLookupDrafter(), prompt, greedy, threads=1)
-    assert calls == [] and torch.get_num_threads() == saved
+    assert asked == [] and torch.get_num_threads() == saved
     with pytest.raises(ValueError, match="threads"):
         speculative_generate(model, PromptLookupDrafter(), prompt, greedy, threads=0)
 
