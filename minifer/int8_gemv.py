@@ -18,15 +18,11 @@ says why), `QuantizedLinear` keeps to the quantized engine: slower, never wrong.
 
 from __future__ import annotations
 
-import functools
-import os
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
-from .native import build, build_name, build_tools_problem, cpu_flags, reason
+from .native import NativeKernel
 
 __all__ = ["w8a8_reference", "w8a8_int_mm", "Int8Gemv", "GEMV", "quantize_rows"]
 
@@ -51,11 +47,6 @@ def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     acc = q.to(torch.int32) @ w.to(torch.int32).t()  # integer matmul: no rounding at all
     y = acc.float() * s[:, None] * scales.float()
     return y if bias is None else y + bias.float()
-
-
-def _gemv_shape(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, rowsum: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[0])
 
 
 def _int_mm_exact() -> bool:
@@ -91,56 +82,21 @@ def w8a8_int_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     return y if bias is None else y + bias.float()
 
 
-@functools.cache
-def _register_shape() -> None:
-    torch.library.register_fake("minifer_int8::gemv")(_gemv_shape)
-
-
-class Int8Gemv:
+class Int8Gemv(NativeKernel):
     """The C++ kernel where this CPU has VNNI and it builds; `available()` says whether.
 
     Call it like `w8a8_reference`, with ``rowsum = w.sum(1)`` in int32 (the kernel feeds ``x``
     in as unsigned bytes and takes ``128 * rowsum`` off again). `error` says why a build failed.
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._native: bool | None = None  # None: not tried yet
-        self.error: str | None = None
+    kernel, source, flags = "int8_gemv", SOURCE, VNNI_FLAGS
+    cflags, isa = ["-march=x86-64-v4", "-mavx512vnni", "-ffp-contract=off"], "avx512vnni"
+    namespace, op = "minifer_int8", "gemv"
+    instead = "int8 layers at batch 1 run in PyTorch's quantized engine"
 
     @staticmethod
-    def problem() -> str | None:
-        """Why the kernel is not for this machine (None: it is, if it builds)."""
-        missing = VNNI_FLAGS - cpu_flags()
-        if missing:
-            return f"the CPU lacks {', '.join(sorted(missing))}"
-        capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-        if capability in ("default", "avx2", "zvector", "vsx"):
-            return f"ATEN_CPU_CAPABILITY={capability} asks for an older CPU's kernels"
-        return build_tools_problem()
-
-    def available(self) -> bool:
-        """Build (or load the cached build of) the kernel; whether it is usable."""
-        if self._native is not None:  # decided: every later call (one per layer) skips the lock
-            return self._native
-        with self._lock:
-            if self._native is None:
-                self._native = False
-                if (why := self.problem()) is not None:
-                    self.error = why
-                    return False
-                try:
-                    build(build_name("int8_gemv", "avx512vnni"), SOURCE,
-                          ["-march=x86-64-v4", "-mavx512vnni", "-ffp-contract=off"])
-                    self._native = hasattr(torch.ops.minifer_int8, "gemv")
-                    if self._native:  # its output's shape, for torch.compile to trace through it
-                        _register_shape()
-                except Exception as exc:  # no compiler, a failed build: stay correct
-                    self.error = reason(exc)
-                    warnings.warn(f"the C++ int8 kernel could not be built ({self.error}); "
-                                  f"int8 layers at batch 1 run in PyTorch's quantized engine",
-                                  RuntimeWarning, stacklevel=3)
-            return self._native
+    def shape(x, w, scales, rowsum, bias):
+        return x.new_empty(x.shape[0], w.shape[0])
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                  rowsum: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """Building minifer's C++ kernels: what the CPU offers, and one cached build per kernel and CPU.
 
-minifer ships two small kernels as C++ sources (``serve/csrc/paged_decode.cpp``,
-``csrc/int8_gemv.cpp``). `torch.utils.cpp_extension` compiles each the first time a process
+minifer ships small kernels as C++ sources (``serve/csrc/paged_decode.cpp``,
+``csrc/int8_gemv.cpp``, ``csrc/bf16_gemv.cpp``). `torch.utils.cpp_extension` compiles each the first time a process
 needs it (seconds) and caches the build on disk for later processes. The build's name holds the
 torch version and the vector instructions it was built for, so a cache shared by machines of
 different CPUs never loads a build made for another. Every caller keeps a pure-torch path for
-where no build is possible (no compiler or ninja, another architecture).
+where no build is possible (no compiler or ninja, another architecture). `NativeKernel` is what
+the matrix-vector kernels share: the CPU check, one build per process, a warning when it fails.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ import functools
 import os
 import re
 import shutil
+import threading
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-__all__ = ["cpu_flags", "vector_isa", "build", "build_name", "build_tools_problem", "reason"]
+__all__ = ["cpu_flags", "vector_isa", "build", "build_name", "build_tools_problem", "reason",
+           "NativeKernel"]
 
 
 @functools.cache
@@ -73,3 +79,73 @@ def reason(exc: Exception) -> str:
     """One line saying why a build or a call failed."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+class NativeKernel:
+    """A C++ operator built the first time it is needed, only where this CPU has the instructions
+    it is written for; `available()` says whether it runs here, `error` why not.
+
+    A subclass names its source, the CPU flags it needs, its compiler flags and the instruction
+    set they target (part of the cached build's name), the operator
+    (``namespace::op``), what runs instead (for the warning when a build fails) and the shape
+    function `torch.compile` traces through it with. `problem` also refuses where
+    ``ATEN_CPU_CAPABILITY`` asks torch itself for AVX2 or less (``make test-kernels`` runs the
+    notebooks as an older CPU would)."""
+
+    kernel: ClassVar[str]
+    source: ClassVar[Path]
+    flags: ClassVar[frozenset[str]]
+    cflags: ClassVar[list[str]]
+    isa: ClassVar[str]
+    namespace: ClassVar[str]
+    op: ClassVar[str]
+    instead: ClassVar[str]
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._native: bool | None = None  # None: not tried yet
+        self.error: str | None = None
+
+    @staticmethod
+    def shape(*args):
+        """The output a call would return, without data (`torch.library.register_fake`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def problem(cls) -> str | None:
+        """Why the kernel is not for this machine (None: it is, if it builds)."""
+        missing = cls.flags - cpu_flags()
+        if missing:
+            return f"the CPU lacks {', '.join(sorted(missing))}"
+        capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+        if capability in ("default", "avx2", "zvector", "vsx"):
+            return f"ATEN_CPU_CAPABILITY={capability} asks for an older CPU's kernels"
+        return build_tools_problem()
+
+    def available(self) -> bool:
+        """Build (or load the cached build of) the kernel; whether it is usable."""
+        if self._native is not None:  # decided: every later call (one per layer) skips the lock
+            return self._native
+        with self._lock:
+            if self._native is None:
+                self._native = False
+                if (why := self.problem()) is not None:
+                    self.error = why
+                    return False
+                try:
+                    build(build_name(self.kernel, self.isa), self.source, self.cflags)
+                    self._native = hasattr(getattr(torch.ops, self.namespace), self.op)
+                    if self._native:
+                        _register_shape(f"{self.namespace}::{self.op}", type(self).shape)
+                except Exception as exc:  # no compiler, a failed build: stay correct
+                    self.error = reason(exc)
+                    warnings.warn(f"the C++ {self.kernel} kernel could not be built "
+                                  f"({self.error}); {self.instead}", RuntimeWarning,
+                                  stacklevel=3)
+            return self._native
+
+
+@functools.cache
+def _register_shape(name: str, shape: Callable) -> None:
+    """Once per operator and process: its output's shape, for torch.compile to trace through."""
+    torch.library.register_fake(name)(shape)

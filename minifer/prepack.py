@@ -15,7 +15,9 @@ beside the ordinary ``weight`` parameter (so `state_dict`, `model_bytes`, tied e
 and `.to()` keep working; the pack is rebuilt after `.to()` or a loaded state dict). Results
 equal `F.linear`'s up to float rounding (the sums run in another order): greedy tokens of the
 shipped model are unchanged (tested). CPU only, float32 and bfloat16; with gradients enabled
-(training) a layer computes with `F.linear` instead.
+(training) a layer computes with `F.linear` instead. A bf16 layer given one row (a decode step
+at batch 1) runs minifer's own AVX512-BF16 kernel where the CPU has it (`minifer.bf16_gemv`):
+it reads the plain weight faster than oneDNN reads its pack at one row.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import functools
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .bf16_gemv import GEMV as BF16_GEMV
 
 __all__ = ["PackedLinear", "prepack", "prepack_problem"]
 
@@ -67,6 +71,7 @@ class PackedLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.batch_size = batch_size
         self._packed: torch.Tensor | None = None  # not a buffer: rebuilt from `weight`
+        self._rows: torch.Tensor | None = None  # bf16 weight row-major, for one-row calls
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, batch_size: int = 1) -> PackedLinear:
@@ -85,15 +90,15 @@ class PackedLinear(nn.Linear):
                                                                    self.batch_size)
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ...: repack on next use
-        self._packed = None
+        self._packed = self._rows = None
         return super()._apply(fn, *args, **kwargs)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = None
+        self._packed = self._rows = None
         return super()._load_from_state_dict(*args, **kwargs)
 
     def __getstate__(self):  # deepcopy/pickle: the pack is rebuilt, never copied
-        return {**self.__dict__, "_packed": None}
+        return {**self.__dict__, "_packed": None, "_rows": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -103,6 +108,11 @@ class PackedLinear(nn.Linear):
         if self._packed is None:
             self.pack()
         b = None if self.bias is None else self.bias.detach()
+        if w.dtype == torch.bfloat16 and x.numel() == self.in_features and BF16_GEMV.available():
+            if self._rows is None:  # the kernel reads the weight row by row
+                self._rows = w.detach().contiguous()
+            y = BF16_GEMV(x.reshape(1, -1), self._rows, b)  # one row: minifer's own kernel
+            return y.reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, b, "none", [], "")
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from minifer import int8_gemv as G
+from minifer import native
 from minifer.quantization import QuantizedLinear, integer_problem, quantize_int8
 
 needs_kernel = pytest.mark.skipif(G.Int8Gemv.problem() is not None,
@@ -99,20 +100,21 @@ def test_the_int8_layer_runs_the_kernel_at_one_row_and_the_engine_at_more():
 
 
 def test_another_cpu_or_a_failed_build_keeps_to_the_engine(monkeypatch):
-    monkeypatch.setattr(G, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert "avx512_vnni" in G.Int8Gemv.problem()
-    monkeypatch.setattr(G, "cpu_flags", lambda: G.VNNI_FLAGS)
+    monkeypatch.setattr(native, "cpu_flags", lambda: G.VNNI_FLAGS)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert "ATEN_CPU_CAPABILITY=avx2" in G.Int8Gemv.problem()
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    monkeypatch.setattr(G, "build_tools_problem", lambda: None)
+    monkeypatch.setattr(native, "build_tools_problem", lambda: None)
 
     def no_compiler(*args, **kwargs):
         raise OSError("no C++ compiler")
 
-    monkeypatch.setattr(G, "build", no_compiler)
+    monkeypatch.setattr(native, "build", no_compiler)
     kernel = G.Int8Gemv()
-    with pytest.warns(RuntimeWarning, match="could not be built.*no C\\+\\+ compiler"):
+    with pytest.warns(RuntimeWarning, match="int8_gemv kernel could not be built.*no C\\+\\+ "
+                      "compiler.*quantized engine"):
         assert not kernel.available()
     assert "OSError" in kernel.error and not kernel.available()  # decided once
     x, q, s, rowsum, b = _case(1, 16, 64)

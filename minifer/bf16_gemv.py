@@ -1,0 +1,62 @@
+"""bf16 at batch 1: a matrix-vector kernel for the CPU's AVX512-BF16 instructions.
+
+A decode step at batch 1 multiplies one row by every weight matrix, so its time is the time to
+read the weights: 249 MB a token for GPT-2 124M in bf16, half of fp32's. oneDNN's bf16 product
+(`minifer.prepack`) read them slower than the same library reads fp32 on a 2-core Xeon
+(BENCHMARKS.md), so bf16 at batch 1 gained less over fp32 than its halved bytes promise.
+`bf16_reference` says in two lines what the product is: float32 products and sums of the bf16
+numbers, rounded once to bf16. ``csrc/bf16_gemv.cpp`` computes that with AVX512-BF16's
+``vdpbf16ps`` (32 bf16 multiply-adds per instruction into float32), four weight rows per pass
+over ``x``, prefetched, the rows split over torch's threads. Its sums run in another order than
+the reference's, so the two agree to float32 rounding before the last bf16 rounding (tested).
+
+`Bf16Gemv` builds it the first time it is needed, only on CPUs with AVX512-BF16 (Intel since
+Cooper Lake, AMD since Zen 4). Everywhere else, and where the build fails (it warns once), a
+prepacked layer keeps to oneDNN.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .native import NativeKernel
+
+__all__ = ["bf16_reference", "Bf16Gemv", "GEMV"]
+
+SOURCE = Path(__file__).with_name("csrc") / "bf16_gemv.cpp"
+BF16_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+
+
+def bf16_reference(x: torch.Tensor, w: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ wᵀ + bias`` for bf16 ``x`` [M, K], ``w`` [N, K]: float32 arithmetic, one rounding
+    to bf16 at the end (what torch's own bf16 linear does too)."""
+    y = x.float() @ w.float().t()
+    return (y if bias is None else y + bias.float()).to(torch.bfloat16)
+
+
+class Bf16Gemv(NativeKernel):
+    """The C++ kernel where this CPU has AVX512-BF16 and it builds; `available()` says whether.
+
+    Call it like `bf16_reference`, on contiguous bf16 tensors. `error` says why a build failed.
+    """
+
+    kernel, source, flags = "bf16_gemv", SOURCE, BF16_FLAGS
+    cflags, isa = ["-march=x86-64-v4", "-mavx512bf16"], "avx512bf16"
+    namespace, op = "minifer_bf16", "gemv"
+    instead = "bf16 layers at batch 1 run in oneDNN"
+
+    @staticmethod
+    def shape(x, w, bias):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.available():
+            return bf16_reference(x, w, bias)
+        return torch.ops.minifer_bf16.gemv(x.contiguous(), w, bias)
+
+
+GEMV = Bf16Gemv()  # one per process: every layer shares its build
