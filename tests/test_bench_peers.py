@@ -21,6 +21,9 @@ def test_decode_rate_subtracts_the_prompt():
     # 4 rows, 1 then 11 new tokens: 40 decode tokens in the 2 s between the two calls
     assert peers.decode_rate(4, 11, t_one=1.0, t_all=3.0) == 20.0
     assert math.isnan(peers.decode_rate(4, 11, t_one=1.0, t_all=0.9))  # noise, not a rate
+    # the 1-token times spread over more than the difference: no rate either
+    assert math.isnan(peers.decode_rate(64, 32, t_one=1.86, t_all=2.06, noise=2.92 - 1.09))
+    assert peers.decode_rate(4, 11, t_one=1.0, t_all=3.0, noise=0.1) == 20.0
 
 
 def test_report_names_the_ratio_against_the_fastest_peer():

@@ -15,7 +15,8 @@ size:
   differently);
 * **decode tokens/s**: each engine generates 1 and then ``new_tokens`` tokens from the same
   prompts; the difference of the two times is decode alone (the prompt's time subtracted), so
-  ``batch × (new_tokens − 1) / (t_N − t_1)`` from the medians of both times over the rounds.
+  ``batch × (new_tokens − 1) / (t_N − t_1)`` from the medians of both times over the rounds
+  (no rate where the rounds' 1-token times spread further than that difference).
   The engines take turns in every round (a slow spell of the machine hits all of them), and
   the spread (max/min) of each engine's ``t_N`` over the rounds is reported: the figure that a
   busy machine moves. Each engine runs in a process of its own (`ProcessEngine`), as a user
@@ -326,11 +327,16 @@ def timed(engine, prompts: list[list[int]], new_tokens: int) -> float:
     return getattr(engine, "last_seconds", time.perf_counter() - t0)
 
 
-def decode_rate(batch: int, new_tokens: int, t_one: float, t_all: float) -> float:
+def decode_rate(batch: int, new_tokens: int, t_one: float, t_all: float,
+                noise: float = 0.0) -> float:
     """Decode tokens/s from the time of 1 and of `new_tokens` new tokens: the difference is
-    decode alone (both include the same prompt). NaN when noise hides the difference."""
+    decode alone (both include the same prompt). NaN when noise hides the difference: when it
+    is no larger than `noise`, how far the 1-token times of the rounds spread (max − min).
+    That happened to a compiled engine at batch 64 on a 2-core Xeon: its 1-token calls took
+    1.1–2.9 s where the 32-token calls took 2.0–2.7, so the difference of the medians claimed
+    9,700 tok/s (its process faulted in ~300,000 fresh pages per call; BENCHMARKS.md)."""
     decode_s = t_all - t_one
-    return batch * (new_tokens - 1) / decode_s if decode_s > 0 else float("nan")
+    return batch * (new_tokens - 1) / decode_s if decode_s > max(noise, 0.0) else float("nan")
 
 
 @dataclass(frozen=True)
@@ -607,7 +613,8 @@ def _time_engines(engines: list, model: GPT, precision: str, batches: tuple[int,
         rows.append(PeerRow(
             precision, batch,
             {k: decode_rate(batch, new_tokens, statistics.median(ones[k]),
-                            statistics.median(alls[k])) for k in alls},
+                            statistics.median(alls[k]), max(ones[k]) - min(ones[k]))
+             for k in alls},
             {k: max(v) / min(v) for k, v in alls.items()}, agree,
             {k: list(zip(ones[k], alls[k])) for k in alls}))
     return rows
