@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from minifer import int8_gemv as G
-from minifer import native
 from minifer.quantization import QuantizedLinear, integer_problem, quantize_int8
 
 needs_kernel = pytest.mark.skipif(G.Int8Gemv.problem() is not None,
@@ -97,28 +96,6 @@ def test_the_int8_layer_runs_the_kernel_at_one_row_and_the_engine_at_more():
     # the new weights and their row sums, not the old ones
     assert torch.equal(moved(x[:1]), G.w8a8_reference(x[:1], moved.qweight, moved.scales,
                                                       moved.bias))
-
-
-def test_another_cpu_or_a_failed_build_keeps_to_the_engine(monkeypatch):
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    assert "avx512_vnni" in G.Int8Gemv.problem()
-    monkeypatch.setattr(native, "cpu_flags", lambda: G.VNNI_FLAGS)
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    assert "ATEN_CPU_CAPABILITY=avx2" in G.Int8Gemv.problem()
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    monkeypatch.setattr(native, "build_tools_problem", lambda: None)
-
-    def no_compiler(*args, **kwargs):
-        raise OSError("no C++ compiler")
-
-    monkeypatch.setattr(native, "build", no_compiler)
-    kernel = G.Int8Gemv()
-    with pytest.warns(RuntimeWarning, match="int8_gemv kernel could not be built.*no C\\+\\+ "
-                      "compiler.*quantized engine"):
-        assert not kernel.available()
-    assert "OSError" in kernel.error and not kernel.available()  # decided once
-    x, q, s, rowsum, b = _case(1, 16, 64)
-    assert torch.equal(kernel(x, q, s, rowsum, b), G.w8a8_reference(x, q, s, b))
 
 
 _COMPILED_INT8 = """
