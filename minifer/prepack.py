@@ -37,18 +37,24 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
-def prepack_problem() -> str | None:
-    """Why this torch cannot run prepacked linears here (None: it can)."""
+def prepack_problem(dtype: torch.dtype = torch.float32) -> str | None:
+    """Why this torch cannot run prepacked linears in `dtype` here (None: it can). oneDNN packs
+    bf16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: not on an AVX2-only CPU, nor
+    where ``ONEDNN_MAX_CPU_ISA`` caps it there."""
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
+    if dtype not in DTYPES:
+        return f"prepacked linears run in float32 or bfloat16, not {dtype}"
     try:
-        w, x = torch.randn(8, 16), torch.randn(2, 16)
+        w, x = torch.randn(8, 16).to(dtype), torch.randn(2, 16).to(dtype)
         y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 2),
                                                None, "none", [], "")
-        if not torch.allclose(y, x @ w.T, atol=1e-4):
-            return "oneDNN's packed linear gave a wrong result on this machine"
+        if not torch.allclose(y.float(), (x @ w.T).float(), atol=1e-4 if dtype == torch.float32
+                              else 5e-2):
+            return f"oneDNN's packed linear gave a wrong result in {dtype} on this machine"
     except (RuntimeError, AttributeError, NotImplementedError) as exc:
-        return f"oneDNN's packed linear ops are missing or failed ({type(exc).__name__}: {exc})"
+        return (f"oneDNN's packed linear ops are missing or failed in {dtype} "
+                f"({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})")
     return None
 
 
@@ -57,7 +63,7 @@ def _layer_problem(w: torch.Tensor) -> str | None:
     if w.device.type != "cpu" or w.dtype not in DTYPES:
         return (f"prepacked linears run on the CPU in float32 or bfloat16; the layer is "
                 f"{w.dtype} on {w.device}")
-    return None
+    return prepack_problem(w.dtype)
 
 
 class PackedLinear(nn.Linear):
@@ -122,7 +128,7 @@ def prepack(model: nn.Module, *, batch_size: int = 1) -> nn.Module:
     The model must be on the CPU in float32 or bfloat16 (e.g. ``quantize(model, "bf16")``);
     int8/int4 models (`quantize`) have their own kernels and no `nn.Linear` left to pack.
     """
-    problem = prepack_problem()
+    problem = prepack_problem()  # oneDNN at all; each layer's dtype is checked below
     if problem is not None:
         raise RuntimeError(f"prepack: {problem}")
     linears = [m for m in model.modules() if type(m) is nn.Linear]

@@ -7,6 +7,7 @@ import importlib.util
 import math
 
 import pytest
+import torch
 from conftest import lively_model
 
 from minifer.bench import peers
@@ -120,7 +121,7 @@ def test_minifer_runs_as_it_is_and_prepacked(tmp_path):
     names = [e.name for e in peers._engines(model, "fp32", 1, tmp_path, ())]
     packed = prepack_problem() is None
     assert names == (["minifer", "minifer prepacked"] if packed else ["minifer"])
-    if packed:
+    if prepack_problem(torch.bfloat16) is None:
         names = [e.name for e in peers._engines(model, "bf16", 1, tmp_path, ())]
         assert names == ["minifer bf16", "minifer bf16 prepacked"]
 
@@ -164,7 +165,7 @@ def test_the_timed_rounds_can_run_beside_busy_cores(monkeypatch):
 
 def test_without_onednn_fp32_and_bf16_still_run_minifer_unpacked(monkeypatch, tmp_path):
     P = importlib.import_module("minifer.prepack")  # the module (minifer.prepack is the function)
-    monkeypatch.setattr(P, "prepack_problem", lambda: "no oneDNN here")
+    monkeypatch.setattr(P, "prepack_problem", lambda dtype=None: "no oneDNN here")
     model = lively_model("tiny")
     assert [e.name for e in peers._engines(model, "fp32", 1, tmp_path, ())] == ["minifer"]
     assert [e.name for e in peers._engines(model, "bf16", 1, tmp_path, ())] == ["minifer bf16"]

@@ -82,7 +82,8 @@ def test_kernel_rejects_what_it_cannot_read():
         G.GEMV(x, w.t().contiguous().t(), b)
 
 
-@pytest.mark.skipif(prepack_problem() is not None, reason=str(prepack_problem()))
+@pytest.mark.skipif(prepack_problem(torch.bfloat16) is not None,
+                    reason=str(prepack_problem(torch.bfloat16)))
 def test_a_prepacked_bf16_layer_runs_the_kernel_at_one_row(monkeypatch):
     torch.manual_seed(0)
     lin = nn.Linear(96, 200).bfloat16()
@@ -105,7 +106,8 @@ def test_a_prepacked_bf16_layer_runs_the_kernel_at_one_row(monkeypatch):
     assert packed._rows is None and packed._packed is None  # rebuilt from the moved weight
 
 
-@pytest.mark.skipif(prepack_problem() is not None, reason=str(prepack_problem()))
+@pytest.mark.skipif(prepack_problem(torch.bfloat16) is not None,
+                    reason=str(prepack_problem(torch.bfloat16)))
 def test_prepacked_bf16_decode_matches_the_plain_model(tiny):
     """A decode step at batch 1 (the kernel where there is one) and at 3 rows (oneDNN) give the
     plain bf16 model's logits up to bf16 rounding."""

@@ -4,6 +4,8 @@ tied weights stay tied; clear errors for what cannot be packed."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -22,6 +24,8 @@ def shakespeare():
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_packed_layer_equals_f_linear(dtype, tol, bias):
+    if (why := prepack_problem(dtype)) is not None:
+        pytest.skip(why)
     torch.manual_seed(0)
     lin = nn.Linear(96, 200, bias=bias).to(dtype)
     packed = PackedLinear.from_linear(lin, batch_size=4)
@@ -79,3 +83,24 @@ def test_what_cannot_be_packed_gets_a_clear_error(tiny):
         prepack(mf.quantize(tiny, "fp16"))
     with pytest.raises(ValueError, match="batch_size"):
         prepack(tiny, batch_size=0)
+
+
+def test_a_cpu_whose_onednn_cannot_pack_bf16_gets_a_clear_error(monkeypatch):
+    """oneDNN packs bf16 only with AVX-512 or AVX-NE-CONVERT (not on an AVX2-only CPU)."""
+    P = importlib.import_module("minifer.prepack")  # the module (minifer.prepack is the function)
+
+    def refuse(w, batch_size):
+        if w.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support "
+                               "avx_ne_convert or avx512bw, avx512vl and avx512dq")
+        return real(w, batch_size)
+
+    real = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    why = P.prepack_problem.__wrapped__(torch.bfloat16)
+    assert "bfloat16" in why and "avx512bw" in why
+    assert P.prepack_problem.__wrapped__(torch.float32) is None
+    monkeypatch.setattr(P, "prepack_problem", P.prepack_problem.__wrapped__)
+    with pytest.raises(ValueError, match="failed in torch.bfloat16.*avx512bw"):
+        PackedLinear.from_linear(nn.Linear(16, 8).bfloat16())
+    assert isinstance(PackedLinear.from_linear(nn.Linear(16, 8)), PackedLinear)

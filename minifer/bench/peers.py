@@ -389,7 +389,7 @@ def engine_specs(precision: str, peers: tuple[str, ...], compiled: bool = False,
     if precision in ("fp32", "bf16"):
         base = "minifer" if precision == "fp32" else "minifer bf16"
         ours = [EngineSpec(base, "minifer", precision)]
-        if prepack_problem() is None:
+        if prepack_problem(torch.bfloat16 if precision == "bf16" else torch.float32) is None:
             ours.append(EngineSpec(f"{base} prepacked", "minifer", precision, how="prepacked"))
     else:
         ours = [EngineSpec("minifer int8 weight-only", "minifer", "int8", "weight-only")]
