@@ -396,7 +396,7 @@ class _SpecRun:
 
     def __init__(self, target: torch.nn.Module, drafter: Drafter, k: int, vocab: int,
                  device: torch.device, accept: AcceptRule,
-                 between_steps: Callable[[], None] = lambda: None) -> None:
+                 between_steps: Callable[[], None]) -> None:
         self.target, self.drafter, self.k = target, drafter, k
         self.between_steps = between_steps  # the thread count's hook (`thread_policy`)
         self.vocab, self.device, self.accept = vocab, device, accept

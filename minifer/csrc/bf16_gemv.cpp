@@ -68,7 +68,8 @@ void dot_rows(const uint16_t* w, const uint16_t* x, int64_t K, int64_t N, int64_
   }
 }
 
-at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w,
+                     const c10::optional<at::Tensor>& bias) {
   // the loops read raw memory: every assumption is checked first
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "bf16 gemv: x [M, K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
