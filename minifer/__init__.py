@@ -1,23 +1,28 @@
 """minifer: a small, honest PyTorch inference engine for learning how LLM inference works.
 
 The engine (this package's top-level modules) imports only torch and the tokenizer libraries;
+its CPU speed-ups live apart in `minifer.fast`, plugged in below at one seam (`minifer.hooks`);
 measuring lives in `minifer.bench`, how the shipped models were made in `minifer.training`, and
 the figures and sliders of the course in `minifer.lessons`.
 """
 
+# The speed-ups (minifer.fast) plug into the core here; MINIFER_SPEEDUPS=0 leaves them out.
+from . import fast  # noqa: E402  (after the core it plugs into)
 from .cache import StaticKVCache
 from .config import PRESETS, GPTConfig
 from .device import default_device
 from .evaluate import perplexity
+from .fast.prepack import prepack  # noqa: E402
 from .generation import decode_step, generate, prefill, stream
 from .model import GPT
-from .prepack import prepack
 from .pretrained import load_pretrained
 from .quantization import model_bytes, quantization_summary, quantize
 from .sampling import SamplingParams
 from .sequence import Completion, Sequence, TextStopper, TokenEvent
 from .speculative import PromptLookupDrafter, speculative_generate
 from .tokenizer import ByteTokenizer, Tokenizer
+
+fast.install()
 
 __all__ = [
     "GPT",

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
 from typing import Any
 
-__all__ = ["check_int", "check_number", "int_range_text"]
+__all__ = ["check_int", "check_number", "check_threads", "int_range_text", "max_threads"]
 
 
 def int_range_text(lo: int | None = 1, hi: int | None = None) -> str:
@@ -70,3 +71,18 @@ def check_number(name: str, value: Any, *, gt: float | None = None, ge: float | 
         raise ValueError(f"{name} must be {what}{' ' + text if text else ''}{why}, "
                          f"got {value!r}")
     return value
+
+
+def max_threads() -> int:
+    """The most CPU threads a call may ask for: four per core this process may run on. More
+    only oversubscribes the cores (and torch crashes at around 100,000)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return 4 * (cores or 1)
+
+
+def check_threads(threads: Any) -> int | str | None:
+    """A `threads=` argument: None, ``"auto"``, or an integer in [1, `max_threads`]."""
+    if threads is None or threads == "auto":
+        return threads
+    return check_int("threads", threads, 1, max_threads(),
+                     allowed=f"be 'auto' or an integer in [1, {max_threads()}] (4 per core)")

@@ -61,7 +61,7 @@ def default_device() -> torch.device:
 
 def sync(device: str | torch.device = "cpu") -> None:
     """Wait until ``device`` has finished all queued work (no-op on the CPU, which is synchronous)."""
-    dev = as_device(device)
+    dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     elif dev.type == "mps":

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import hooks
 from .cache import AttentionInputs, KVCache, PackedKVCache, StaticKVCache
 from .config import GPTConfig
 from .device import as_device
@@ -108,26 +109,6 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def column_major_linears(module: nn.Module) -> nn.Module:
-    """Store every linear weight of `module` column-major: still shaped ``(out, in)``, but laid
-    out as its transpose ``(in, out)`` row-major, in place, with no second copy.
-
-    `F.linear` multiplies by the weight's transpose; in this layout that transpose is a plain
-    row-major matrix, the case torch's CPU GEMM is fastest at. On a 2-core Intel Xeon at one
-    thread, GPT-2 (124M) decode ran 1.02-1.09x faster at batch 1, 1.05-1.08x at 16 and
-    1.06-1.15x at 64 (two runs; the 50,257-row output layer at 64 rows: 53 -> 41 ms); at two
-    threads it was even (0.95-1.02x). The math is the same; only the order of the sums inside the
-    GEMM changes. A tied output layer is the token embedding too: a lookup then reads a strided
-    column (slower per token, still far below a step). Parameters keep their layout through
-    `load_state_dict`, `.to()` and `deepcopy`; checkpoints are saved contiguous.
-    """
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, nn.Linear) and m.weight.dim() == 2:
-                m.weight.data = m.weight.data.t().contiguous().t()
-    return module
-
-
 class GPT(nn.Module):
     """GPT-2-family decoder. ``model(ids)`` → logits ``(B, T, vocab)``.
 
@@ -153,7 +134,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
-        column_major_linears(self)
+        hooks.lay_out_weights(self)  # the speed-up seam: `minifer.fast.layout`
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -258,6 +239,26 @@ class GPT(nn.Module):
             return self.decode(idx, cache, slot, kv_len)
         if getattr(cache, "packed", False):
             return self.forward_packed(idx, cache)
+        self.check_input(idx, cache)
+        B, T = idx.shape
+        offset = 0 if cache is None else cache.pos
+        if cache is not None:
+            start, padded = cache.start, cache.padded
+        else:
+            padded = start is not None
+        x = self.blocks(idx, _inputs(idx.device, B, T, offset, start if padded else None, cache))
+        if cache is not None:
+            cache.advance(T)
+        if last_only:
+            x = x[:, -1:, :]
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
+
+    def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
+        """A ValueError for token ids `idx` the model cannot take: not ``(B, T)`` integers,
+        empty, outside the vocabulary, past the context window, or not fitting `cache`.
+
+        The vocabulary check is one min/max reduction; on a GPU it costs a host sync, so there
+        it runs only for calls that start a sequence (see `_checks_ids`)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, tokens), got {tuple(idx.shape)}")
         if idx.dtype not in (torch.int64, torch.int32):
@@ -270,28 +271,17 @@ class GPT(nn.Module):
             lo, hi = (t.item() for t in torch.aminmax(idx))  # one reduction (~5 µs on a CPU)
             V = self.config.vocab_size
             if lo < 0 or hi >= V:
-                bad = lo if lo < 0 else hi
                 raise ValueError(f"idx must hold token ids in [0, {V}) (the vocabulary), "
-                                 f"got {bad}")
+                                 f"got {lo if lo < 0 else hi}")
         offset = 0 if cache is None else cache.pos
         if offset + T > self.config.context_length:
-            raise ValueError(
-                f"sequence of {offset + T} tokens exceeds the context window "
-                f"({self.config.context_length})"
-            )
+            raise ValueError(f"sequence of {offset + T} tokens exceeds the context window "
+                             f"({self.config.context_length})")
         if cache is not None:
             if B != cache.batch_size:
-                raise ValueError(f"batch of {B} rows does not match the cache's batch_size={cache.batch_size}")
+                raise ValueError(f"batch of {B} rows does not match the cache's "
+                                 f"batch_size={cache.batch_size}")
             cache.check_room(T)
-            start, padded = cache.start, cache.padded
-        else:
-            padded = start is not None
-        x = self.blocks(idx, _inputs(idx.device, B, T, offset, start if padded else None, cache))
-        if cache is not None:
-            cache.advance(T)
-        if last_only:
-            x = x[:, -1:, :]
-        return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
 
     def forward_packed(self, idx: torch.Tensor, cache: PackedKVCache) -> torch.Tensor:
         """Logits ``(len(cache.logits_index), vocab)`` for many rows packed in one sequence.

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+from . import hooks
 from .config import GPTConfig
 from .device import as_device
-from .model import GPT, column_major_linears
+from .model import GPT
 from .tokenizer import Tokenizer
 
 DATA_ENV = "MINIFER_DATA"
@@ -191,7 +192,7 @@ def load_checkpoint(
     model.load_state_dict(tensors, strict=True, assign=True)  # use the loaded tensors, no copy
     if config.tie_embeddings:
         model.lm_head.weight = model.transformer.wte.weight
-    column_major_linears(model)  # the file's tensors are row-major; see GPT's layout
+    hooks.lay_out_weights(model)  # the file's tensors are row-major; see GPT's layout
     return model.to(device=device, dtype=dtype).eval(), info["metadata"]
 
 

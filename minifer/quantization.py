@@ -38,11 +38,9 @@ Each quantized layer runs one of three paths, tested against each other:
   in int32 (VNNI, AMX) and to 7 bits where it sums pairs in int16 (older x86, `_reduce_range`).
   On the shipped model 8-bit per-token activations cost no more top-1 choices than weight-only
   int8 does; 7 bits, or one scale for the whole batch (`torch.ao`'s convention), cost more.
-  A single row (a decode step at batch 1) runs minifer's own matrix-vector kernel instead
-  where the CPU has AVX-512 VNNI (`minifer.int8_gemv`: int8 activations, one scale per row;
-  fbgemm is built for matrices and is slower there), and a compiled step (``compile=True``)
-  runs `int8_gemv.w8a8_int_mm` at more rows. CPU only; `integer_problem` says why it cannot
-  run where it cannot.
+  With the speed-ups (`minifer.fast.int8_gemv`), a single row (a decode step at batch 1) runs
+  minifer's own matrix-vector kernel where the CPU has AVX-512 VNNI, and a compiled step runs
+  ``torch._int_mm``. CPU only; `integer_problem` says why it cannot run where it cannot.
 
 The fused kernels changed signatures across torch versions, and each takes only some shapes
 (int8: ``in_features`` a multiple of 16 — past it, it reads out of bounds; int4: groups of
@@ -66,7 +64,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .int8_gemv import GEMV, w8a8_int_mm
+from . import hooks
 
 __all__ = ["PRECISIONS", "FLOAT_DTYPES", "KERNEL_GROUP_SIZES", "QuantizedLinear", "quantize",
            "quantize_int8", "quantize_int4", "default_group_size", "pack_int4", "unpack_int4",
@@ -599,16 +597,15 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _integer_forward(self, x2: torch.Tensor) -> torch.Tensor:
-        """W8A8 of ``x2`` [M, K]: one row on the VNNI kernel where there is one, more rows in
-        the quantized engine, or in `w8a8_int_mm` inside a compiled step (which cannot trace
-        the engine's packed weights)."""
+        """W8A8 of ``x2`` [M, K] in the quantized engine, unless the speed-ups run it (one row
+        on minifer's VNNI kernel; inside a compiled step, which cannot trace the engine's
+        packed weights, ``torch._int_mm``)."""
         bias = None if self.bias is None else self.bias.float()
         if self._rowsum is None:  # set on the first (eager) call, before a compiled step reads it
             self._rowsum = self.qweight.sum(1, dtype=torch.int32)
-        if x2.shape[0] == 1 and GEMV.available():
-            return GEMV(x2, self.qweight, self.scales, self._rowsum, bias)
-        if torch.compiler.is_compiling():
-            return w8a8_int_mm(x2, self.qweight, self.scales, bias)
+        fast = hooks.int8_matmul(x2, self.qweight, self.scales, self._rowsum, bias)
+        if fast is not None:  # the speed-up seam: `minifer.fast.int8_gemv`
+            return fast
         if self._packed is None:
             self._packed = _integer_pack(self.qweight, self.scales, None)
         return _integer_mm(x2, self._packed, _quantized_engine(), bias)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import hooks
 from .checks import check_int
 
 INF = float("inf")
@@ -298,7 +299,7 @@ def sample(
         raise ValueError(f"generators must hold one generator per row ({processed.shape[0]}), "
                          f"got {len(generators)}")
     if params.greedy:
-        return first_argmax(processed)
+        return hooks.argmax(processed)
     probs = processed.softmax(dim=-1)
     if generators is None:
         return draw(probs)
@@ -321,31 +322,6 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def first_argmax(logits: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """Each row's argmax of ``(B, V)`` logits (the first index of its maximum), as
-    ``logits.argmax(dim=-1)`` gives it: the greedy token.
-
-    On the CPU, torch's argmax keeps an index beside every comparison and runs about 10x slower
-    than its plain maximum (5.6 against 0.5 ms for 64 rows of GPT-2's 50,257 logits, one
-    thread: 3% of a batch-64 decode step). So the row is cut into chunks of `chunk` entries:
-    each chunk's maximum (a plain max-reduction), the first chunk holding the row's maximum
-    (an argmax over a few hundred numbers), and the first maximum inside that chunk. The first
-    chunk holding the maximum holds its first index, so the answer is argmax's exactly (NaN
-    included: a chunk's max is NaN where it holds one, and argmax takes NaN as the largest).
-    """
-    B, V = logits.shape
-    n = V // chunk
-    if logits.device.type != "cpu" or n < 4:
-        return logits.argmax(dim=-1)
-    maxima = logits[:, : n * chunk].reshape(B, n, chunk).amax(dim=-1)  # (B, n)
-    if V > n * chunk:
-        maxima = torch.cat([maxima, logits[:, n * chunk :].amax(dim=-1, keepdim=True)], dim=1)
-    first = maxima.argmax(dim=-1)  # (B,): the chunk of each row's first maximum
-    cols = first[:, None] * chunk + torch.arange(chunk, device=logits.device)
-    cols = cols.clamp_(max=V - 1)  # the last chunk may be short: repeat its last entry
-    return first * chunk + logits.gather(1, cols).argmax(dim=-1)
-
-
 def mask_padded_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """Set the logits of entries past the first `vocab` to -inf, in place, so they are never
     sampled: models pad their vocabulary beyond the tokenizer's (see `sequence.usable_vocab`)."""
@@ -359,3 +335,34 @@ def make_generators(params: SamplingParams, batch: int, device: torch.device) ->
     if params.seed is None or params.greedy:
         return None
     return [torch.Generator(device=device).manual_seed(params.seed) for _ in range(batch)]
+
+
+def seen_mask(prompts: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``(B, V)`` bool: the tokens each row has seen so far, its prompt to begin with (the
+    repetition penalty counts the prompt's tokens as seen)."""
+    seen = torch.zeros(len(prompts), vocab_size, dtype=torch.bool, device=device)
+    for b, ids in enumerate(prompts):
+        seen[b, torch.tensor(ids, device=device)] = True
+    return seen
+
+
+class BatchSampler:
+    """Samples one token per row of a batch, keeping what sampling needs between steps: one
+    random generator per row (so a row's text is the same alone or batched) and, for the
+    repetition penalty, the tokens each row has seen. ``tokens = sampler(logits)``."""
+
+    def __init__(self, params: SamplingParams, prompts: list[list[int]], vocab: int,
+                 vocab_size: int, device: torch.device) -> None:
+        self.params, self.vocab = params, vocab  # `vocab`: leading entries that may be sampled
+        self.generators = make_generators(params, len(prompts), device)
+        self.seen = None
+        if params.repetition_penalty != 1.0:
+            self.seen = seen_mask(prompts, vocab_size, device)  # (B, V)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row ``(B,)`` from next-token logits ``(B, V)``."""
+        logits = mask_padded_vocab(logits, self.vocab)
+        tokens = sample(logits, self.params, self.seen, self.generators)
+        if self.seen is not None:
+            self.seen[torch.arange(len(tokens), device=tokens.device), tokens] = True
+        return tokens

@@ -43,13 +43,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import hooks
 from .cache import StaticKVCache
 from .checks import check_int
 from .device import sync
 from .generation import advance, prefill
-from .sampling import SamplingParams, draw, mask_padded_vocab, process_logits, sample
+from .sampling import (
+    SamplingParams,
+    draw,
+    make_generators,
+    mask_padded_vocab,
+    process_logits,
+    sample,
+    seen_mask,
+)
 from .sequence import Completion, Sequence, prepare
-from .threads import thread_policy
 
 __all__ = ["SpecStats", "SpecCompletion", "Drafter", "DraftContext", "ModelDrafter",
            "PromptLookupDrafter", "speculative_generate", "accept_with_ratio",
@@ -386,8 +394,8 @@ def speculative_generate(
         if target_cache.batch_size != 1 or target_cache.max_len < need:
             raise ValueError(f"target_cache must have batch_size 1 and max_len >= {need}, got "
                              f"{target_cache.batch_size} and {target_cache.max_len}")
-    with thread_policy(threads, device) as policy:
-        run = _SpecRun(target, drafter, k, req.vocab, device, accept, policy.between_steps)
+    with hooks.generation_threads(threads, device) as between_steps:
+        run = _SpecRun(target, drafter, k, req.vocab, device, accept, between_steps)
         return [run.generate(seq, target_cache) for seq in req.sequences]
 
 
@@ -398,7 +406,7 @@ class _SpecRun:
                  device: torch.device, accept: AcceptRule,
                  between_steps: Callable[[], None]) -> None:
         self.target, self.drafter, self.k = target, drafter, k
-        self.between_steps = between_steps  # the thread count's hook (`thread_policy`)
+        self.between_steps = between_steps  # the thread count's hook (`hooks.generation_threads`)
         self.vocab, self.device, self.accept = vocab, device, accept
         self.V = target.config.vocab_size
         self.ids_buf = torch.empty(1, k + 1, dtype=torch.long, device=device)
@@ -410,14 +418,11 @@ class _SpecRun:
         generation loop (`minifer.generation.advance`) with a step that makes several tokens."""
         params, device = seq.params, self.device
         stats = SpecStats(k=self.k, drafter=self.drafter.name)
-        gen = None
-        if not params.greedy and params.seed is not None:
-            gen = torch.Generator(device=device).manual_seed(params.seed)
-        self.gen = gen
+        gens = make_generators(params, 1, device)
+        self.gen = gen = None if gens is None else gens[0]
         self.seen = None
         if params.repetition_penalty != 1.0:
-            self.seen = torch.zeros(1, self.V, dtype=torch.bool, device=device)
-            self.seen[0, torch.tensor(seq.prompt_ids, device=device)] = True
+            self.seen = seen_mask([seq.prompt_ids], self.V, device)  # (1, V)
         ctx = DraftContext(params, self.vocab, self.V, device, gen, seq.max_len, self.k)
         tokens = list(seq.prompt_ids)  # the sequence so far, as the drafter sees it
         started = False

@@ -115,7 +115,7 @@ def test_command_without_the_extra_says_so_and_succeeds(monkeypatch, capsys):
 
 
 def test_minifer_runs_as_it_is_and_prepacked(tmp_path):
-    from minifer.prepack import prepack_problem
+    from minifer.fast.prepack import prepack_problem
 
     model = lively_model("tiny")
     names = [e.name for e in peers._engines(model, "fp32", 1, tmp_path, ())]
@@ -164,7 +164,7 @@ def test_the_timed_rounds_can_run_beside_busy_cores(monkeypatch):
 
 
 def test_without_onednn_fp32_and_bf16_still_run_minifer_unpacked(monkeypatch, tmp_path):
-    P = importlib.import_module("minifer.prepack")  # the module (minifer.prepack is the function)
+    P = importlib.import_module("minifer.fast.prepack")
     monkeypatch.setattr(P, "prepack_problem", lambda dtype=None: "no oneDNN here")
     model = lively_model("tiny")
     assert [e.name for e in peers._engines(model, "fp32", 1, tmp_path, ())] == ["minifer"]
@@ -192,7 +192,7 @@ def test_an_engine_that_cannot_start_in_its_process_says_why(tmp_path):
 
 
 def test_the_specs_name_minifers_variants_then_the_peers():
-    from minifer.prepack import prepack_problem
+    from minifer.fast.prepack import prepack_problem
 
     names = [s.name for s in peers.engine_specs("fp32", ("ctranslate2", "openvino"), True)]
     packed = ["minifer prepacked"] if prepack_problem() is None else []

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import minifer as mf
-from minifer import bf16_gemv as G
-from minifer.prepack import PackedLinear, prepack, prepack_problem
+from minifer.fast import bf16_gemv as G
+from minifer.fast.prepack import PackedLinear, prepack, prepack_problem
 
 needs_kernel = pytest.mark.skipif(G.Bf16Gemv.problem() is not None,
                                   reason=f"no batch-1 bf16 kernel here: {G.Bf16Gemv.problem()}")

@@ -15,7 +15,7 @@ import torch
 
 import minifer as mf
 from minifer.bench.baselines import MinifierDecoder, TextbookEngine, hf_available
-from minifer.generation import compiled_decode
+from minifer.fast.compiled import compiled_decode
 
 GREEDY = mf.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[72, 101, 108, 108, 111], [7], list(range(40, 75)), [200, 3, 3, 3, 250, 1, 9]]
@@ -154,7 +154,7 @@ def test_cpu_compiled_step_freezes_weights(tiny):
     """On the CPU the default compiled step freezes (and prepacks) the weights; other modes,
     which accelerators use, do not. Either way a ninth batch size or cache length compiles
     another graph instead of failing (torch's default limit is 8)."""
-    from minifer import generation
+    from minifer.fast import compiled as generation
 
     frozen = compiled_decode(tiny)
     assert frozen is compiled_decode(tiny, "default")
@@ -170,23 +170,23 @@ def test_frozen_steps_are_dropped_when_weights_change(monkeypatch):
     see) or a new tensor drops the compiled steps; the same weights keep them."""
     from conftest import lively_model
 
-    from minifer import generation
+    from minifer.fast import compiled as generation
 
     resets = []
     monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append(1))
     monkeypatch.setattr(generation, "_frozen_stamps", generation.weakref.WeakKeyDictionary())
     model = lively_model("tiny")
-    generation._unfreeze_if_changed(model)
-    generation._unfreeze_if_changed(model)
+    generation.unfreeze_if_changed(model)
+    generation.unfreeze_if_changed(model)
     assert resets == []
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight.add_(1.0)  # in place: the same storage
-    generation._unfreeze_if_changed(model)
+    generation.unfreeze_if_changed(model)
     assert resets == [1]
-    generation._unfreeze_if_changed(model)
+    generation.unfreeze_if_changed(model)
     assert resets == [1]
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
-    generation._unfreeze_if_changed(model)
+    generation.unfreeze_if_changed(model)
     assert resets == [1, 1]
 
 

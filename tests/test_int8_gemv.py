@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from minifer import int8_gemv as G
+from minifer.fast import int8_gemv as G
 from minifer.quantization import QuantizedLinear, integer_problem, quantize_int8
 
 needs_kernel = pytest.mark.skipif(G.Int8Gemv.problem() is not None,
@@ -103,7 +103,8 @@ import json
 import torch
 import minifer as mf
 from minifer.cache import StaticKVCache
-from minifer.generation import compiled_decode, decode_step, prefill
+from minifer.fast.compiled import compiled_decode
+from minifer.generation import decode_step, prefill
 from conftest import lively_model
 model = mf.quantize(lively_model("tiny"), "int8", impl="integer")
 greedy = mf.SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)

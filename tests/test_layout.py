@@ -108,7 +108,11 @@ def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
                     source = ".".join(base + ([node.module] if node.module else []))
                 else:
                     source = node.module or ""
-                targets = [source] + [f"{source}.{a.name}" for a in node.names]
+                subs = [f"{source}.{a.name}" for a in node.names]
+                if node.module is None and all(t in paths for t in subs):
+                    targets = subs  # ``from . import x``: the submodule x, not the package
+                else:
+                    targets = [source] + subs
             else:
                 continue
             graph[mod] |= {t for t in targets if t in paths and t != mod}
@@ -176,3 +180,18 @@ def test_no_lesson_imports_a_benchmark_command():
     bad = [f"{m} imports {t}" for m, ts in graph.items() if m.startswith("minifer.lessons")
            for t in ts if t.startswith(("minifer.bench.commands", "minifer.bench.__main__"))]
     assert not bad, "\n".join(bad)
+
+
+# The core: the engine a learner reads. Its speed-ups (minifer.fast) plug in at minifer.hooks.
+CORE = sorted(p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+
+
+def test_the_core_never_imports_the_speed_up_package():
+    """The arrows run one way: `minifer.fast` imports the core and fills `minifer.hooks`; no core
+    module imports `minifer.fast` (only the package's front door, `minifer/__init__.py`, plugs
+    it in)."""
+    graph = import_graph(PACKAGE)
+    bad = [f"minifer.{m} imports {t}" for m in CORE for t in sorted(graph[f"minifer.{m}"])
+           if t == "minifer.fast" or t.startswith("minifer.fast.")]
+    assert not bad, "\n".join(bad)
+    assert "hooks" in CORE and "generation" in CORE and "threads" not in CORE

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minifer import bf16_gemv, int8_gemv, native
+from minifer.fast import bf16_gemv, int8_gemv, native
 from minifer.quantization import quantize_int8
 
 

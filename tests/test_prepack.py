@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import minifer as mf
-from minifer.prepack import PackedLinear, prepack, prepack_problem
+from minifer.fast.prepack import PackedLinear, prepack, prepack_problem
 
 pytestmark = pytest.mark.skipif(prepack_problem() is not None, reason=str(prepack_problem()))
 
@@ -87,7 +87,7 @@ def test_what_cannot_be_packed_gets_a_clear_error(tiny):
 
 def test_a_cpu_whose_onednn_cannot_pack_bf16_gets_a_clear_error(monkeypatch):
     """oneDNN packs bf16 only with AVX-512 or AVX-NE-CONVERT (not on an AVX2-only CPU)."""
-    P = importlib.import_module("minifer.prepack")  # the module (minifer.prepack is the function)
+    P = importlib.import_module("minifer.fast.prepack")
 
     def refuse(w, batch_size):
         if w.dtype == torch.bfloat16:

@@ -178,7 +178,7 @@ def test_save_load_round_trip(tmp_path, tie):
     assert torch.equal(model(ids), loaded(ids))
     if tie:
         assert loaded.lm_head.weight is loaded.transformer.wte.weight
-    # saved contiguous, loaded back into GPT's column-major layout (model.column_major_linears)
+    # saved contiguous, loaded back into the speed-ups' column-major layout (minifer.fast.layout)
     assert all(m.weight.t().is_contiguous() for m in loaded.modules()
                if isinstance(m, torch.nn.Linear))
     raw = path.read_bytes()  # safetensors, not a pickle: 8-byte header length, JSON header, data

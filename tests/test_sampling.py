@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minifer import SamplingParams, generate
+from minifer.fast.argmax import first_argmax
 from minifer.sampling import (
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
-    first_argmax,
     make_generators,
     process_logits,
     sample,

@@ -9,7 +9,7 @@ import torch
 
 import minifer as mf
 from minifer import LLMEngine, SamplingParams
-from minifer.native import build_tools_problem
+from minifer.fast.native import build_tools_problem
 from minifer.serve.engine import RequestOutput
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)

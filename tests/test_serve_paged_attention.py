@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minifer.native import build_tools_problem
+from minifer.fast.native import build_tools_problem
 from minifer.serve import paged_attention as PA
 
 # the C++ kernel needs a compiler and ninja; without them the engine falls back (tested below)

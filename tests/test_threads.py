@@ -1,4 +1,4 @@
-"""The thread policy (`minifer.threads`) and the benchmark that measures it (`bench threads`)."""
+"""The thread policy (`minifer.fast.threads`) and the benchmark that measures it (`bench threads`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from minifer import threads as T
 from minifer.bench import threads as BT
+from minifer.fast import threads as T
 
 
 @pytest.mark.parametrize("idle,cpus,expected", [(0.0, 2, 1), (0.3, 2, 1), (0.6, 2, 1),
@@ -35,8 +35,8 @@ def test_cpu_times_count_idle_within_total():
 def test_parse_threads_takes_a_count_or_auto():
     assert T.parse_threads("auto") == "auto"
     assert T.parse_threads("3") == 3
-    for bad in ("0", "-1", "two", "1.5"):
-        with pytest.raises(argparse.ArgumentTypeError, match="positive integer or 'auto'"):
+    for bad in ("0", "-1", "two", "1.5", "100000"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"'auto' or an integer in \[1, "):
             T.parse_threads(bad)
 
 
@@ -285,7 +285,7 @@ def test_generate_runs_with_the_threads_it_is_given_and_restores_torchs():
         hook.remove()
     assert one == plain and set(seen) == {1} and torch.get_num_threads() == before
     for bad in (0, -2, 1.5, "many"):
-        with pytest.raises(ValueError, match="threads must be a positive integer or 'auto'"):
+        with pytest.raises(ValueError, match=r"threads must be 'auto' or an integer in \[1, "):
             mf.generate(model, [[1, 2, 3]], greedy, threads=bad)
 
 
@@ -389,21 +389,20 @@ def test_a_compiled_step_is_not_compiled_again_when_the_governor_changes_the_cou
     once the governor has lowered the count, the steps of a shape compiled at the old count run
     eager, with the same tokens, while they have taken less time than compiling did."""
     import minifer as mf
-    from minifer import generation as G
+    from minifer.fast import compiled as C
 
     m = FakeMachine()
     monkeypatch.setattr(T, "_shared", m.governor())
-    monkeypatch.setattr(G, "_compiled_threads", type(G._compiled_threads)())
+    monkeypatch.setattr(C, "_shapes", type(C._shapes)())
     counts = []
 
     def spy_step(model, tokens, cache, slot):  # stands in for the compiled step
         if not counts:
             time.sleep(0.3)  # compiling: far longer than the few eager steps below
         counts.append(torch.get_num_threads())
-        return G._decode(model, tokens, cache, slot)
+        return C._decode(model, tokens, cache, slot)
 
-    monkeypatch.setattr(G, "_compile_step",
-                        lambda model, compile, cache: spy_step if compile else None)
+    monkeypatch.setattr(C, "compiled_decode", lambda model, mode=None: spy_step)
     model = mf.GPT.from_config("tiny")
     greedy = mf.SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
     seen = []
@@ -430,9 +429,9 @@ def test_a_compiled_step_is_not_compiled_again_when_the_governor_changes_the_cou
 
 
 def test_a_new_count_gets_its_compiled_graph_once_eager_steps_have_cost_a_compile():
-    from minifer.generation import _ShapeThreads
+    from minifer.fast.compiled import ShapeThreads
 
-    shape = _ShapeThreads()
+    shape = ShapeThreads()
     assert shape.compiled(2)  # the first count compiles
     shape.ran(2, True, 10.0)  # ... and that took 10 s
     assert shape.compiled(2)
@@ -445,3 +444,19 @@ def test_a_new_count_gets_its_compiled_graph_once_eager_steps_have_cost_a_compil
     shape.ran(1, False, 3.0)
     assert shape.compiled(1) and shape.counts == {1, 2}  # 12 s >= 10 s: compile for it now
     assert shape.compiled(2)  # and the old count keeps its graph
+
+
+@pytest.mark.parametrize("threads", [0, -1, 10**5, 2.5, True, "many"])
+def test_generate_refuses_a_thread_count_out_of_range_before_any_work(threads):
+    """threads=100_000 crashed torch (a segfault), 10,000 took seconds a token: the count is
+    bounded by `checks.max_threads` (four per core) with an error naming the parameter."""
+    import minifer as mf
+    from minifer.checks import max_threads
+
+    model = mf.GPT.from_config("tiny")
+    params = mf.SamplingParams(temperature=0, max_new_tokens=2)
+    for fn in (mf.generate, lambda *a, **k: mf.speculative_generate(model, model, *a[1:], **k)):
+        with pytest.raises(ValueError, match=rf"threads must be 'auto' or an integer in \[1, "
+                                             rf"{max_threads()}\]"):
+            fn(model, [[1, 2]], params, threads=threads)
+    assert mf.generate(model, [[1, 2]], params, threads=max_threads())[0].token_ids

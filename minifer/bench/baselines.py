@@ -143,7 +143,7 @@ class MinifierDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, *, compile: bool = False) -> None:
-        from ..generation import compiled_decode
+        from ..fast.compiled import compiled_decode
 
         self.model = model
         self.step = compiled_decode(model) if compile else None

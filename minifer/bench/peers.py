@@ -26,7 +26,7 @@ size:
 Precisions:
 
 minifer runs as it is and, where oneDNN is present, with its linear weights prepacked
-(`minifer.prepack`, fp32 and bf16: what the peers do with their weights at load). Its engines
+(`minifer.fast.prepack`, fp32 and bf16: what the peers do with their weights at load). Its engines
 call `generate` with its default thread policy: ``--threads`` is a ceiling, lowered between
 steps while other programs hold cores (``--auto-threads`` adds each with ``threads="auto"``);
 the peers keep ``--threads`` fixed, as they are built to.
@@ -381,7 +381,7 @@ def engine_specs(precision: str, peers: tuple[str, ...], compiled: bool = False,
                  auto_threads: bool = False) -> list[EngineSpec]:
     """The engines a run times for `precision`: minifer's variants (with `auto_threads`, each
     also with ``generate(..., threads="auto")``), then the peers."""
-    from ..prepack import prepack_problem
+    from ..fast.prepack import prepack_problem
     from ..quantization import integer_problem
 
     if precision not in PRECISIONS:
@@ -429,7 +429,7 @@ def build_engine(spec: EngineSpec, model: torch.nn.Module, threads: int | None, 
                  _models: dict | None = None):
     """`spec` built here, on `model`'s weights. A peer that does not offer the precision on this
     CPU raises ValueError. `_models` shares minifer's quantized copies between specs."""
-    from ..prepack import prepack
+    from ..fast.prepack import prepack
 
     if spec.kind == "ctranslate2":
         return CTranslate2Engine(model, _CT2_TYPES[spec.precision], threads, folder)

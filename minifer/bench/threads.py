@@ -3,7 +3,7 @@
 
 Each *trial* is a fresh Python process (the wait policy, ``OMP_WAIT_POLICY``, is read once when
 torch's OpenMP runtime starts, so it cannot change inside one process). It builds the same
-seeded model, sets its thread count (`minifer.threads.apply_threads`: a number, or ``auto``:
+seeded model, sets its thread count (`minifer.fast.threads.apply_threads`: a number, or ``auto``:
 the cores idle right now) and holds it fixed (``generate(..., threads=n)``), or, for
 ``threads="governed"``, starts at every core and lets `generate`'s default governor lower the
 count between steps while other programs hold cores; then it warms up, and times greedy generations of 1 and of ``new_tokens``
@@ -62,7 +62,7 @@ from minifer.bench.common import random_ids
 from minifer.generation import generate
 from minifer.model import GPT
 from minifer.sampling import SamplingParams
-from minifer.threads import apply_threads
+from minifer.fast.threads import apply_threads
 a = json.loads(sys.argv[1])
 governed = a["threads"] == "governed"
 threads = apply_threads(None if governed else a["threads"])

@@ -26,7 +26,8 @@ import torch
 
 from ..cache import StaticKVCache
 from ..config import GPTConfig
-from ..generation import compiled_decode, decode_step, prefill
+from ..fast.compiled import compiled_decode
+from ..generation import decode_step, prefill
 from ..model import GPT
 
 

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _threads(value: str) -> int | str:
-    from ..threads import parse_threads  # imports torch: only when the option is given
+    from ..fast.threads import parse_threads  # imports torch: only when the option is given
 
     return parse_threads(value)
 

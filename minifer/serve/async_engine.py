@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checks import check_int
-from ..threads import ThreadGovernor, apply_threads
+from ..fast.threads import ThreadGovernor, apply_threads
 from .errors import APIError
 
 __all__ = ["AsyncEngine", "RequestHandle", "engine_stats", "engine_max_model_len",
@@ -117,7 +117,7 @@ class AsyncEngine:
     `on_step()` after every step (metrics). `threads`: torch's CPU threads for the steps — None
     leaves torch's choice, a number sets it when the loop starts, ``"auto"`` keeps it at the
     cores other programs leave free, looked at again between steps
-    (`minifer.threads.ThreadGovernor`).
+    (`minifer.fast.threads.ThreadGovernor`).
     """
 
     id_prefix = "srv-"  # request ids are id_prefix + a count (`EngineReplicas` sets one each)

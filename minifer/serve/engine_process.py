@@ -250,7 +250,7 @@ class EngineProcess(AsyncEngine):
 
 def engine_main(conn, model, tokenizer, options: dict, threads) -> None:
     """The engine process: build the engine, then take commands and step until told to stop."""
-    from ..threads import ThreadGovernor, apply_threads
+    from ..fast.threads import ThreadGovernor, apply_threads
     from .engine import LLMEngine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops us

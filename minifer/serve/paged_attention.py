@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..native import build, build_name, reason, vector_isa
+from ..fast.native import build, build_name, reason, vector_isa
 
 __all__ = ["paged_decode_attention", "PagedDecodeKernel", "KERNEL"]
 

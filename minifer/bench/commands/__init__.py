@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from ...threads import apply_threads, parse_threads
+from ...fast.threads import apply_threads, parse_threads
 from ..common import busy_warning
 
 

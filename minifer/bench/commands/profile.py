@@ -8,8 +8,8 @@ import sys
 
 import torch
 
+from ...fast.threads import apply_threads, parse_threads
 from ...model import GPT
-from ...threads import apply_threads, parse_threads
 from ..profile import DTYPES, ENGINES, format_summary, profile_decode
 
 

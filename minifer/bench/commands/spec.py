@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ...threads import apply_threads, parse_threads
+from ...fast.threads import apply_threads, parse_threads
 from ..spec import PROMPT, format_report, run
 
 

@@ -28,15 +28,16 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from .checks import check_int
+from ..checks import check_threads
 
 __all__ = ["cpu_times", "run_queue_wait", "idle_cpus", "auto_threads", "apply_threads",
-           "parse_threads", "ThreadGovernor", "shared_governor", "StepPolicy", "thread_policy"]
+           "parse_threads", "ThreadGovernor", "shared_governor", "StepPolicy", "thread_policy",
+           "generation_threads"]
 
 
 def cpu_times() -> tuple[float, float] | None:
@@ -84,17 +85,16 @@ def auto_threads(idle: float | None = None, cpus: int | None = None) -> int:
 
 
 def parse_threads(value: str) -> int | str:
-    """A ``--threads`` option's value: a positive integer or ``auto`` (for argparse's `type=`)."""
-    if value == "auto":
-        return value
+    """A ``--threads`` option's value: ``auto`` or an integer up to `checks.max_threads` (for
+    argparse's `type=`)."""
     try:
-        n = int(value)
+        value = int(value)
     except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(
-            f"threads must be a positive integer or 'auto', got {value!r}")
-    return n
+        pass  # "auto", or a word check_threads names in its error
+    try:
+        return check_threads(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def apply_threads(threads: int | str | None) -> int:
@@ -103,7 +103,7 @@ def apply_threads(threads: int | str | None) -> int:
     if threads == "auto":
         threads = auto_threads()
     if threads is not None:
-        check_int("threads", threads, 1)
+        check_threads(threads)
         torch.set_num_threads(threads)
     return torch.get_num_threads()
 
@@ -313,16 +313,10 @@ def shared_governor() -> ThreadGovernor:
 
 
 class StepPolicy:
-    """What `thread_policy` yields: `between_steps()` for the loop to call before every step,
-    and whether a governor moves the count (`governed`: a compiled step must then expect new
-    counts, see `generation._ShapeThreads`)."""
+    """What `thread_policy` yields: `between_steps()` for the loop to call before every step."""
 
     def __init__(self, governor: ThreadGovernor | None, ceiling: int | None) -> None:
         self.governor, self.ceiling = governor, ceiling
-
-    @property
-    def governed(self) -> bool:
-        return self.governor is not None
 
     def between_steps(self) -> None:
         if self.governor is not None:
@@ -345,7 +339,7 @@ def thread_policy(threads: int | str | None, device: torch.device | str = "cpu"
     if threads == "auto":
         governor = shared_governor()
     elif threads is not None:
-        threads = check_int("threads", threads, 1, allowed="be a positive integer or 'auto'")
+        threads = check_threads(threads)
         restore = torch.get_num_threads()
         torch.set_num_threads(threads)
     elif torch.device(device).type == "cpu":
@@ -362,3 +356,12 @@ def thread_policy(threads: int | str | None, device: torch.device | str = "cpu"
             governor.pause()  # the steps since its last reading count (a short call has no other)
         if restore is not None:
             torch.set_num_threads(restore)
+
+
+@contextlib.contextmanager
+def generation_threads(threads: int | str | None, device: torch.device | str = "cpu"
+                       ) -> Iterator[Callable[[], None]]:
+    """The `minifer.hooks.generation_threads` of the speed-up package: `thread_policy`, whose
+    `between_steps` the loop calls before every step."""
+    with thread_policy(threads, device) as policy:
+        yield policy.between_steps

@@ -24,7 +24,7 @@ import torch
 
 from .native import NativeKernel
 
-__all__ = ["w8a8_reference", "w8a8_int_mm", "Int8Gemv", "GEMV", "quantize_rows"]
+__all__ = ["w8a8_reference", "w8a8_int_mm", "Int8Gemv", "GEMV", "quantize_rows", "int8_matmul"]
 
 SOURCE = Path(__file__).with_name("csrc") / "int8_gemv.cpp"
 VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
@@ -106,3 +106,15 @@ class Int8Gemv(NativeKernel):
 
 
 GEMV = Int8Gemv()  # one per process: every layer shares its build
+
+
+def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, rowsum: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The `minifer.hooks.int8_matmul` of the speed-up package: one row on the VNNI kernel
+    where there is one, and `w8a8_int_mm` inside a compiled step; None leaves the rest to the
+    quantized engine."""
+    if x.shape[0] == 1 and GEMV.available():
+        return GEMV(x, w, scales, rowsum, bias)
+    if torch.compiler.is_compiling():
+        return w8a8_int_mm(x, w, scales, bias)
+    return None

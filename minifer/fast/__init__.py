@@ -1,0 +1,67 @@
+"""How minifer runs fast on a CPU: every speed-up, each beside the reference it must equal.
+
+The core (`minifer.model`, `generation`, `sampling`, ...) is the readable engine; it calls the
+plain functions of one seam, `minifer.hooks`. This package fills that seam with faster versions
+(`install`, which ``import minifer`` runs) and holds the speed-ups a user asks for by name:
+
+| speed-up | reference it equals | plugs in at |
+|---|---|---|
+| `threads`: the thread governor (fewer threads while other programs hold cores) | torch's thread count as set | `hooks.generation_threads` |
+| `compiled`: the decode step compiled by `torch.compile` (frozen weights on a CPU) | the eager `GPT.decode` | `hooks.decode_function` (``compile=True``) |
+| `argmax`: the greedy argmax in chunks | ``logits.argmax(-1)`` | `hooks.argmax` |
+| `layout`: column-major linear weights | torch's row-major layout | `hooks.lay_out_weights` |
+| `prepack`: linear weights prepacked for oneDNN | `F.linear` | `minifer.prepack(model)` |
+| `int8_gemv`: minifer's AVX512-VNNI kernel for one int8 row | `int8_gemv.w8a8_reference` | `hooks.int8_matmul` (W8A8 layers) |
+| `bf16_gemv`: minifer's AVX512-BF16 kernel for one bf16 row | `bf16_gemv.bf16_reference` | prepacked bf16 layers |
+| `native`: the C++ build of those kernels | | |
+
+With the speed-ups off (``with minifer.fast.disabled():``, or ``MINIFER_SPEEDUPS=0`` in the
+environment before ``import minifer``) everything works the same way, with the same greedy
+tokens (tests/test_fast.py), only slower. The defaults are measured choices: BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from .. import hooks
+from .argmax import first_argmax
+from .compiled import decode_function
+from .int8_gemv import int8_matmul
+from .layout import column_major_linears
+from .threads import generation_threads
+
+__all__ = ["install", "disabled", "installed"]
+
+SEAM = ("argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights")
+_PLAIN = {name: getattr(hooks, name) for name in SEAM}
+_FAST = {"argmax": first_argmax, "decode_function": decode_function,
+         "generation_threads": generation_threads, "int8_matmul": int8_matmul,
+         "lay_out_weights": column_major_linears}
+
+
+def install() -> None:
+    """Put the speed-ups into `minifer.hooks` (unless ``MINIFER_SPEEDUPS=0``)."""
+    if os.environ.get("MINIFER_SPEEDUPS", "1") != "0":
+        for name, fn in _FAST.items():
+            setattr(hooks, name, fn)
+
+
+def installed() -> bool:
+    """Whether the seam holds the speed-ups now."""
+    return all(getattr(hooks, name) is fn for name, fn in _FAST.items())
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the core's plain reference path inside the block; the seam is restored after."""
+    before = {name: getattr(hooks, name) for name in SEAM}
+    for name, fn in _PLAIN.items():
+        setattr(hooks, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in before.items():
+            setattr(hooks, name, fn)

@@ -1,0 +1,185 @@
+"""The decode step compiled by `torch.compile`, and when to compile it again.
+
+Reference: the eager `GPT.decode` step, which `minifer.hooks.decode_function` leaves in place;
+``generate(..., compile=True)`` runs this instead. fp32 greedy tokens are identical to eager
+(tests/test_fast_decode.py). The step is the fixed-shape `GPT.decode`: it attends over the whole
+preallocated cache through a mask, so every tensor has the same shape at every step and torch
+compiles one graph per batch size and cache length (``fullgraph=True``: a graph break is an
+error, not a silent slow path). On CUDA the default mode is ``"reduce-overhead"``: the step is
+captured as a CUDA graph and replayed with one launch.
+
+On a CPU the default also **freezes** the weights (inductor's ``freezing``): they become
+constants of the graph, each linear weight prepacked into oneDNN's (bf16: AMX where present) or
+MKL's (fp32) blocked layout, with fused C++ kernels for everything between the matmuls (it needs
+a C++ compiler). Frozen weights are a copy, so the step is compiled again when a model's
+weights have changed (`unfreeze_if_changed`).
+
+torch compiles again for every thread count it meets (its guards include the count), which
+takes seconds. So when the thread governor (`minifer.fast.threads`) moves to a count a shape has
+no graph for, that shape's steps run eager until they have taken as long as compiling it did the
+first time, and only then is it compiled for the new count (`ShapeThreads`).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["COMPILE_MODES", "compiled_decode", "decode_function", "ShapeThreads"]
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# graphs torch.compile keeps per step function: one per batch size, cache length and thread
+# count (and model, where weights are frozen); torch's default of 8 is too few.
+RECOMPILE_LIMIT = 256
+
+_compiled: dict[tuple[str, bool], Callable] = {}
+_frozen_stamps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> weights stamp
+_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {shape: ShapeThreads}
+
+
+def _decode(model, tokens, cache, slot):
+    return model(tokens, cache=cache, slot=slot)
+
+
+def _decode_frozen(model, tokens, cache, slot):  # its own code object: its own compiled graphs
+    return model(tokens, cache=cache, slot=slot)
+
+
+class FrozenStep:
+    """A compiled step whose graphs inductor compiles with ``freezing`` on. The setting is read
+    while a call compiles (``torch.compile(options=...)`` does not reach it), so it is switched
+    on around each call; other code this process compiles is left as it was."""
+
+    def __init__(self) -> None:
+        self.step = torch.compile(_decode_frozen, fullgraph=True, dynamic=False)
+
+    def __call__(self, model, tokens, cache, slot):
+        config = torch._inductor.config  # set and restored by hand: config.patch is slower
+        before, config.freezing = config.freezing, True
+        try:
+            return self.step(model, tokens, cache, slot)
+        finally:
+            config.freezing = before
+
+
+def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> Callable:
+    """`GPT.decode` compiled, called as ``step(model, tokens, cache, slot)``.
+
+    `mode` None: ``"reduce-overhead"`` (CUDA graphs) on CUDA, inductor's frozen default on a
+    CPU. Compiled once per process and mode.
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
+    cpu = next(model.parameters()).device.type == "cpu"
+    if mode is None:
+        mode = "default" if cpu else "reduce-overhead"
+    freeze = cpu and mode == "default"
+    if (mode, freeze) not in _compiled:
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+        _compiled[mode, freeze] = (FrozenStep() if freeze else CompiledStep(torch.compile(
+            _decode, mode=mode, fullgraph=True, dynamic=False)))
+    return _compiled[mode, freeze]
+
+
+class CompiledStep:
+    """A compiled step; on CUDA it tells torch before each call that the last step's outputs
+    have been used, so a CUDA graph may write over them."""
+
+    def __init__(self, step: Callable) -> None:
+        self.step = step
+
+    def __call__(self, model, tokens, cache, slot):
+        if slot.is_cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.step(model, tokens, cache, slot)
+
+
+def unfreeze_if_changed(model: torch.nn.Module) -> None:
+    """Frozen steps hold a copy of the weights, and torch's guards do not see a weight changed
+    in place (a fine-tuning step, `load_state_dict`): if `model`'s weights changed since a
+    frozen step last ran it, every compiled step is dropped and compiled again on next use."""
+    stamp = tuple((t.data_ptr(), t._version) for t in [*model.parameters(), *model.buffers()])
+    before = _frozen_stamps.get(model)
+    if before is not None and before != stamp:
+        torch.compiler.reset()
+        _frozen_stamps.clear()
+        _shapes.clear()
+    _frozen_stamps[model] = stamp
+
+
+class ShapeThreads:
+    """The thread counts one compiled shape has graphs for, and when to compile another.
+
+    At a count with no graph, steps run eager (the same tokens in fp32) until the time spent
+    eager at that count equals what compiling the shape took the first time; then it compiles
+    for that count too. A stall no longer than the time already spent: at most twice the cost
+    of the better choice in hindsight, whether the new count lasts a few steps or for good
+    (the ski-rental rule)."""
+
+    def __init__(self) -> None:
+        self.counts: set[int] = set()
+        self.compile_s: float | None = None  # the first compiled call: compiling and one step
+        self.eager_s: dict[int, float] = {}
+
+    def compiled(self, threads: int) -> bool:
+        """Run the compiled step at `threads` (compiling for it if new)?"""
+        if not self.counts or threads in self.counts:
+            self.counts.add(threads)
+            return True
+        if self.compile_s is not None and self.eager_s.get(threads, 0.0) >= self.compile_s:
+            self.counts.add(threads)
+            return True
+        return False
+
+    def ran(self, threads: int, compiled: bool, seconds: float) -> None:
+        if compiled:
+            if self.compile_s is None:
+                self.compile_s = seconds
+        else:
+            self.eager_s[threads] = self.eager_s.get(threads, 0.0) + seconds
+
+
+class ThreadAwareStep:
+    """A compiled step for one cache shape that runs eager at thread counts it has no graph for
+    yet (`ShapeThreads`)."""
+
+    def __init__(self, step: Callable, shape: ShapeThreads) -> None:
+        self.step, self.shape = step, shape
+
+    def __call__(self, model, tokens, cache, slot):
+        count = torch.get_num_threads()
+        compiled = self.shape.compiled(count)
+        t0 = time.perf_counter()
+        if not compiled:  # the eager step, reading the filled slots only
+            logits = model(tokens, cache=cache, slot=slot, kv_len=cache.pos + 1)
+        else:
+            logits = self.step(model, tokens, cache, slot)
+        self.shape.ran(count, compiled, time.perf_counter() - t0)
+        return logits
+
+
+def decode_function(model: torch.nn.Module, cache, compile: bool | str) -> Callable | None:
+    """The `minifer.hooks.decode_function` of the speed-up package: the compiled step for
+    ``compile=True`` (or a `torch.compile` mode name), None (eager) for False."""
+    if compile is False or compile is None:
+        return None
+    if compile is not True and not isinstance(compile, str):
+        raise ValueError(f"compile must be True, False or a torch.compile mode "
+                         f"{COMPILE_MODES[1:]}, got {compile!r}")
+    if not hasattr(model, "decode"):
+        raise ValueError(f"compile=True needs a model with the fixed-shape step GPT.decode, got "
+                         f"{type(model).__name__}")
+    step = compiled_decode(model, None if compile is True else compile)
+    if isinstance(step, FrozenStep):
+        unfreeze_if_changed(model)
+    if cache.slot.is_cuda:  # CUDA graphs may write the cache in place only at fixed addresses
+        for t in cache.k + cache.v + (cache.k_scale + cache.v_scale if cache.quantized else []):
+            torch._dynamo.mark_static_address(t)
+    shapes = _shapes.setdefault(model, {})
+    key = (compile, cache.batch_size, cache.max_len, cache.k[0].dtype)
+    return ThreadAwareStep(step, shapes.setdefault(key, ShapeThreads()))

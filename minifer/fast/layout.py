@@ -1,0 +1,27 @@
+"""Column-major linear weights: the same model, a layout torch's CPU GEMM is faster at.
+
+Reference: torch's default layout, which `minifer.hooks.lay_out_weights` leaves in place.
+`F.linear` multiplies by the weight's transpose; stored column-major (still shaped
+``(out, in)``, laid out as its transpose ``(in, out)`` row-major) that transpose is a plain
+row-major matrix, the case torch's CPU GEMM is fastest at (BENCHMARKS.md has the measurements).
+The math is the same; only the order of the sums inside the GEMM changes, so fp32 logits agree
+to rounding and greedy tokens are identical (tests/test_fast.py). A tied output layer is the
+token embedding too: a lookup then reads a strided column. Parameters keep their layout through
+`load_state_dict`, `.to()` and `deepcopy`; checkpoints are saved contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+__all__ = ["column_major_linears"]
+
+
+def column_major_linears(module: nn.Module) -> nn.Module:
+    """Store every linear weight of `module` column-major, in place, with no second copy."""
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.Linear) and m.weight.dim() == 2:
+                m.weight.data = m.weight.data.t().contiguous().t()
+    return module

@@ -1,0 +1,67 @@
+"""The one seam where speed-ups plug into the core.
+
+The core calls the functions below at the few places where a faster way exists: the greedy
+argmax, the decode step, the thread count around a generation call, a W8A8 layer's product,
+and the layout of a new model's weights. Here each is the plain reference. `minifer.fast.install()`, which ``import
+minifer`` runs, puts the speed-up package's versions in their place; each is tested equal to
+the one it replaces. `minifer.fast.disabled()` puts these back. The results are the same either
+way (greedy tokens identical, tested): only the speed differs.
+
+The arrows run one way: `minifer.fast` imports the core and fills this seam; no core module
+imports `minifer.fast` (tests/test_layout.py checks it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .checks import check_threads
+
+__all__ = ["argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights"]
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token of each row of ``(B, V)`` logits: the first index of its maximum."""
+    return logits.argmax(dim=-1)  # (B,)
+
+
+def decode_function(model: torch.nn.Module, cache, compile: bool | str) -> Callable | None:
+    """The decode step a generation call runs: None runs `GPT.decode` eagerly.
+
+    (`minifer.fast` returns a compiled step when ``compile`` asks for one.)
+    """
+    return None
+
+
+@contextlib.contextmanager
+def generation_threads(threads: int | str | None, device: torch.device | str
+                       ) -> Iterator[Callable[[], None]]:
+    """Around one generation call: torch's CPU thread count, and a hook to call between steps.
+
+    Plain: an integer fixes torch's count for the call (restored after it); None or ``"auto"``
+    leave it as it is. (`minifer.fast` lowers the count while other programs hold cores.)
+    """
+    check_threads(threads)
+    restore = None
+    if isinstance(threads, int):
+        restore = torch.get_num_threads()
+        torch.set_num_threads(threads)
+    try:
+        yield lambda: None
+    finally:
+        if restore is not None:
+            torch.set_num_threads(restore)
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                rowsum: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A W8A8 layer's product ``x`` [M, K] by its int8 weight, or None: the layer then runs it
+    in torch's quantized engine. (`minifer.fast.int8_gemv` runs one row on its own kernel.)"""
+    return None
+
+
+def lay_out_weights(model: torch.nn.Module) -> None:
+    """Called by a new `GPT` on itself: the weights stay in torch's default layout."""
