@@ -121,6 +121,14 @@ def _is_int8(dtype) -> bool:
     return dtype in ("int8", torch.int8)
 
 
+def check_kv_dtype(kv_dtype, model_dtype: torch.dtype) -> None:
+    """A ValueError unless a model of `model_dtype` can attend over a cache of `kv_dtype`: None
+    or the model's own float dtype (attention reads K/V in it), or 'int8' (dequantized to it)."""
+    if kv_dtype is not None and not _is_int8(kv_dtype) and kv_dtype != model_dtype:
+        raise ValueError(f"kv_dtype (the KV cache's dtype) must be None or {model_dtype} (the "
+                         f"model's) or 'int8', got {kv_dtype!r}")
+
+
 class StaticKVCache:
     """Preallocated per-layer K/V tensors ``[batch, kv_heads, max_len, head_dim]`` written in place.
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from . import hooks
-from .cache import KVCache, StaticKVCache
+from .cache import KVCache, StaticKVCache, check_kv_dtype
 from .checks import check_threads
 from .device import sync
 from .sampling import BatchSampler, SamplingParams
@@ -130,6 +130,7 @@ def new_cache(model: torch.nn.Module, batch: Batch, cache: StaticKVCache | None,
     share one compiled graph)."""
     B, slots = batch.ids.shape[0], batch.ids.shape[1] - 1  # the last token is never fed back
     if cache is None:
+        check_kv_dtype(kv_dtype, next(p for p in model.parameters() if p.is_floating_point()).dtype)
         if compile:
             slots = min(-(-slots // 64) * 64, model.config.context_length)
         cache = StaticKVCache.for_model(model, B, slots, dtype=kv_dtype, device=batch.ids.device)

@@ -179,6 +179,10 @@ def load_checkpoint(
     Every tensor the config implies must be in the file with the right shape; anything
     missing, extra or mis-shaped is a ValueError that names the tensor.
     """
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be a float torch dtype such as torch.bfloat16, got "
+                         f"{dtype!r} (for int8/int4 weights, load in float and call "
+                         f"minifer.quantize(model, 'int8'))")
     device = None if device is None else as_device(device)
     path = Path(path)
     info = read_checkpoint_info(path)

@@ -176,3 +176,15 @@ def test_every_cache_keeps_the_written_contract(tiny):
     assert not isinstance(object(), KVCache)
     hints = typing.get_type_hints(GPT.forward)
     assert KVCache in typing.get_args(hints["cache"])
+
+
+def test_a_float_kv_dtype_other_than_the_models_is_a_clear_error():
+    """kv_dtype=torch.float16 on an fp32 model used to fail inside SDPA (q and k dtypes)."""
+    import minifer as mf
+
+    model = mf.GPT.from_config("tiny")
+    params = mf.SamplingParams(temperature=0, max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"kv_dtype .* must be None or torch.float32"):
+        mf.generate(model, [[1, 2, 3]], params, kv_dtype=torch.float16)
+    for ok in (None, torch.float32, "int8"):
+        assert len(mf.generate(model, [[1, 2, 3]], params, kv_dtype=ok)[0].token_ids) == 3

@@ -271,3 +271,10 @@ def test_target_is_clearly_better_than_its_draft():
             for n in ("shakespeare", "shakespeare-draft")}
     gap = meta["shakespeare-draft"]["val_nats_per_char"] - meta["shakespeare"]["val_nats_per_char"]
     assert gap >= 0.1, f"target only {gap:.3f} nats/char better than the draft"
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, "bf16"])
+def test_load_pretrained_refuses_a_dtype_that_is_not_a_float_dtype(dtype):
+    """torch.int8 used to fail inside nn.Module.to with torch's own error."""
+    with pytest.raises(ValueError, match=r"dtype must be a float torch dtype .*quantize"):
+        load_pretrained("shakespeare", dtype=dtype)
