@@ -157,7 +157,7 @@ class StaticKVCache:
         for name, value in (("n_layer", n_layer), ("batch_size", batch_size),
                             ("n_kv_head", n_kv_head), ("head_dim", head_dim), ("max_len", max_len)):
             check_int(f"StaticKVCache {name}", value, 1)
-        device = as_device(device)
+        device = device if isinstance(device, torch.device) else as_device(device)
         shape = (batch_size, n_kv_head, max_len, head_dim)
         self.quantized = _is_int8(dtype)
         if self.quantized:  # int8 values + one scale per (row, head, token): K ≈ k_q * k_scale

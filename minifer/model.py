@@ -219,20 +219,12 @@ class GPT(nn.Module):
         slot: torch.Tensor | None = None,
         kv_len: int | None = None,
     ) -> torch.Tensor:
-        """Logits for token ids `idx` ``(B, T)``.
+        """Logits ``(B, T, vocab)`` for token ids `idx` ``(B, T)`` (``(B, 1, vocab)`` with
+        `last_only`, all a prefill needs).
 
-        - `cache`: write the new K/V at slots ``cache.pos..`` and attend over all cached slots;
-          left padding is taken from ``cache.start``.
-        - `start`: without a cache, per-row count of left-padding tokens (None = no padding).
-        - `last_only`: compute logits for the last position only (all prefill needs).
-
-        Token ids outside ``[0, vocab_size)`` are a ValueError. The check is one min/max
-        reduction; on a GPU it costs a host sync, so there it runs only for calls that start a
-        sequence (no cache or an empty one): decode steps and speculative verification feed
-        tokens the engine produced itself, and never wait for it (see `_checks_ids`).
-
-        `slot` (with `cache`, optionally `kv_len`) runs the lean decode step `decode` instead:
-        unchecked, returns ``(B, vocab)``. A packed cache (`minifer.cache.PackedKVCache`) runs
+        `cache`: write the new K/V at slots ``cache.pos..`` and attend over every cached slot
+        (left padding from ``cache.start``). `start`: without a cache, each row's count of
+        left-padding tokens. `slot` runs the lean `decode` step instead; a packed cache runs
         `forward_packed`. Going through ``model(...)`` keeps forward hooks working.
         """
         if slot is not None:
@@ -243,37 +235,27 @@ class GPT(nn.Module):
         B, T = idx.shape
         offset = 0 if cache is None else cache.pos
         if cache is not None:
-            start, padded = cache.start, cache.padded
-        else:
-            padded = start is not None
-        x = self.blocks(idx, _inputs(idx.device, B, T, offset, start if padded else None, cache))
+            start = cache.start if cache.padded else None
+        x = self.blocks(idx, _inputs(idx.device, B, T, offset, start, cache))  # (B, T, C)
         if cache is not None:
             cache.advance(T)
         if last_only:
-            x = x[:, -1:, :]
+            x = x[:, -1:, :]  # (B, 1, C)
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
 
     def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
-        """A ValueError for token ids `idx` the model cannot take: not ``(B, T)`` integers,
-        empty, outside the vocabulary, past the context window, or not fitting `cache`.
-
-        The vocabulary check is one min/max reduction; on a GPU it costs a host sync, so there
-        it runs only for calls that start a sequence (see `_checks_ids`)."""
-        if idx.dim() != 2:
-            raise ValueError(f"idx must have shape (batch, tokens), got {tuple(idx.shape)}")
-        if idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"idx must hold integer token ids (int64/int32), got {idx.dtype}")
+        """A ValueError for token ids the model cannot take: not ``(B, T)`` integers, empty,
+        outside the vocabulary, past the context window, or not fitting `cache`."""
+        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32) or 0 in idx.shape:
+            raise ValueError(f"idx must be a non-empty (batch, tokens) tensor of int64/int32 "
+                             f"token ids, got {idx.dtype} of shape {tuple(idx.shape)}")
         B, T = idx.shape
-        if B == 0 or T == 0:
-            raise ValueError(f"idx is empty (shape {tuple(idx.shape)}): give at least one token "
-                             f"per row")
-        if _checks_ids(idx.device.type, cache is None or cache.pos == 0):
+        V, offset = self.config.vocab_size, 0 if cache is None else cache.pos
+        if _checks_ids(idx.device.type, offset == 0):
             lo, hi = (t.item() for t in torch.aminmax(idx))  # one reduction (~5 µs on a CPU)
-            V = self.config.vocab_size
             if lo < 0 or hi >= V:
                 raise ValueError(f"idx must hold token ids in [0, {V}) (the vocabulary), "
                                  f"got {lo if lo < 0 else hi}")
-        offset = 0 if cache is None else cache.pos
         if offset + T > self.config.context_length:
             raise ValueError(f"sequence of {offset + T} tokens exceeds the context window "
                              f"({self.config.context_length})")
@@ -308,21 +290,12 @@ class GPT(nn.Module):
 
     def decode(self, tokens: torch.Tensor, cache: StaticKVCache, slot: torch.Tensor,
                kv_len: int | None = None) -> torch.Tensor:
-        """The lean decode step: logits ``(B, vocab)`` for one new token per row.
+        """The lean decode step: logits ``(B, vocab)`` for one new token per row ``(B, 1)``.
 
-        `tokens` ``(B, 1)``; `slot` a one-element long tensor holding ``cache.pos`` (usually
-        ``cache.slot``). Each layer writes the new K/V at `slot` and attends over the first
-        `kv_len` cache slots; row b sees slots ``start[b]..slot``. It checks nothing and does
-        not move ``cache.pos``: call it through `minifer.decode_step`, which does both (as
-        ``model(tokens, cache=cache, slot=..., kv_len=...)``, so forward hooks see it).
-
-        - ``kv_len=None``, the **fixed-shape** step: attention reads all ``cache.max_len`` slots
-          through a mask built from `slot`, so every shape is the same at every step and
-          nothing reads a Python number that changes: the step can be compiled and captured
-          (a CUDA graph). Size the cache to the request (as `generate` does), since every slot
-          is read.
-        - ``kv_len=cache.pos + 1``, the eager step: only the filled slots are read, and without
-          left padding no mask is needed at all.
+        Each layer writes the new K/V at `slot` (a one-element tensor holding ``cache.pos``)
+        and attends over the first `kv_len` cache slots, or over all of them through a mask
+        when `kv_len` is None (the fixed-shape step). It checks nothing and does not move
+        ``cache.pos``: call it through `minifer.decode_step`, which does both.
         """
         x = self.blocks(tokens, _decode_inputs(cache, slot, kv_len, self.transformer.wte.weight))
         return self.lm_head(self.transformer.ln_f(x))[:, 0]  # (B, vocab)
@@ -337,17 +310,10 @@ class GPT(nn.Module):
 
 
 def _checks_ids(device_type: str, fresh: bool) -> bool:
-    """Whether `GPT.forward` range-checks the token ids of a call.
-
-    Always on the CPU (a reduction over B×T ints, ~5 µs, no sync). On accelerators reading the
-    result back makes the host wait for the device, so only calls that start a sequence are
-    checked (`fresh`: no cache, or an empty one — a prefill, or a recompute); tokens appended to
-    a cache later (decode steps, speculative verification) come from the engine's own sampling
-    or drafter, which produce only valid ids.
-    """
-    if device_type == "meta":  # shapes only, no values to check
-        return False
-    return device_type == "cpu" or fresh
+    """Whether `GPT.check_input` range-checks token ids: always on the CPU; on an accelerator,
+    where reading the result back makes the host wait, only for calls that start a sequence
+    (later tokens come from the engine's own sampling or drafter)."""
+    return device_type == "cpu" or (fresh and device_type != "meta")
 
 
 def _check_hf_options(hc, dtype: torch.dtype) -> None:

@@ -6,8 +6,8 @@ the time to move the weights (claim PD-9). Storing them in fewer bits moves fewe
 * ``"fp32"``, ``"bf16"``, ``"fp16"``: the whole model cast to that float type (QUANT-5).
 * ``"int8"``: symmetric, one scale per output channel (row):
   ``w[n, k] ≈ q[n, k] * scale[n]`` with ``q`` in [-127, 127] (QUANT-1). Run weight-only, or
-  with the activations quantized too (``impl="integer"``); the default picks the faster of the
-  two for each layer shape on this machine (`int8_choice`).
+  with the activations quantized too (``impl="integer"``); the default takes W8A8 where the
+  CPU has int8 dot-product instructions, weight-only elsewhere (`int8_choice`).
 * ``"int4"``: weight-only, asymmetric, one scale and one zero per group of ``group_size`` inputs
   of a row: ``w ≈ (q - 8) * scale + zero`` with ``q`` in [0, 15], packed two per byte
   (the convention of torch's int4 kernels and gpt-fast).
@@ -28,19 +28,16 @@ Each quantized layer runs one of three paths, tested against each other:
   take bf16 activations, so this path rounds the layer's input to bf16 and its output back.
 * ``"reference"``: dequantize the weight to the activation dtype, then an ordinary matmul —
   the same numbers, readable, and slower (it rebuilds a float weight at every call).
-* ``"integer"`` (int8 only, W8A8): the activations are quantized too, and the matmul runs on the
-  CPU's integer units (uint8 × int8 → int32 with VNNI/AMX where present) in PyTorch's quantized
-  engine (fbgemm / oneDNN, `torch.backends.quantized`), the weight prepacked once for it. The
-  weight-only kernels above do ``M × K × N`` multiply-adds in float after widening every weight,
-  so their cost grows with the batch ``M`` like fp32's and more; integer GEMMs do them 4× wider
-  per instruction (claim QUANT-6). The price is rounding the activations: each call quantizes
-  each row (token) of its input with its own scale, to 8 bits where the CPU sums int8 products
-  in int32 (VNNI, AMX) and to 7 bits where it sums pairs in int16 (older x86, `_reduce_range`).
-  On the shipped model 8-bit per-token activations cost no more top-1 choices than weight-only
-  int8 does; 7 bits, or one scale for the whole batch (`torch.ao`'s convention), cost more.
-  With the speed-ups (`minifer.fast.int8_gemv`), a single row (a decode step at batch 1) runs
-  minifer's own matrix-vector kernel where the CPU has AVX-512 VNNI, and a compiled step runs
-  ``torch._int_mm``. CPU only; `integer_problem` says why it cannot run where it cannot.
+* ``"integer"`` (int8 only, W8A8): the activations are quantized too, each row (token) to
+  int8 with its own scale, and the products are summed in int32 — exact, so the only rounding
+  is the activations' (`w8a8_reference`). The weight-only kernels above do ``M × K × N``
+  multiply-adds in float after widening every weight, so their cost grows with the batch ``M``
+  like fp32's and more; CPUs with int8 dot-product instructions (VNNI, AMX) do them 4× wider per
+  instruction (claim QUANT-6). On the shipped model 8-bit per-token activations cost about as
+  many top-1 choices as weight-only int8 does. Here the reference is a plain int32 matmul;
+  the speed-ups (`minifer.fast.int8_gemv`) compute the same numbers with minifer's VNNI kernel
+  for one row and ``torch._int_mm`` for more. Each row's result depends on that row alone, so
+  a request's tokens do not change with the batch it runs in. CPU only.
 
 The fused kernels changed signatures across torch versions, and each takes only some shapes
 (int8: ``in_features`` a multiple of 16 — past it, it reads out of bounds; int4: groups of
@@ -55,10 +52,8 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import statistics
-import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -260,114 +255,56 @@ def fused_available(bits: int, device: str = "cpu", compute_dtype: torch.dtype =
                          compute_dtype) is None
 
 
-# ---- W8A8 on integer units (PyTorch's quantized engine) --------------------------------------
-def _quantized_engine() -> str | None:
-    """The quantized engine this process uses, or None where there is none (e.g. a build
-    without fbgemm/oneDNN/QNNPACK)."""
-    engine = torch.backends.quantized.engine
-    if engine in ("fbgemm", "x86", "onednn", "qnnpack"):
-        return engine
-    for e in ("x86", "fbgemm", "onednn", "qnnpack"):  # "none": pick one this build has
-        if e in torch.backends.quantized.supported_engines:
-            return e
-    return None
+# ---- W8A8: int8 activations too, one scale per row ----------------------------------------------
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` [M, K] to int8 with its own scale: ``x ≈ q * s[:, None]``,
+    ``s = max|row| / 127`` (1 for a row of zeros), rounded half to even."""
+    x = x.float()
+    s = x.abs().amax(-1) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x * (1 / s)[:, None]).to(torch.int8), s
 
 
-@functools.cache
-def _reduce_range(engine: str) -> bool:
-    """Must the activations keep to 7 bits here? x86 CPUs without VNNI multiply u8 × s8 with an
-    instruction that adds each pair of products in int16 (vpmaddubsw) and clips what does not
-    fit; full 8-bit activations can overflow it, which is why `torch.ao` always keeps them to 7
-    bits on x86. VNNI (and AMX, ARM) accumulate in int32, so 8 bits are safe there and halve the
-    rounding error. Measured, not read from CPU flags: one layer built to overflow int16 pairs
-    (every product 255 × 127) is run with full 8-bit activations; a wrong answer means 7 bits."""
-    try:
-        packed = _integer_pack(torch.full((16, 64), 127, dtype=torch.int8), torch.ones(16) / 127,
-                               None)
-        x = torch.ones(2, 64)
-        x[1, 0] = -1.0  # the range [-1, 1]: 1.0 quantizes to 255
-        want = x.sum(1, keepdim=True).expand(2, 16)  # every weight is 1.0
-        got = torch.ops.quantized.linear_dynamic(x, packed, False)
-        return not torch.allclose(got, want, rtol=0.02, atol=0.05)
-    except Exception:  # noqa: BLE001 — an engine that rejects it: keep torch.ao's default
-        return engine in ("fbgemm", "x86")
+def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (w * scales[:, None])ᵀ + bias`` with ``x`` [M, K] quantized per row: int8 × int8
+    products summed in int32 (exact), then the two scales. ``w`` int8 [N, K], ``scales`` [N]."""
+    q, s = quantize_rows(x)
+    acc = q.to(torch.int32) @ w.to(torch.int32).t()  # integer matmul: no rounding at all
+    y = acc.float() * s[:, None] * scales.float()
+    return y if bias is None else y + bias.float()
 
 
-def _integer_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
-    """Prepack int8 weights [N, K] with per-row scales for the quantized engine's GEMM."""
-    import warnings as _w
-
-    with _w.catch_warnings():  # torch >= 2.10 warns that quantized tensors are deprecated
-        _w.simplefilter("ignore")
-        qw = torch._make_per_channel_quantized_tensor(
-            q.cpu(), scale.double().cpu(), torch.zeros(q.shape[0], dtype=torch.long), 0)
-        return torch.ops.quantized.linear_prepack(
-            qw, None if bias is None else bias.detach().float().cpu())
-
-
-def _integer_mm(x: torch.Tensor, packed, engine: str, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """``x @ Wᵀ`` with ``x`` quantized per row (token). The engine quantizes its whole input with
-    one scale, so a row with large values would cost every other row its precision, and one
-    row's rounding would depend on the batch: each row is divided by its own largest |value|
-    first (then all rows span about [-1, 1]) and the output multiplied back, before the float
-    ``bias`` is added."""
-    x = x.float().contiguous()
-    if x.shape[0] == 1:  # one row: its own scale already (a decode step at batch 1)
-        y = torch.ops.quantized.linear_dynamic(x, packed, _reduce_range(engine))
-        return y if bias is None else y.add_(bias)
-    peak = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30)
-    y = torch.ops.quantized.linear_dynamic(x / peak, packed, _reduce_range(engine))
-    return y.mul_(peak) if bias is None else torch.addcmul(bias, y, peak)
-
-
-@functools.cache
 def integer_problem(out_features: int = 64, in_features: int = 256,
                     device: str = "cpu") -> str | None:
-    """Why the W8A8 integer path (``impl="integer"``) cannot run a layer of this shape here
-    (None: it can). It needs a CPU and a quantized engine; then a random layer is run on 1, 3
-    and 17 rows and compared with the weight-only reference: an exception, or an answer off by
-    more than 5% of the output's scale (the activations are rounded to 7 or 8 bits), is a
-    problem. Cached per shape."""
+    """Why the W8A8 path (``impl="integer"``) cannot run a layer here (None: it can). It runs
+    on the CPU, where int32 matmuls exist; the shape does not matter."""
     if torch.device(device).type != "cpu":
         return f"the integer path runs on the CPU only (got device {device!r})"
-    engine = _quantized_engine()
-    if engine is None:
-        return f"this torch build has no quantized engine (supported: " \
-               f"{torch.backends.quantized.supported_engines})"
-    try:
-        gen = torch.Generator().manual_seed(0)
-        lin = _linear_from(torch.randn(out_features, in_features, generator=gen) * 0.05)
-        ref = QuantizedLinear.from_linear(lin, 8, impl="reference")
-        integer = QuantizedLinear.from_linear(lin, 8, impl="integer")
-        for rows in (1, 3, 17):
-            x = torch.randn(rows, in_features, generator=gen)
-            want, got = ref(x), integer(x)
-            err = (got - want).abs().max().item()
-            if not err <= 0.05 * want.abs().max().item() + 1e-3:  # also catches NaN
-                return (f"the {engine} engine's output differs from the weight-only "
-                        f"reference by {err:.3g} on {rows} row(s)")
-    except Exception as e:  # noqa: BLE001 — a missing op, an engine that rejects the shape
-        first = (str(e).strip().splitlines() or [""])[0][:120]
-        return f"the {engine} engine raised {type(e).__name__}: {first}"
     return None
 
 
-# ---- int8 "auto": the faster kernel for each layer shape, timed here ---------------------------
-AUTO_ROWS = (1, 16)  # what `int8_choice` times: a one-token decode step and a batch of 16
+def int8_dot_products() -> str | None:
+    """The CPU's instructions that multiply int8 pairs and add them in int32 (x86 AVX-512 VNNI,
+    AVX-VNNI, AMX; Arm's dot product), named as /proc/cpuinfo names them; None without."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith(("flags", "Features"))),
+                             "").split())
+    except OSError:
+        return None
+    found = sorted(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "asimddp"})
+    return ", ".join(found) or None
 
 
+# ---- int8 "auto": one kernel per layer shape, chosen by what the machine has ------------------
 @dataclass(frozen=True)
 class Int8Choice:
-    """The kernel ``quantize(model, "int8")`` picked for one layer shape, and why.
-
-    ``ms`` holds the median milliseconds of one call of each timed kernel at `AUTO_ROWS`
-    rows (empty when only one kernel could run the shape, so nothing was timed)."""
+    """The kernel ``quantize(model, "int8")`` picked for one layer shape, and why."""
 
     shape: tuple[int, int]  # (out_features, in_features)
     impl: str  # "integer", "fused" or "reference"
     reason: str
-    ms: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return f"{self.shape[0]} × {self.shape[1]}: {IMPL_NAMES[self.impl]}, {self.reason}"
@@ -377,78 +314,23 @@ IMPL_NAMES = {"integer": "integer (W8A8)", "fused": "fused (weight-only)",
               "reference": "reference (dequantize-then-matmul)"}
 
 
-def _sample_ms(layer: nn.Module, x: torch.Tensor, samples: list[float], inner: int) -> None:
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        layer(x)
-    samples.append((time.perf_counter() - t0) * 1e3 / inner)
-
-
-@torch.inference_mode()
-def _time_int8_kernels(out_features: int, in_features: int, compute_dtype: torch.dtype,
-                       repeats: int = 5) -> dict[str, tuple[float, ...]]:
-    """Median ms per call of the fused and the integer kernel on a random layer of this shape,
-    at each of `AUTO_ROWS` rows; the two alternate call by call, after a warm-up call each."""
-    gen = torch.Generator().manual_seed(0)
-    lin = _linear_from(torch.randn(out_features, in_features, generator=gen) * 0.05)
-    layers = {impl: QuantizedLinear.from_linear(lin, 8, impl=impl, compute_dtype=compute_dtype)
-              for impl in ("integer", "fused")}
-    out: dict[str, list[float]] = {impl: [] for impl in layers}
-    for rows in AUTO_ROWS:
-        x = torch.randn(rows, in_features, generator=gen)
-        first = {}
-        for impl, layer in layers.items():  # warm-up (the integer layer packs its weight here)
-            layer(x)
-            t0 = time.perf_counter()
-            layer(x)
-            first[impl] = time.perf_counter() - t0
-        # several calls per sample where one call is short, so the clock's grain does not count
-        inner = {impl: max(1, min(50, round(1e-3 / max(t, 1e-6)))) for impl, t in first.items()}
-        samples: dict[str, list[float]] = {impl: [] for impl in layers}
-        for _ in range(repeats):
-            for impl, layer in layers.items():
-                _sample_ms(layer, x, samples[impl], inner[impl])
-        for impl in layers:
-            out[impl].append(statistics.median(samples[impl]))
-    return {impl: tuple(v) for impl, v in out.items()}
-
-
-@functools.cache
-def _int8_choice(out_features: int, in_features: int, device: str, compute_dtype: torch.dtype,
-                 threads: int) -> Int8Choice:
-    shape = (out_features, in_features)
-    fused = fused_problem(8, out_features, in_features, None, device, compute_dtype)
-    integer = integer_problem(out_features, in_features, device)
-    if integer is not None and fused is not None:
-        return Int8Choice(shape, "reference", f"no kernel takes it (fused: {fused}; integer: "
-                                              f"{integer})")
-    if integer is not None:
-        return Int8Choice(shape, "fused", f"the only kernel here (integer: {integer})")
-    if fused is not None:
-        return Int8Choice(shape, "integer", f"the only kernel here (fused: {fused})")
-    ms = _time_int8_kernels(out_features, in_features, compute_dtype)
-    # the geometric mean of the per-row-count ratios: each batch size counts the same
-    ratio = math.prod(i / f for i, f in zip(ms["integer"], ms["fused"])) ** (1 / len(AUTO_ROWS))
-    impl = "integer" if ratio < 1 else "fused"
-    rows = "/".join(str(r) for r in AUTO_ROWS)
-    times = "; ".join(f"{name} {'/'.join(f'{t:.3g}' for t in ms[name])} ms"
-                      for name in ("integer", "fused"))
-    return Int8Choice(shape, impl, f"timed here at {rows} rows, {threads} thread(s): {times} "
-                                   f"(integer ÷ fused {ratio:.2f})", ms)
-
-
 def int8_choice(out_features: int, in_features: int, device: str = "cpu",
                 compute_dtype: torch.dtype = torch.bfloat16) -> Int8Choice:
-    """Which int8 kernel is faster for a layer of this shape here: the W8A8 integer path or
-    the fused weight-only kernel (what ``quantize(model, "int8")`` uses, layer by layer).
-
-    A kernel that cannot run the shape (`fused_problem`, `integer_problem`) is out; when both
-    can, each is timed on a random layer of this shape at 1 and 16 rows (a decode step and a
-    batch), alternating, median of 5, and the one with the lower geometric mean of the two
-    times wins. Cached per shape, device, dtype and torch thread count: the choice is measured
-    on this machine, so another CPU (or a busy one) may choose differently."""
-    return _int8_choice(out_features, in_features, str(device), compute_dtype,
-                        torch.get_num_threads())
+    """The int8 kernel ``quantize(model, "int8")`` gives a layer of this shape: W8A8 where the
+    CPU adds int8 products in int32 (`int8_dot_products`: there it beats weight-only int8 at
+    every batch size), else the fused weight-only kernel, else the reference path. The choice
+    depends on the machine, never on a timing, and never on the batch: W8A8 computes
+    `w8a8_reference` whatever the number of rows, so a row's tokens do not depend on who else
+    is in the batch."""
+    shape = (out_features, in_features)
+    dots = int8_dot_products() if integer_problem(*shape, device) is None else None
+    if dots is not None:
+        return Int8Choice(shape, "integer", f"this CPU adds int8 products in int32 ({dots})")
+    fused = fused_problem(8, out_features, in_features, None, device, compute_dtype)
+    if fused is None:
+        return Int8Choice(shape, "fused", "no int8 dot-product instructions here")
+    return Int8Choice(shape, "reference", f"no kernel takes it (fused: {fused}; no int8 "
+                                          f"dot-product instructions)")
 
 
 def quantization_summary(model: nn.Module) -> str:
@@ -508,20 +390,19 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size, self.impl = bits, group_size, impl
         self.compute_dtype = compute_dtype
-        self._packed = None  # impl="integer": the weight in the quantized engine's layout
         self._rowsum = None  # impl="integer": each weight row's sum, for the batch-1 kernel
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ...: repack from the buffers
-        self._packed = self._rowsum = None
+        self._rowsum = None
         return super()._apply(fn, *args, **kwargs)
 
     def _load_from_state_dict(self, *args, **kwargs):  # new buffers: repack them
-        self._packed = self._rowsum = None
+        self._rowsum = None
         return super()._load_from_state_dict(*args, **kwargs)
 
     def __getstate__(self):  # deepcopy/pickle: the pack is rebuilt, never copied
         state = super().__getstate__() if hasattr(super(), "__getstate__") else dict(self.__dict__)
-        return {**state, "_packed": None, "_rowsum": None}
+        return {**state, "_rowsum": None}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, *, group_size: int | None = None,
@@ -597,18 +478,13 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _integer_forward(self, x2: torch.Tensor) -> torch.Tensor:
-        """W8A8 of ``x2`` [M, K] in the quantized engine, unless the speed-ups run it (one row
-        on minifer's VNNI kernel; inside a compiled step, which cannot trace the engine's
-        packed weights, ``torch._int_mm``)."""
+        """W8A8 of ``x2`` [M, K]: `w8a8_reference`, or the same numbers from a faster kernel
+        (the speed-up seam: minifer's VNNI kernel for one row, ``torch._int_mm`` for more)."""
         bias = None if self.bias is None else self.bias.float()
         if self._rowsum is None:  # set on the first (eager) call, before a compiled step reads it
             self._rowsum = self.qweight.sum(1, dtype=torch.int32)
         fast = hooks.int8_matmul(x2, self.qweight, self.scales, self._rowsum, bias)
-        if fast is not None:  # the speed-up seam: `minifer.fast.int8_gemv`
-            return fast
-        if self._packed is None:
-            self._packed = _integer_pack(self.qweight, self.scales, None)
-        return _integer_mm(x2, self._packed, _quantized_engine(), bias)
+        return w8a8_reference(x2, self.qweight, self.scales, bias) if fast is None else fast
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] this layer stands for."""
@@ -669,9 +545,9 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
       models). ``impl``: ``"fused"`` (torch's weight-only kernels; error if they do not work
       here at all), ``"reference"`` (dequantize-then-matmul), ``"integer"`` (int8 only, CPU:
       W8A8 on the CPU's integer units, module doc, each layer checked with `integer_problem`;
-      its error is larger: activations rounded to 7–8 bits), or ``"auto"``. ``"auto"`` with
-      int8 gives each layer shape the faster of ``"integer"`` and ``"fused"``, timed here
-      (`int8_choice`; the choices are kept in the new model's ``int8_choices`` and
+      its error is larger: activations rounded to 8 bits), or ``"auto"``. ``"auto"`` with
+      int8 gives each layer shape `int8_choice`'s kernel (W8A8 where the CPU has int8
+      dot-product instructions; the choices are kept in the new model's ``int8_choices`` and
       `quantization_summary` prints them); with int4, fused where the probe succeeds, else
       reference with a warning. With ``"fused"`` and ``"auto"``, every layer shape is checked
       with `fused_problem`: a layer no kernel can take (fused int8: ``in_features`` not a
@@ -717,7 +593,7 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
             raise RuntimeError(f"the W8A8 integer path cannot run here: {problem}; use "
                                f"impl='fused' (weight-only) or 'auto'")
     elif impl == "auto" and bits == 8:
-        pass  # each layer shape gets the faster kernel here (`int8_choice`)
+        pass  # each layer shape gets `int8_choice`'s kernel
     elif impl == "auto" or impl == "fused":
         device = next(model.parameters()).device
         ok = fused_available(bits, str(device), compute_dtype)

@@ -222,11 +222,7 @@ def test_tied_head_kept_float_where_only_the_reference_path_takes_it(monkeypatch
     monkeypatch.setattr(qm, "fused_problem", lambda bits, n, *a: "no" if n == 257 else real_f(
         bits, n, *a))
     monkeypatch.setattr(qm, "integer_problem", lambda n, *a: "no" if n == 257 else real_i(n, *a))
-    qm._int8_choice.cache_clear()
-    try:
-        q = quantize(mf.GPT.from_config(cfg), "int8", impl=impl)
-    finally:
-        qm._int8_choice.cache_clear()
+    q = quantize(mf.GPT.from_config(cfg), "int8", impl=impl)
     assert isinstance(q.lm_head, nn.Linear) and q.lm_head.weight is q.transformer.wte.weight
     assert isinstance(q.transformer.h[0].mlp.c_fc, QuantizedLinear)
 
@@ -552,95 +548,85 @@ def test_integer_path_is_int8_on_cpu_only(tiny):
         quantize(tiny, "int4", impl="integer")
 
 
-def test_integer_path_without_an_engine_says_so(tiny, monkeypatch):
-    import minifer.quantization as q
+def test_integer_path_is_for_the_cpu(tiny):
+    from minifer.quantization import integer_problem
 
-    monkeypatch.setattr(q, "_quantized_engine", lambda: None)
-    q.integer_problem.cache_clear()
-    try:
-        assert "no quantized engine" in q.integer_problem()
-        with pytest.raises(RuntimeError, match="impl='fused'"):
-            quantize(tiny, "int8", impl="integer")
-        q._int8_choice.cache_clear()
-        auto = quantize(tiny, "int8")  # without an engine the default is weight-only
-        impls = {m.impl for m in auto.modules() if isinstance(m, QuantizedLinear)}
-        assert impls <= {"fused", "reference"} and "integer (W8A8)" not in quantization_summary(auto)
-    finally:
-        monkeypatch.undo()
-        q.integer_problem.cache_clear()
-        q._int8_choice.cache_clear()
+    assert integer_problem() is None
+    assert "CPU only" in integer_problem(64, 256, "cuda")
 
 
-# ---- int8 "auto": the faster kernel per layer shape ------------------------------------------
-def _fake_timings(monkeypatch, integer_wins_for):
-    """Timings that make the integer path faster exactly for layers with out_features in
-    `integer_wins_for` (the real ones depend on the machine)."""
-    import minifer.quantization as q
+def test_integer_layer_is_the_reference_at_every_batch_size_with_or_without_speed_ups():
+    """W8A8 rounds each row with its own scale and sums exactly: a row's output is the same
+    alone or in any batch, and the speed-ups' kernels give the reference's numbers bit for bit."""
+    from minifer import fast
+    from minifer.quantization import w8a8_reference
 
-    def fake(n, k, dtype, repeats=5):
-        fast, slow = (0.1, 0.4), (0.2, 0.8)
-        return {"integer": fast if n in integer_wins_for else slow,
-                "fused": slow if n in integer_wins_for else fast}
+    lin = _linear(96, 256)
+    layer = QuantizedLinear.from_linear(lin, 8, impl="integer")
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
+    want = w8a8_reference(x, layer.qweight, layer.scales, layer.bias)
+    for rows in ((0, 9), (0, 1), (3, 5), (8, 9)):
+        part = x[rows[0]:rows[1]]
+        assert torch.equal(layer(part), want[rows[0]:rows[1]]), rows
+        with fast.disabled():
+            assert torch.equal(layer(part), want[rows[0]:rows[1]]), rows
 
-    monkeypatch.setattr(q, "_time_int8_kernels", fake)
-    q._int8_choice.cache_clear()
 
-
-@needs_integer
-def test_int8_auto_picks_the_faster_kernel_for_each_shape(monkeypatch):
+# ---- int8 "auto": W8A8 where the CPU has int8 dot products, else weight-only -----------------
+@pytest.mark.parametrize("dots", ["avx512_vnni", None])
+def test_int8_auto_takes_w8a8_only_where_the_cpu_has_int8_dot_products(monkeypatch, dots):
     import minifer.quantization as q
 
     if not fused_available(8):
         pytest.skip("no fused int8 kernel in this torch")
+    monkeypatch.setattr(q, "int8_dot_products", lambda: dots)
     model = nn.Sequential(nn.Linear(256, 96), nn.Linear(96, 64), nn.Linear(64, 96))
-    _fake_timings(monkeypatch, integer_wins_for={96})
-    try:
-        auto = quantize(model, "int8")
-    finally:
-        q._int8_choice.cache_clear()
-    assert [m.impl for m in auto] == ["integer", "fused", "integer"]
-    assert set(auto.int8_choices) == {"0", "1", "2"}
-    assert auto.int8_choices["1"].ms["fused"] == (0.1, 0.4)
+    auto = quantize(model, "int8")
+    want = "integer" if dots else "fused"
+    assert [m.impl for m in auto] == [want] * 3 and set(auto.int8_choices) == {"0", "1", "2"}
     summary = quantization_summary(auto)
-    assert "2 integer (W8A8)" in summary and "1 fused (weight-only)" in summary
-    assert "96 × 256: integer (W8A8)" in summary and "64 × 96: fused (weight-only)" in summary
-    assert "integer ÷ fused 0.50" in summary and "integer ÷ fused 2.00" in summary
-    x = torch.randn(3, 256)  # each layer computes what its kernel computes
-    want = QuantizedLinear.from_linear(model[1], 8, impl="fused")(
-        QuantizedLinear.from_linear(model[0], 8, impl="integer")(x))
-    assert torch.equal(auto[1](auto[0](x)), want)
+    assert f"3 {q.IMPL_NAMES[want]}" in summary
+    assert ("avx512_vnni" in summary) == bool(dots)
 
 
-@needs_integer
-def test_int8_auto_takes_the_kernel_that_can_run_a_shape(monkeypatch):
-    """A shape the fused kernel rejects (in_features not a multiple of 16) goes to the integer
-    path, untimed; a shape neither takes to the reference path, with a warning."""
+def test_int8_auto_without_dot_products_or_fused_kernel_takes_the_reference(monkeypatch):
     import minifer.quantization as q
 
-    model = nn.Sequential(nn.Linear(72, 64), nn.Linear(64, 48))
-    real_i, real_f = q.integer_problem, q.fused_problem
-    monkeypatch.setattr(q, "integer_problem", lambda n, *a: "no" if n == 48 else real_i(n, *a))
+    monkeypatch.setattr(q, "int8_dot_products", lambda: None)
+    real_f = q.fused_problem
     monkeypatch.setattr(q, "fused_problem",
                         lambda bits, n, *a: "nope" if n == 48 else real_f(bits, n, *a))
-    _fake_timings(monkeypatch, integer_wins_for=set())
-    try:
-        with pytest.warns(RuntimeWarning, match=r"int8 kernels reject the shape of 1 \(48, 64\)"):
-            auto = quantize(model, "int8")
-    finally:
-        q._int8_choice.cache_clear()
-    assert auto[0].impl == "integer" and auto.int8_choices["0"].ms == {}
-    assert "multiple of 16" in auto.int8_choices["0"].reason
-    assert auto[1].impl == "reference" and "fused: nope; integer: no" in auto.int8_choices["1"].reason
+    model = nn.Sequential(nn.Linear(64, 48))
+    with pytest.warns(RuntimeWarning, match=r"int8 kernels reject the shape of 0 \(48, 64\)"):
+        auto = quantize(model, "int8")
+    assert auto[0].impl == "reference" and "fused: nope" in auto.int8_choices["0"].reason
 
 
-def test_int8_auto_choice_is_measured_once_per_shape():
-    from minifer.quantization import Int8Choice, int8_choice
+def test_int8_auto_choice_depends_on_the_machine_only():
+    from minifer.quantization import Int8Choice, int8_choice, int8_dot_products
 
     a, b = int8_choice(64, 256), int8_choice(64, 256)
-    assert isinstance(a, Int8Choice) and a is b and a.impl in ("integer", "fused", "reference")
-    if a.ms:  # both kernels ran: real medians, one per timed row count
-        assert all(len(v) == 2 and all(t > 0 for t in v) for v in a.ms.values())
+    assert isinstance(a, Int8Choice) and a == b
+    assert a.impl == ("integer" if int8_dot_products() else "fused")
     assert quantization_summary(nn.Linear(4, 4)) == "no quantized layers"
+
+
+def test_int8_default_gives_each_prompt_the_same_tokens_batched_or_alone():
+    """Five prompts of mixed lengths, 64 greedy tokens each, batched and one at a time, on the
+    shipped model in the default int8 (which used to pick a kernel per batch size: all five
+    differed). The same with the speed-ups off."""
+    from minifer import fast
+
+    model, tok = mf.load_pretrained("shakespeare")
+    q = quantize(model, "int8")
+    prompts = ["ROMEO:\n", "JULIET: O Romeo, Romeo! wherefore art thou", "KING HENRY:\nOnce more",
+               "First Citizen:\nBefore we proceed any further, hear me speak.", "O"]
+    params = mf.SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True)
+    batched = [c.token_ids for c in mf.generate(q, prompts, params, tok, threads=1)]
+    alone = [mf.generate(q, [p], params, tok, threads=1)[0].token_ids for p in prompts]
+    assert batched == alone
+    with fast.disabled():
+        assert [c.token_ids for c in mf.generate(q, prompts[:2], params, tok)] == batched[:2]
 
 
 @needs_integer

@@ -1,19 +1,19 @@
-"""W8A8 at batch 1: an int8 matrix-vector kernel for the CPU's VNNI instructions.
+"""W8A8 faster, with the same numbers: minifer's VNNI kernel for one row, ``torch._int_mm`` for more.
 
-A decode step at batch 1 multiplies one row by every weight matrix. PyTorch's quantized engine
-(fbgemm) is built for matrices: at one row it spends about as long on a 768-wide layer as on
-four rows, and a step of GPT-2 124M in int8 took 8.4 ms in its GEMMs where CTranslate2 did the
-whole step in 7.9 (BENCHMARKS.md). `w8a8_reference` says in a few lines of tensor math what a
-W8A8 product is: quantize each row of ``x`` to int8 with its own scale, multiply-add in
-integers, scale back. ``csrc/int8_gemv.cpp`` computes exactly that with AVX-512 VNNI
-(``vpdpbusd``: 64 byte products per instruction into int32), four weight rows per pass over
-``x``, the rows split over torch's threads; tested equal to the reference.
+Reference: `minifer.quantization.w8a8_reference`: quantize each row of ``x`` to int8 with its
+own scale, multiply-add in integers (an exact int32 matmul), scale back. Both kernels here
+compute exactly that, bit for bit (tests/test_int8_gemv.py), so a W8A8 layer gives the same
+numbers at every batch size, with the speed-ups or without.
 
-`Int8Gemv` builds it the first time it is needed (`minifer.native`; seconds, cached on disk),
-only on CPUs with AVX-512 VNNI (Intel since Cascade Lake, AMD since Zen 4), and not where
-``ATEN_CPU_CAPABILITY`` asks torch itself for AVX2 or less (``make test-kernels`` runs the
-notebooks as an older CPU would). Everywhere else, and where the build fails (it warns once and
-says why), `QuantizedLinear` keeps to the quantized engine: slower, never wrong.
+- One row (a decode step at batch 1): ``csrc/int8_gemv.cpp``, a matrix-vector kernel for
+  AVX-512 VNNI (``vpdpbusd``: 64 byte products per instruction into int32), four weight rows per
+  pass over ``x``, the rows split over torch's threads. `Int8Gemv` builds it the first time it
+  is needed (`minifer.fast.native`; seconds, cached on disk), only on CPUs with AVX-512 VNNI
+  (Intel since Cascade Lake, AMD since Zen 4), and not where ``ATEN_CPU_CAPABILITY`` asks torch
+  itself for AVX2 or less. Elsewhere, or where the build fails (it warns once and says why),
+  one row goes the way of many.
+- More rows: `w8a8_int_mm`, the integer product in ``torch._int_mm`` (oneDNN's int8 GEMM),
+  where its sums are exact here (`INT_MM_EXACT`); else the reference's int32 matmul.
 """
 
 from __future__ import annotations
@@ -22,31 +22,13 @@ from pathlib import Path
 
 import torch
 
+from ..quantization import quantize_rows, w8a8_reference
 from .native import NativeKernel
 
 __all__ = ["w8a8_reference", "w8a8_int_mm", "Int8Gemv", "GEMV", "quantize_rows", "int8_matmul"]
 
 SOURCE = Path(__file__).with_name("csrc") / "int8_gemv.cpp"
 VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of ``x`` [M, K] to int8 with its own scale: ``x ≈ q * s[:, None]``,
-    ``s = max|row| / 127`` (1 for a row of zeros), rounded half to even."""
-    x = x.float()
-    s = x.abs().amax(-1) / 127
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(x * (1 / s)[:, None]).to(torch.int8), s
-
-
-def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ (w * scales[:, None])ᵀ + bias`` with ``x`` [M, K] quantized per row: int8 × int8
-    products summed in int32 (exact), then the two scales. ``w`` int8 [N, K], ``scales`` [N]."""
-    q, s = quantize_rows(x)
-    acc = q.to(torch.int32) @ w.to(torch.int32).t()  # integer matmul: no rounding at all
-    y = acc.float() * s[:, None] * scales.float()
-    return y if bias is None else y + bias.float()
 
 
 def _int_mm_exact() -> bool:
@@ -110,11 +92,11 @@ GEMV = Int8Gemv()  # one per process: every layer shares its build
 
 def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, rowsum: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The `minifer.hooks.int8_matmul` of the speed-up package: one row on the VNNI kernel
-    where there is one, and `w8a8_int_mm` inside a compiled step; None leaves the rest to the
-    quantized engine."""
+    """The `minifer.hooks.int8_matmul` of the speed-up package: `w8a8_reference`'s numbers,
+    one row on the VNNI kernel where there is one, more rows in ``torch._int_mm`` where its
+    sums are exact; None leaves the reference's int32 matmul."""
     if x.shape[0] == 1 and GEMV.available():
         return GEMV(x, w, scales, rowsum, bias)
-    if torch.compiler.is_compiling():
+    if INT_MM_EXACT:
         return w8a8_int_mm(x, w, scales, bias)
     return None
