@@ -34,7 +34,7 @@ Each quantized layer runs one of three paths, tested against each other:
   multiply-adds in float after widening every weight, so their cost grows with the batch ``M``
   like fp32's and more; CPUs with int8 dot-product instructions (VNNI, AMX) do them 4× wider per
   instruction (claim QUANT-6). On the shipped model 8-bit per-token activations cost about as
-  many top-1 choices as weight-only int8 does. Here the reference is a plain int32 matmul;
+  many top-1 choices as weight-only int8 does. Here the reference sums the products in a float64 matmul (exact);
   the speed-ups (`minifer.fast.int8_gemv`) compute the same numbers with minifer's VNNI kernel
   for one row and ``torch._int_mm`` for more. Each row's result depends on that row alone, so
   a request's tokens do not change with the batch it runs in. CPU only.
@@ -270,7 +270,9 @@ def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     """``x @ (w * scales[:, None])ᵀ + bias`` with ``x`` [M, K] quantized per row: int8 × int8
     products summed in int32 (exact), then the two scales. ``w`` int8 [N, K], ``scales`` [N]."""
     q, s = quantize_rows(x)
-    acc = q.to(torch.int32) @ w.to(torch.int32).t()  # integer matmul: no rounding at all
+    # int8 × int8 products summed exactly: float64 holds every integer below 2^53, and every
+    # CPU multiplies it fast (an int32 matmul gives the same sums, many times slower)
+    acc = q.double() @ w.double().t()  # (M, N)
     y = acc.float() * s[:, None] * scales.float()
     return y if bias is None else y + bias.float()
 
@@ -278,7 +280,7 @@ def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
 def integer_problem(out_features: int = 64, in_features: int = 256,
                     device: str = "cpu") -> str | None:
     """Why the W8A8 path (``impl="integer"``) cannot run a layer here (None: it can). It runs
-    on the CPU, where int32 matmuls exist; the shape does not matter."""
+    on the CPU; the shape does not matter."""
     if torch.device(device).type != "cpu":
         return f"the integer path runs on the CPU only (got device {device!r})"
     return None

@@ -1,7 +1,7 @@
 """W8A8 faster, with the same numbers: minifer's VNNI kernel for one row, ``torch._int_mm`` for more.
 
 Reference: `minifer.quantization.w8a8_reference`: quantize each row of ``x`` to int8 with its
-own scale, multiply-add in integers (an exact int32 matmul), scale back. Both kernels here
+own scale, multiply-add in integers (exact sums), scale back. Both kernels here
 compute exactly that, bit for bit (tests/test_int8_gemv.py), so a W8A8 layer gives the same
 numbers at every batch size, with the speed-ups or without.
 
@@ -13,7 +13,7 @@ numbers at every batch size, with the speed-ups or without.
   itself for AVX2 or less. Elsewhere, or where the build fails (it warns once and says why),
   one row goes the way of many.
 - More rows: `w8a8_int_mm`, the integer product in ``torch._int_mm`` (oneDNN's int8 GEMM),
-  where its sums are exact here (`INT_MM_EXACT`); else the reference's int32 matmul.
+  where its sums are exact here (`INT_MM_EXACT`); else the reference itself.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def w8a8_int_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     """`w8a8_reference` with the integer product in ``torch._int_mm`` (int8 × int8 → int32, the
     same sums): what a compiled step runs where it cannot call the C++ kernel, since
     `torch.compile` traces through it (and not through the quantized engine's packed weights).
-    Where ``torch._int_mm`` is not exact (`INT_MM_EXACT`), the plain int32 matmul instead."""
+    Where ``torch._int_mm`` is not exact (`INT_MM_EXACT`), the reference instead."""
     if not INT_MM_EXACT or x.shape[1] < 2:
         return w8a8_reference(x, w, scales, bias)
     q, s = quantize_rows(x)
@@ -94,7 +94,7 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, rowsum: 
                 bias: torch.Tensor | None) -> torch.Tensor | None:
     """The `minifer.hooks.int8_matmul` of the speed-up package: `w8a8_reference`'s numbers,
     one row on the VNNI kernel where there is one, more rows in ``torch._int_mm`` where its
-    sums are exact; None leaves the reference's int32 matmul."""
+    sums are exact; None leaves it to the reference."""
     if x.shape[0] == 1 and GEMV.available():
         return GEMV(x, w, scales, rowsum, bias)
     if INT_MM_EXACT:
