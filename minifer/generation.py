@@ -53,14 +53,11 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache) -> torch.
 
 def decode_step(model: torch.nn.Module, tokens: torch.Tensor, cache: StaticKVCache, *,
                 step: Callable | None = None, fixed_shape: bool = False) -> torch.Tensor:
-    """Feed one new token per row ``(B,)``; attention reads all earlier tokens from `cache`.
+    """Feed one new token per row ``(B,)``; returns the next-token logits ``(B, V)``.
 
-    Returns the next-token logits ``(B, V)``. The step (`GPT.decode`) writes the new K/V at
-    ``cache.slot``, a one-element tensor set here to ``cache.pos``, and reads only the filled
-    slots. With ``fixed_shape=True`` it attends over every slot of the preallocated cache
-    through a mask instead: then every shape is the same at every step, so a compiler can
-    compile it and a GPU can capture it once as a CUDA graph (`step`: such a compiled step,
-    called as ``step(model, tokens, cache, slot)``).
+    `GPT.decode` writes the new K/V at ``cache.slot`` (set here to ``cache.pos``) and reads the
+    filled slots; ``fixed_shape=True`` reads every slot through a mask, the same shapes at every
+    step, which a compiled `step` (``step(model, tokens, cache, slot)``) or CUDA graph needs.
     """
     cache.check_room(1)
     tokens = tokens.view(-1, 1)  # (B, 1)
@@ -141,25 +138,16 @@ def new_cache(model: torch.nn.Module, batch: Batch, cache: StaticKVCache | None,
     return cache
 
 
-def run_batch(
-    model: torch.nn.Module,
-    req: Prepared,
-    *,
-    use_cache: bool = True,
-    kv_dtype: torch.dtype | str | None = None,
-    compile: bool | str = False,
-    cache: StaticKVCache | None = None,
-    sampler: Callable[[Sampler], Sampler] | None = None,
-    threads: int | str | None = None,
-) -> Iterator[TokenEvent]:
+def run_batch(model: torch.nn.Module, req: Prepared, *, use_cache: bool = True,
+              kv_dtype: torch.dtype | str | None = None, compile: bool | str = False,
+              cache: StaticKVCache | None = None, sampler: Callable[[Sampler], Sampler] | None = None,
+              threads: int | str | None = None) -> Iterator[TokenEvent]:
     """Generate for checked request input (`sequence.prepare`): prefill → (sample → append →
     decode step)* → stop, one `TokenEvent` per token; `stream` is this plus the checks.
 
-    `cache`: the KV cache to fill (reset here), sized for the batch: tensor parallelism passes
-    one holding only its rank's heads; default: one sized for the request. `sampler` wraps the
-    sampler: given the default one (logits → tokens), it returns the one to use (tensor
-    parallelism samples on rank 0 only and broadcasts the tokens to the other ranks).
-    `threads`, `compile`: see `stream`.
+    `cache`: the KV cache to fill (default: one sized for the request; tensor parallelism
+    passes one holding its rank's heads). `sampler`: given the default sampler (logits →
+    tokens), returns the one to use (tensor parallelism samples on rank 0 and broadcasts).
     """
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True")
@@ -209,30 +197,21 @@ def recomputed_forward(model: torch.nn.Module, batch: Batch) -> Callable[[int], 
     return forward
 
 
-def stream(
-    model: torch.nn.Module,
-    prompts,
-    params: SamplingParams | None = None,
-    tokenizer: TokenizerLike | None = None,
-    *,
-    use_cache: bool = True,
-    device: torch.device | str | None = None,
-    completions: list[Completion] | None = None,
-    kv_dtype: torch.dtype | str | None = None,
-    compile: bool | str = False,
-    threads: int | str | None = None,
-) -> Iterator[TokenEvent]:
+def stream(model: torch.nn.Module, prompts, params: SamplingParams | None = None,
+           tokenizer: TokenizerLike | None = None, *, use_cache: bool = True,
+           device: torch.device | str | None = None, completions: list[Completion] | None = None,
+           kv_dtype: torch.dtype | str | None = None, compile: bool | str = False,
+           threads: int | str | None = None) -> Iterator[TokenEvent]:
     """Yield a `TokenEvent` for every generated token of every prompt, as soon as it exists.
 
     - `completions`: a list to fill with the final `Completion`s.
     - `use_cache=False` recomputes the whole sequence at every step: the reference path.
     - `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
-    - `compile`: run the decode step compiled (True, or a `torch.compile` mode such as
-      ``"reduce-overhead"``; `minifer.fast.compiled`). The first call for a batch size and
-      cache length pays for compiling; fp32 greedy tokens are identical to eager.
-    - `threads`, on a CPU: None keeps torch's count as a ceiling, which the speed-ups lower
-      between steps while other programs hold cores (`minifer.fast.threads`); an integer fixes
-      the count for this call; ``"auto"`` lets the governor use every idle core.
+    - `compile`: run the decode step compiled (True, or a `torch.compile` mode); the first call
+      for a batch size and cache length pays for compiling (`minifer.fast.compiled`).
+    - `threads`, on a CPU: None keeps torch's count as a ceiling, lowered between steps while
+      other programs hold cores (`minifer.fast.threads`); an integer fixes it for this call;
+      ``"auto"`` lets the governor use every idle core.
     """
     req = prepare(model, prompts, params, tokenizer, device=device)
     if completions is not None:  # the caller's list may already hold earlier results
@@ -241,22 +220,12 @@ def stream(
                          threads=threads)
 
 
-def generate(
-    model: torch.nn.Module,
-    prompts,
-    params: SamplingParams | None = None,
-    tokenizer: TokenizerLike | None = None,
-    *,
-    use_cache: bool = True,
-    device: torch.device | str | None = None,
-    kv_dtype: torch.dtype | str | None = None,
-    compile: bool | str = False,
-    threads: int | str | None = None,
-) -> list[Completion]:
+def generate(model: torch.nn.Module, prompts, params: SamplingParams | None = None,
+             tokenizer: TokenizerLike | None = None, *, use_cache: bool = True,
+             device: torch.device | str | None = None, kv_dtype: torch.dtype | str | None = None,
+             compile: bool | str = False, threads: int | str | None = None) -> list[Completion]:
     """Generate for one prompt or a batch; returns one `Completion` per prompt, in order.
-
-    The keyword arguments are `stream`'s.
-    """
+    The keyword arguments are `stream`'s."""
     completions: list[Completion] = []
     for _ in stream(model, prompts, params, tokenizer, use_cache=use_cache, device=device,
                     completions=completions, kv_dtype=kv_dtype, compile=compile,

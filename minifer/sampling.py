@@ -153,16 +153,11 @@ def apply_forced(logits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``logits / T`` for T > 0, without ever making NaN (use after `apply_forced`: no +inf).
+    """``logits / T`` for T > 0, never making NaN (use after `apply_forced`: no +inf).
 
-    * T so large it is inf in float32: every finite logit becomes 0 — uniform over the tokens
-      not banned (-inf stays -inf; plain division would make -inf / inf = NaN).
-    * T < 1 can overflow float32 (a tiny T such as 1e-45, or huge logits). Only the row's
-      maximum matters (a smaller logit overflowing to -inf has probability 0 either way): rows
-      whose ``max / T`` is not finite use the distribution's shift-invariant form
-      ``(logits - max) / T``, which can only overflow towards -inf — the T → 0 limit: all mass
-      on the argmax, split evenly between tied maxima.
-    Every other row is exactly ``logits / T``.
+    T that is inf in float32 leaves every finite logit 0 (uniform over the tokens not banned).
+    Where ``max / T`` overflows (a tiny T), the row uses the shift-invariant ``(logits - max) /
+    T``, which overflows only towards -inf: all mass on the argmax, as T → 0.
     """
     if temperature > _F32_MAX:
         return logits.masked_fill(torch.isfinite(logits), 0.0)
@@ -203,19 +198,12 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Bias → penalty → temperature → top-k → top-p on ``(B, V)`` logits, in float32.
+    """Bias → penalty → temperature → top-k → top-p on ``(B, V)`` logits, in float32: their
+    softmax is the distribution the next token is drawn from (greedy: their argmax).
 
-    Returns the processed logits; their softmax is the distribution the next token is drawn from.
-    Greedy (T = 0) skips temperature: argmax of the processed logits is the greedy choice.
-    A ±inf bias *sets* the logit to ±inf (whatever the model said); a finite one is added in
-    float32. A logit that is then +inf forces its token (`apply_forced`). No NaN is made from
-    non-NaN logits (see also `apply_temperature`).
-
-    A row `sample` could not draw from is a ValueError: NaN logits, or every token at -inf
-    (banned by ``logit_bias``, or by an extreme ``repetition_penalty``). Finding one takes one
-    max-reduction read on the host: free on the CPU, where it always runs; on an accelerator it
-    would make every step wait for the device, so there it runs only when ``logit_bias`` holds
-    ±inf (the way the parameters themselves empty or force a row).
+    A ±inf bias *sets* a logit (a +inf one forces its token, `apply_forced`). A row that cannot
+    be sampled (NaN, or every token at -inf) is a ValueError; finding one reads the row maxima
+    on the host, free on the CPU; on an accelerator only when ``logit_bias`` holds ±inf.
     """
     _check_shapes(logits, seen)
     logits = logits.float()

@@ -214,13 +214,31 @@ def prepare(model: torch.nn.Module, prompts, params: SamplingParams | None,
             tokenizer: TokenizerLike | None = None, *, device=None,
             context_lengths: abc.Mapping[str, int] | None = None) -> Prepared:
     """Check everything about a request before any tensor is touched; build its Sequences.
-
-    `context_lengths` names every context window the request must fit (default: the model's);
-    speculative decoding passes the target's and the draft's.
-    """
+    `context_lengths`: every context window the request must fit (default: the model's)."""
     from .device import as_device
 
     params = SamplingParams() if params is None else params
+    check_types(model, params, tokenizer)
+    cfg = model.config
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings are matched on text: pass tokenizer= to use stop")
+    ids_list = encode_prompts(prompts, tokenizer, cfg.vocab_size)
+    vocab = usable_vocab(cfg, tokenizer, params)
+    for i, ids in enumerate(ids_list):
+        check_context(i, len(ids), params.max_new_tokens,
+                      context_lengths or {"model": cfg.context_length})
+    check_weights(model)
+    dev = as_device(device) if device is not None else next(model.parameters()).device
+    if dev.type == "meta":
+        raise ValueError("device='meta' holds shapes, no values: generation needs a real "
+                         "device such as 'cpu' or 'cuda'")
+    eos = eos_id(cfg, tokenizer)
+    seqs = [Sequence(i, ids, params, tokenizer, eos) for i, ids in enumerate(ids_list)]
+    return Prepared(seqs, vocab, dev)
+
+
+def check_types(model: torch.nn.Module, params, tokenizer) -> None:
+    """A TypeError naming the argument that is not a minifer model, SamplingParams, tokenizer."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams (e.g. SamplingParams(temperature=0)), "
                         f"got {type(params).__name__} {params!r}")
@@ -232,28 +250,20 @@ def prepare(model: torch.nn.Module, prompts, params: SamplingParams | None,
             isinstance(getattr(cfg, a, None), int) for a in ("vocab_size", "context_length")):
         raise TypeError(f"model must be a minifer GPT (a module with a GPTConfig), got "
                         f"{type(model).__name__}")
-    if params.stop and tokenizer is None:
-        raise ValueError("stop strings are matched on text: pass tokenizer= to use stop")
-    ids_list = encode_prompts(prompts, tokenizer, cfg.vocab_size)
-    vocab = usable_vocab(cfg, tokenizer, params)
-    windows = context_lengths or {"model": cfg.context_length}
-    for i, ids in enumerate(ids_list):
-        need = len(ids) + params.max_new_tokens - 1  # the last new token is never fed back
-        for name, context in windows.items():
-            if need > context:
-                where = "" if len(windows) == 1 else f" (the {name}'s context)"
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with max_new_tokens={params.max_new_tokens} "
-                    f"the model must see {need} > the context window of {context} tokens{where}; "
-                    f"allowed: prompt tokens + max_new_tokens - 1 <= {context}")
-    check_weights(model)
-    dev = as_device(device) if device is not None else next(model.parameters()).device
-    if dev.type == "meta":
-        raise ValueError("device='meta' holds shapes, no values: generation needs a real "
-                         "device such as 'cpu' or 'cuda'")
-    eos = eos_id(cfg, tokenizer)
-    seqs = [Sequence(i, ids, params, tokenizer, eos) for i, ids in enumerate(ids_list)]
-    return Prepared(seqs, vocab, dev)
+
+
+def check_context(i: int, prompt_tokens: int, max_new_tokens: int,
+                  windows: abc.Mapping[str, int]) -> None:
+    """A ValueError unless prompt `i` and its new tokens fit every context window: the model
+    sees ``prompt + max_new_tokens - 1`` tokens (the last new token is never fed back)."""
+    need = prompt_tokens + max_new_tokens - 1
+    for name, context in windows.items():
+        if need > context:
+            where = "" if len(windows) == 1 else f" (the {name}'s context)"
+            raise ValueError(
+                f"prompt {i} has {prompt_tokens} tokens; with max_new_tokens={max_new_tokens} "
+                f"the model must see {need} > the context window of {context} tokens{where}; "
+                f"allowed: prompt tokens + max_new_tokens - 1 <= {context}")
 
 
 def check_weights(model: torch.nn.Module) -> None:
