@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import NO_CUDA
 from strict_deps import MISSING_PACKAGE
 from tool_modules import load_tool
 
+from conftest import NO_CUDA
 from minifer.bench.results import gpu_headline, gpu_runs, latest_gpu_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,3 +88,60 @@ def test_the_bench_command_is_listed():
     out = subprocess.run([sys.executable, "-m", "minifer.bench", "--help"], cwd=ROOT,
                          env=gpu_check._env(), capture_output=True, text=True, timeout=120)
     assert "gpu" in out.stdout
+
+
+def _gpu_like_result() -> dict:
+    """A result shaped like a GPU run's (its CUDA-only sections included), numbers made up."""
+    row = {"model": "gpt2-124m", "context": 512}
+    return {
+        "machine": {"gpu": "Some GPU", "device": "cuda", "date": "2030-01-01T00:00:00+00:00"},
+        "probes": {"bandwidth_GBps": 3000.0, "matmul_tflops": 700.0, "matmul_dtype": "bfloat16",
+                   "matmul_n": 8192},
+        "decode": [row | {"batch": 1, "eager_ms": 5.0, "eager_tok_s": 200.0, "eager_mbu": 0.1},
+                   row | {"batch": 256, "eager_ms": 6.0, "eager_tok_s": 42667.0,
+                          "eager_mbu": 0.2}],
+        "decode_graph": [row | {"batch": 1, "graph_ms": 2.0, "graph_tok_s": 500.0,
+                                "graph_mbu": 0.25},
+                         row | {"batch": 256, "error": "RuntimeError: capture failed"}],
+        "decode_compiled": [{"model": "gpt2-124m", "batch": 1, "compiled_ms": 1.5,
+                             "compiled_mbu": 0.3, "compile_s": 30.0},
+                            {"model": "gpt2-1b", "batch": 64, "skipped": "time budget spent"}],
+        "prefill": [{"model": "gpt2-124m", "tokens": 1024, "batch": 8, "ms": 20.0,
+                     "tokens_per_s": 409600.0, "tflops": 300.0, "share_of_probed_peak": 0.43}],
+        "serve": [{"model": "gpt2-124m", "requests": 256, "max_num_seqs": 64,
+                   "output_tokens": 10000, "wall_s": 5.0, "output_tok_s": 2000.0,
+                   "forward_share": 0.5}],
+        "speculative": {"error": "ValueError: something"},
+    }
+
+
+def test_the_report_and_headline_merge_the_cuda_only_sections():
+    from minifer.bench.gpu import format_report
+
+    r = _gpu_like_result()
+    table = format_report(r)
+    first = next(line for line in table.splitlines() if line.strip().startswith("gpt2-124m") and " 1 " in line)
+    assert "5.000" in first and "2.000" in first and "1.500" in first and "25.0%" in first
+    assert "capture failed" in table and "speculative: FAILED ValueError" in table
+    head = gpu_headline(r)
+    assert head["graph_ms_lo"] == 2.0 and head["step_growth"] == 6.0 / 5.0
+    assert head["best_mbu"] == 0.25 and head["serve_output_tok_s"] == 2000.0
+    assert head["prefill_share_of_peak"] == 0.43 and "spec_speedup" not in head
+
+
+def test_graph_rows_stop_at_the_first_failed_capture(monkeypatch):
+    from minifer.bench import gpu
+
+    calls = []
+
+    def fake_graph(model, batch, context, repeats):
+        calls.append(batch)
+        if batch == 4:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 0.001
+
+    monkeypatch.setattr(gpu, "_time_graph", fake_graph)
+    model = gpu.random_model("tiny", torch.device("cpu"), torch.float32)
+    plan = gpu.replace(gpu.QUICK, batches=(1, 4, 16))
+    rows = gpu._decode_rows("tiny", model, plan, 1e9, gpu.Recorder(None, quiet=True), graphs=True)
+    assert calls == [1, 4] and rows[0]["graph_ms"] == 1.0 and "stream is capturing" in rows[1]["error"]

@@ -6,8 +6,8 @@ What the course claims of a GPU, measured on one (``--device cuda``), in one run
   (`minifer.bench.probes`), measured, not taken from a spec sheet;
 * **decode**: one decode step of GPT-2 124M and of a ~1.1B model of the same family (random
   weights, bf16) for batch 1 … 256 at a fixed context: step time, tokens/s and MBU against the
-  probed bandwidth, eager and as a CUDA graph (the fixed-shape step captured and replayed), and
-  for a few batch sizes compiled with ``torch.compile(mode="reduce-overhead")`` (inductor's
+  probed bandwidth, eager and as a CUDA graph (the fixed-shape step captured and replayed: measured
+  late, since a failed capture can leave the device unusable), and for a few batch sizes compiled with ``torch.compile(mode="reduce-overhead")`` (inductor's
   kernels in a CUDA graph: what ``generate(..., compile=True)`` runs on a GPU);
 * **prefill**: a long prompt batch, in TFLOP/s against the probed bf16 peak;
 * **speculative decoding**: the shipped Shakespeare pair (trained: a real acceptance rate), and a
@@ -232,32 +232,36 @@ def _time_graph(model, batch: int, context: int, repeats: int) -> float:
     return time_fn(replay, warmup=3, repeats=repeats, device=cache.slot.device).median_s
 
 
-def _decode_rows(name: str, model: GPT, plan: Plan, bandwidth: float, graphs: bool,
-                 rec: Recorder) -> list[dict]:
+def _decode_rows(name: str, model: GPT, plan: Plan, bandwidth: float, rec: Recorder,
+                 graphs: bool = False) -> list[dict]:
+    """One decode step per batch size, eager (or, with `graphs`, captured as a CUDA graph and
+    replayed): ms, tokens/s and MBU. A failed capture ends the graph rows (it can leave the
+    device's stream unusable), so graphs are measured after everything else but the compiled
+    steps."""
     spec = ModelSpec.from_config(model.config, name=name)
     kv_precision = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}[
         next(model.parameters()).dtype]
     wbytes = _model_bytes(model)
+    how = "graph" if graphs else "eager"
     rows = []
     for b in plan.batches:
         kvb = kv_cache_bytes(spec, plan.context, b, kv_precision)
         row = {"model": name, "batch": b, "context": plan.context, "weight_bytes": wbytes,
                "kv_bytes": kvb}
         try:
-            step = time_decode_step(model, b, plan.context, warmup=3,
-                                    repeats=plan.repeats).median_s
-            row.update(eager_ms=step * 1e3, eager_tok_s=b / step,
-                       eager_mbu=mbu(wbytes, kvb, step, bandwidth))
-            if graphs:
-                g = _time_graph(model, b, plan.context, plan.repeats)
-                row.update(graph_ms=g * 1e3, graph_tok_s=b / g,
-                           graph_mbu=mbu(wbytes, kvb, g, bandwidth))
+            step = (_time_graph(model, b, plan.context, plan.repeats) if graphs else
+                    time_decode_step(model, b, plan.context, warmup=3,
+                                     repeats=plan.repeats).median_s)
+            row.update({f"{how}_ms": step * 1e3, f"{how}_tok_s": b / step,
+                        f"{how}_mbu": mbu(wbytes, kvb, step, bandwidth)})
         except Exception as exc:  # e.g. out of memory at the largest batch: keep the others
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
         finally:
             _free(next(model.parameters()).device)
         rows.append(row)
-        rec.log("   " + _decode_line(row))
+        rec.log("   " + _decode_line(row, how))
+        if graphs and "error" in row:
+            break
     return rows
 
 
@@ -296,15 +300,11 @@ def _compiled_rows(models: dict, plan: Plan, bandwidth: float, deadline: float,
     return rows
 
 
-def _decode_line(row: dict) -> str:
-    if "error" in row and "eager_ms" not in row:
-        return f"{row['model']:10} batch {row['batch']:>4}: {row['error']}"
-    text = (f"{row['model']:10} batch {row['batch']:>4}: eager {row['eager_ms']:8.3f} ms/step "
-            f"{row['eager_tok_s']:10,.0f} tok/s MBU {row['eager_mbu']:5.1%}")
-    if "graph_ms" in row:
-        text += (f" | graph {row['graph_ms']:8.3f} ms {row['graph_tok_s']:10,.0f} tok/s "
-                 f"MBU {row['graph_mbu']:5.1%}")
-    return text
+def _decode_line(row: dict, how: str = "eager") -> str:
+    if f"{how}_ms" not in row:
+        return f"{row['model']:10} batch {row['batch']:>4}: {row.get('error', '')}"
+    return (f"{row['model']:10} batch {row['batch']:>4}: {how} {row[f'{how}_ms']:8.3f} ms/step "
+            f"{row[f'{how}_tok_s']:10,.0f} tok/s MBU {row[f'{how}_mbu']:5.1%}")
 
 
 def _prefill(name: str, model: GPT, plan: Plan, peak_flops: float) -> dict:
@@ -399,13 +399,16 @@ def run(device: str = "cuda", *, plan: Plan | None = None, out_dir: str | Path |
     for name, cfg in plan.models.items():
         models[name] = random_model(cfg, dev, dtype)
         rec.log(f"   {name}: {models[name].num_params():,} parameters, {plan.dtype}")
-    graphs = plan.graphs and dev.type == "cuda"
     rec.section("decode", lambda: [row for name, m in models.items()
-                                   for row in _decode_rows(name, m, plan, bandwidth, graphs, rec)])
+                                   for row in _decode_rows(name, m, plan, bandwidth, rec)])
     rec.section("prefill", lambda: [_prefill(n, m, plan, peak) for n, m in models.items()])
     first = next(iter(models))
     rec.section("serve", lambda: _serve(first, models[first], plan))
     rec.section("speculative", lambda: _spec(dev, plan, dtype))
+    if plan.graphs and dev.type == "cuda":
+        rec.section("decode_graph", lambda: [
+            row for name, m in models.items()
+            for row in _decode_rows(name, m, plan, bandwidth, rec, graphs=True)])
     if plan.compile_batches and dev.type == "cuda":
         rec.section("decode_compiled", lambda: _compiled_rows(models, plan, bandwidth,
                                                               deadline, rec))
@@ -419,6 +422,11 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
         else format(value, spec)
 
 
+def _rows(r: dict, key: str) -> list[dict]:
+    value = r.get(key)
+    return [x for x in value if isinstance(x, dict)] if isinstance(value, list) else []
+
+
 def format_report(r: dict) -> str:
     """The results as a table (what `python -m minifer.bench gpu` prints at the end)."""
     m = r.get("machine", {})
@@ -429,8 +437,8 @@ def format_report(r: dict) -> str:
     if "bandwidth_GBps" in p:
         lines.append(f"probed: copy bandwidth {p['bandwidth_GBps']:,.0f} GB/s; {p['matmul_dtype']} "
                      f"matmul {p['matmul_tflops']:,.1f} TFLOP/s (n={p['matmul_n']})")
-    compiled = {(c["model"], c["batch"]): c for c in r.get("decode_compiled", [])
-                if isinstance(c, dict)}
+    compiled = {(c["model"], c["batch"]): c for c in _rows(r, "decode_compiled")}
+    graph = {(c["model"], c["batch"]): c for c in _rows(r, "decode_graph")}
     decode = r.get("decode", [])
     if isinstance(decode, list) and decode:
         lines.append(f"decode step at context {decode[0]['context']} (ms/step, total tok/s, MBU):")
@@ -438,6 +446,7 @@ def format_report(r: dict) -> str:
                      f"{'graph ms':>9} {'tok/s':>10} {'MBU':>6}  {'compiled ms':>11} {'MBU':>6}")
         for row in decode:
             c = compiled.get((row["model"], row["batch"]), {})
+            row = graph.get((row["model"], row["batch"]), {}) | row
             lines.append(
                 f"  {row['model']:10} {row['batch']:>5}  {_fmt(row.get('eager_ms'), '9.3f'):>9} "
                 f"{_fmt(row.get('eager_tok_s'), '10,.0f'):>10} {_fmt(row.get('eager_mbu'), '6.1%'):>6}  "

@@ -40,7 +40,9 @@ def gpu_headline(run: dict | None, model: str = "gpt2-124m") -> dict | None:
     if run is None:
         return None
     probes = run.get("probes", {})
-    decode = [r for r in _rows(run, "decode") if r.get("model") == model and "eager_ms" in r]
+    graph = {r["batch"]: r for r in _rows(run, "decode_graph") if r.get("model") == model}
+    decode = [graph.get(r["batch"], {}) | r for r in _rows(run, "decode")
+              if r.get("model") == model and "eager_ms" in r]
     out: dict = {"gpu": run.get("machine", {}).get("gpu"), "date": run.get("machine", {}).get("date"),
                  "bandwidth_GBps": probes.get("bandwidth_GBps"),
                  "matmul_tflops": probes.get("matmul_tflops")}
