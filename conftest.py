@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import sys
 import time
 from collections.abc import Callable
 
@@ -40,6 +41,8 @@ def retrying(start: Callable, waits: tuple[float, ...] = RETRY_WAITS_S,
             except OSError as err:
                 if not transient(err):
                     raise
+                print(f"starting a Jupyter kernel met {err!r}: trying again in {wait} s",
+                      file=sys.stderr, flush=True)
                 sleep(wait)
         return start(*args, **kwargs)  # the last try: its error stands
 
