@@ -10,7 +10,7 @@ NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 # One solutions notebook per lesson (answers asserted): checked, tested and re-run like the lessons.
 SOLUTIONS := $(sort $(wildcard notebooks/solutions/*.ipynb))
 
-.PHONY: install lab check test test-kernels test-torch test-matrix lint notebooks browser-test bench train clean
+.PHONY: install lab check test test-gpu test-kernels test-torch test-matrix lint notebooks browser-test bench train clean
 
 install: $(STAMP)
 
@@ -51,6 +51,14 @@ test: PYTEST_ARGS = $(DURATIONS)
 test: $(STAMP) lint
 	$(BIN)/python tools/check_executed.py $(NOTEBOOKS) $(SOLUTIONS)
 	$(STRICT) $(BIN)/python -m $(PYTEST)
+
+# The GPU check (README, "Running on a GPU"): the tests' cuda cases, then `python -m minifer.bench
+# gpu`, results in GPU_OUT as they come. It installs nothing (a GPU machine may have no network):
+# it runs with .venv's python where there is one, else python3. Without CUDA it says so, exit 0.
+GPU_OUT ?= $(if $(OUT),$(OUT),gpu-check)
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+test-gpu:
+	$(GPU_PYTHON) tools/gpu_check.py --out $(GPU_OUT) --budget-s 480
 
 # The notebooks as another CPU runs them: the kernels of an AVX2-only x86 CPU (ATen's vectorized
 # code, oneDNN, MKL and FBGEMM capped at AVX2, so W8A8 keeps to 7-bit activations) and one

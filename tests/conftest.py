@@ -1,9 +1,16 @@
-"""Shared fixtures for the engine tests: tiny models, a tokenizer and a "scripted" GPT.
+"""Shared fixtures for the engine tests: tiny models, a tokenizer, a "scripted" GPT, devices.
 
-Everything here is CPU, fp32 and small, so the whole engine suite runs in seconds.
+Everything here is fp32 and small, so the whole engine suite runs in seconds on a CPU. The tests
+that state the engine's guarantees (cache == recompute, batched == alone, speculative exactness,
+the serving engine, every precision, the compiled step) also take the `device` fixture: they run
+on "cpu" always and on "cuda" where a GPU is visible (`make test-gpu` runs only those, marked
+``cuda``); without one the cuda cases skip for want of hardware, which the strict-deps check
+(tests/strict_deps.py) does not count as a missing package.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -14,6 +21,40 @@ from minifer import GPT, ByteTokenizer, GPTConfig
 # Tiny models gain nothing from more threads, and on a busy machine (the CI box, a training run
 # beside us) extra OpenMP threads spin against each other: one thread is ~100x faster there.
 torch.set_num_threads(1)
+
+NO_CUDA = "no CUDA GPU here (make test-gpu runs these cases on one)"
+DEVICES = ("cpu", pytest.param("cuda", marks=(
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA))))
+
+
+@pytest.fixture(scope="session", params=DEVICES)
+def device(request) -> str:
+    """Where a guarantee is checked: "cpu", and "cuda" where a GPU is visible."""
+    return request.param
+
+
+_copies: dict[tuple[int, str], GPT] = {}
+
+
+def on_device(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """`model` itself on the CPU, else one copy of it moved to `device` (made once, kept, so a
+    session-scoped fixture model is never moved under the tests that share it)."""
+    if device == "cpu":
+        return model
+    key = (id(model), device)
+    if key not in _copies:
+        _copies[key] = copy.deepcopy(model).to(device)
+        _keep.append(model)  # its id stays its own while the copy is cached
+    return _copies[key]
+
+
+_keep: list[torch.nn.Module] = []
+
+
+def logits_atol(device: str, atol: float = 1e-5) -> float:
+    """fp32 logits agree to `atol` on the CPU; a GPU's kernels sum in another order per shape
+    (split-K matmuls, attention tiles), so a cached step and a full pass agree to 10x that."""
+    return atol if device == "cpu" else 10 * atol
 
 
 @pytest.fixture(autouse=True)

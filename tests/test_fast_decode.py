@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import on_device
 
 import minifer as mf
 from minifer.bench.baselines import MinifierDecoder, TextbookEngine, hf_available
@@ -25,7 +26,7 @@ def _greedy_steps(model, prompts, steps: int, how: str, kv_dtype=None) -> list[l
     """Greedy tokens of a left-padded batch, decoding with `how`: "forward" (the checked,
     variable-shape forward pass), "eager" (the lean step) or "fixed" (the fixed-shape step)."""
     B, T = len(prompts), max(map(len, prompts))
-    ids = torch.zeros(B, T, dtype=torch.long)
+    ids = torch.zeros(B, T, dtype=torch.long, device=next(model.parameters()).device)
     for b, p in enumerate(prompts):
         ids[b, T - len(p):] = torch.tensor(p)
     cache = mf.StaticKVCache.for_model(model, B, T + steps, dtype=kv_dtype)
@@ -44,7 +45,8 @@ def _greedy_steps(model, prompts, steps: int, how: str, kv_dtype=None) -> list[l
 
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_lean_and_fixed_shape_steps_equal_the_forward_pass(model, kv_dtype):
+def test_lean_and_fixed_shape_steps_equal_the_forward_pass(model, kv_dtype, device):
+    model = on_device(model, device)  # the fixed-shape step is what a CUDA graph captures
     ref = _greedy_steps(model, PROMPTS, 20, "forward", kv_dtype)
     assert _greedy_steps(model, PROMPTS, 20, "eager", kv_dtype) == ref
     assert _greedy_steps(model, PROMPTS, 20, "fixed", kv_dtype) == ref
@@ -79,7 +81,8 @@ def test_decode_step_keeps_the_cache_consistent(tiny):
         mf.decode_step(tiny, tok, cache)
 
 
-def test_generate_batched_equals_alone_and_recomputed(model):
+def test_generate_batched_equals_alone_and_recomputed(model, device):
+    model = on_device(model, device)
     batched = [c.token_ids for c in mf.generate(model, PROMPTS, GREEDY)]
     alone = [mf.generate(model, [p], GREEDY)[0].token_ids for p in PROMPTS]
     recomputed = [c.token_ids for c in mf.generate(model, PROMPTS, GREEDY, use_cache=False)]
@@ -111,12 +114,13 @@ import json, sys
 import minifer as mf
 from conftest import lively_model
 prompts, greedy = json.loads(sys.argv[1]), mf.SamplingParams(**json.loads(sys.argv[2]))
-tiny = lively_model("tiny")
+device = sys.argv[3]  # on CUDA, compile=True is "reduce-overhead": the step as a CUDA graph
+tiny = lively_model("tiny").to(device)
 eager = [c.token_ids for c in mf.generate(tiny, prompts, greedy)]
 compiled = [c.token_ids for c in mf.generate(tiny, prompts, greedy, compile=True)]
 again = [c.token_ids for c in mf.generate(tiny, prompts[:2], greedy, compile=True)]
 # the CPU step froze tiny's weights into its graph: new weights loaded in place must be seen
-tiny.load_state_dict(lively_model("tiny", seed=1).state_dict())
+tiny.load_state_dict(lively_model("tiny", seed=1).state_dict())  # in place: graphs see it
 eager_new = [c.token_ids for c in mf.generate(tiny, prompts[:2], greedy)]
 compiled_new = [c.token_ids for c in mf.generate(tiny, prompts[:2], greedy, compile=True)]
 print(json.dumps({"eager": eager, "compiled": compiled, "again": again,
@@ -125,9 +129,10 @@ print(json.dumps({"eager": eager, "compiled": compiled, "again": again,
 
 
 @pytest.mark.skipif(_inductor_can_run() is not None, reason=str(_inductor_can_run()))
-def test_compiled_step_gives_identical_greedy_tokens():
+def test_compiled_step_gives_identical_greedy_tokens(device):
     """The compiled fixed-shape step (inductor on the CPU; compiling takes ~1 min on 2 busy
-    cores) gives the eager step's greedy tokens exactly, padded batch included.
+    cores; on CUDA captured as a CUDA graph) gives the eager step's greedy tokens exactly,
+    padded batch included.
 
     It runs in a child process: code that inductor compiles may switch the process's floating
     point to flush subnormals to zero, which would leak into every later test.
@@ -140,7 +145,7 @@ def test_compiled_step_gives_identical_greedy_tokens():
     params = {"temperature": 0, "max_new_tokens": GREEDY.max_new_tokens, "ignore_eos": True}
     assert GREEDY == mf.SamplingParams(**params)
     out = subprocess.run([sys.executable, "-c", _COMPILED_RUN, json.dumps(PROMPTS),
-                          json.dumps(params)], capture_output=True, text=True, timeout=900,
+                          json.dumps(params), device], capture_output=True, text=True, timeout=900,
                          cwd=pathlib.Path(__file__).parent)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import on_device
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,8 +35,9 @@ def _tokens(completions):
 
 
 # ---- cached == recomputed ------------------------------------------------------------------
-def test_cached_equals_recomputed_greedy_64_tokens(model):
+def test_cached_equals_recomputed_greedy_64_tokens(model, device):
     """Claim KV-2: the KV cache changes the cost, never the output."""
+    model = on_device(model, device)
     for prompt in PROMPTS:  # each prompt alone ...
         cached = generate(model, [prompt], GREEDY)[0]
         recomputed = generate(model, [prompt], GREEDY, use_cache=False)[0]
@@ -47,7 +49,8 @@ def test_cached_equals_recomputed_greedy_64_tokens(model):
         generate(model, PROMPTS, GREEDY, use_cache=False))
 
 
-def test_cached_equals_recomputed_with_sampling(model):
+def test_cached_equals_recomputed_with_sampling(model, device):
+    model = on_device(model, device)
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2,
                             max_new_tokens=32, seed=3, ignore_eos=True)
     assert _tokens(generate(model, PROMPTS, params)) == _tokens(
@@ -61,7 +64,8 @@ def test_cached_equals_recomputed_with_sampling(model):
     SamplingParams(temperature=0.7, top_k=10, top_p=0.8, repetition_penalty=1.5,
                    max_new_tokens=24, seed=1, ignore_eos=True),
 ], ids=["greedy", "seeded", "seeded-topk-topp-penalty"])
-def test_batch_of_different_lengths_equals_each_prompt_alone(model, params):
+def test_batch_of_different_lengths_equals_each_prompt_alone(model, params, device):
+    model = on_device(model, device)
     batched = generate(model, PROMPTS, params)
     alone = [generate(model, [p], params)[0] for p in PROMPTS]
     assert _tokens(batched) == _tokens(alone)

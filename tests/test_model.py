@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from conftest import logits_atol, on_device
 
 import minifer as mf
 from minifer import GPT, StaticKVCache, decode_step, prefill
@@ -25,16 +26,17 @@ def _ids(model, B, T, seed=0):
     return torch.randint(0, model.config.vocab_size, (B, T), generator=g)
 
 
-def test_cached_prefill_then_decode_equals_full_recompute(model):
+def test_cached_prefill_then_decode_equals_full_recompute(model, device):
     """Claim KV-1: a token's K/V never change, so the cache gives the same logits."""
-    ids = _ids(model, 2, 40)
+    model, atol = on_device(model, device), logits_atol(device)
+    ids = _ids(model, 2, 40).to(device)
     full = model(ids)  # (B, T, V): every position recomputed from scratch
     cache = StaticKVCache.for_model(model, batch_size=2, max_len=64)
     logits = model(ids[:, :16], cache=cache)
-    _close(logits, full[:, :16], ATOL)
+    _close(logits, full[:, :16], atol)
     for t in range(16, 40):
         step = model(ids[:, t:t + 1], cache=cache)
-        _close(step[:, 0], full[:, t], ATOL)
+        _close(step[:, 0], full[:, t], atol)
     assert cache.pos == 40
 
 
@@ -74,12 +76,14 @@ def _left_pad(prompts, pad=0):
 
 
 @pytest.mark.parametrize("pad", [0, 97])
-def test_left_padded_rows_equal_the_prompts_alone(model, pad):
+def test_left_padded_rows_equal_the_prompts_alone(model, pad, device):
+    model, atol = on_device(model, device), logits_atol(device)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 257, (n,), generator=g).tolist() for n in (11, 3, 7, 1)]
     ids, start = _left_pad(prompts, pad)
+    ids, start = ids.to(device), start.to(device)
     T = ids.shape[1]
-    alone = [model(torch.tensor([p]))[0] for p in prompts]  # (len, V) each
+    alone = [model(torch.tensor([p], device=device))[0] for p in prompts]  # (len, V) each
 
     no_cache = model(ids, start=start)
     cache = StaticKVCache.for_model(model, len(prompts), T + 5)
@@ -88,14 +92,14 @@ def test_left_padded_rows_equal_the_prompts_alone(model, pad):
     for out in (no_cache, cached):
         assert not out.isnan().any()
         for b, p in enumerate(prompts):
-            _close(out[b, T - len(p):], alone[b], ATOL)
+            _close(out[b, T - len(p):], alone[b], atol)
 
     # and decoding on: each row still matches its own sequence continued alone
-    nxt = torch.tensor([[5], [6], [7], [8]])
+    nxt = torch.tensor([[5], [6], [7], [8]], device=device)
     step = model(nxt, cache=cache)
     for b, p in enumerate(prompts):
-        ref = model(torch.tensor([p + [5 + b]]))[0, -1]
-        _close(step[b, 0], ref, ATOL)
+        ref = model(torch.tensor([p + [5 + b]], device=device))[0, -1]
+        _close(step[b, 0], ref, atol)
 
 
 def test_math_attention_equals_sdpa(make_lively):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from conftest import lively_model
+from conftest import lively_model, on_device
 
 import minifer as mf
 from minifer.quality import greedy_agreement, max_logit_diff
@@ -158,9 +158,10 @@ def test_input_model_untouched(tiny):
 
 @pytest.mark.filterwarnings("ignore:the fused int4 kernel rejects")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "int8", "int4"])
-def test_quantized_tiny_model_generates_close_to_fp32(tiny, precision):
+def test_quantized_tiny_model_generates_close_to_fp32(tiny, precision, device):
+    tiny = on_device(tiny, device)
     q = quantize(tiny, precision, group_size=32)
-    ids = torch.tensor([list(b"hello world")])
+    ids = torch.tensor([list(b"hello world")], device=device)
     with torch.inference_mode():
         ref, out = tiny(ids), q(ids).float()
     spread = ref.abs().max()
@@ -302,9 +303,9 @@ def test_int8_kv_cache_update_within_half_a_step():
     assert k_out.shape == (2, 3, 5, 16)  # the whole valid prefix, dequantized
 
 
-def test_int8_kv_cache_generation_within_tolerance(tiny, tiny_gqa):
-    for model in (tiny, tiny_gqa):
-        ids = torch.tensor([list(b"To be or not")])
+def test_int8_kv_cache_generation_within_tolerance(tiny, tiny_gqa, device):
+    for model in (on_device(tiny, device), on_device(tiny_gqa, device)):
+        ids = torch.tensor([list(b"To be or not")], device=device)
         with torch.inference_mode():
             full = model(ids)
             cache = mf.StaticKVCache.for_model(model, 1, 32, dtype="int8")

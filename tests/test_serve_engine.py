@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import on_device
 
 import minifer as mf
 from minifer import LLMEngine, SamplingParams
@@ -43,16 +44,16 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def workload(tiny):
+def workload(tiny, device):
     prompts = _prompts(14)
-    return prompts, _alone(tiny, prompts, GREEDY)
+    return prompts, _alone(on_device(tiny, device), prompts, GREEDY)
 
 
 @pytest.mark.parametrize("kv_read", ["blocks", "kernel"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_outputs_equal_generate_alone(tiny, workload, name, kv_read):
+def test_greedy_outputs_equal_generate_alone(tiny, workload, name, kv_read, device):
     prompts, ref = workload
-    engine = LLMEngine(tiny, kv_read=kv_read, **CONFIGS[name])
+    engine = LLMEngine(on_device(tiny, device), kv_read=kv_read, **CONFIGS[name])
     if kv_read == "kernel" and build_tools_problem() is None:
         assert engine.runner.read == "kernel"  # built here: no fallback
     outs = engine.generate(prompts, GREEDY)
@@ -307,8 +308,9 @@ def test_static_groups_run_to_completion_and_continuous_refills(tiny, policy):
         assert first_step["third"] == 3
 
 
-def test_seeded_sampling_survives_preemption(tiny):
+def test_seeded_sampling_survives_preemption(tiny, device):
     """A preempted request recomputes its tokens and keeps its generator: the same text."""
+    tiny = on_device(tiny, device)
     params = SamplingParams(temperature=1.0, seed=7, max_new_tokens=30, ignore_eos=True)
     prompts = _prompts(8, 10, 30, seed=11)
     alone = [LLMEngine(tiny).generate([p], params)[0].token_ids for p in prompts]

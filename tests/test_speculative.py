@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import lively_model
+from conftest import lively_model, on_device
 
 import minifer as mf
 import minifer.speculative as spec
@@ -38,7 +38,8 @@ def _drafters(draft_model):
 
 # ---- greedy: exactly the target's output -----------------------------------------------------
 @pytest.mark.parametrize("k", range(1, 9))
-def test_greedy_equals_target_greedy(tiny, draft, tok, k):
+def test_greedy_equals_target_greedy(tiny, draft, tok, k, device):
+    tiny, draft = on_device(tiny, device), on_device(draft, device)
     params = SamplingParams(temperature=0, max_new_tokens=24)
     for prompt in PROMPTS:
         ref = mf.generate(tiny, prompt, params, tok)[0]
@@ -109,9 +110,9 @@ def test_several_prompts_run_one_by_one(tiny, draft, tok):
 
 @pytest.mark.skipif(not model_files("shakespeare")[0].is_file(),
                     reason="shipped target checkpoint not written yet (python -m minifer.training)")
-def test_shipped_pair_greedy_identical():
-    target, tokenizer = mf.load_pretrained("shakespeare")
-    draft_model, draft_tok = mf.load_pretrained("shakespeare-draft")
+def test_shipped_pair_greedy_identical(device):
+    target, tokenizer = mf.load_pretrained("shakespeare", device=device)
+    draft_model, draft_tok = mf.load_pretrained("shakespeare-draft", device=device)
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     for prompt in ("ROMEO:\nBut soft, what light", "First Citizen:\n"):
         ref = mf.generate(target, prompt, params, tokenizer)[0]
@@ -175,12 +176,12 @@ def _params(seed, **kw):
     return SamplingParams(temperature=1.0, max_new_tokens=N_NEW, seed=seed, ignore_eos=True, **kw)
 
 
-def test_sampling_matches_target_distribution():
+def test_sampling_matches_target_distribution(device):
     target, draft_model = _peaky(0), _peaky(5)
-    exact = _exact_joint(target, PROMPT3, N_NEW, _params(0))
+    exact = _exact_joint(target, PROMPT3, N_NEW, _params(0))  # on the CPU, by enumeration
     draft_exact = _exact_joint(draft_model, PROMPT3, N_NEW, _params(0))
     assert 0.5 * sum(abs(exact[s] - draft_exact[s]) for s in exact) > 0.5  # they disagree a lot
-    drafter = ModelDrafter(draft_model)
+    target, drafter = on_device(target, device), ModelDrafter(on_device(draft_model, device))
     counts = _spec_counts(target, drafter, _params, 600)
     small = Counter()
     for i in range(150):  # the first 150 runs are a sub-sample

@@ -35,6 +35,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "disagg": ("minifer.bench.commands.disagg",
                "colocated vs chunked vs disaggregated prefill under steady chats plus long "
                "prompts: the decode stream's ITL p50/p99/max gap, TTFT, K/V bytes moved"),
+    "gpu": ("minifer.bench.commands.gpu",
+            "the course's GPU claims on this GPU: probed bandwidth and bf16 FLOP/s, decode "
+            "batch 1-256 eager / CUDA graph / compiled with MBU, prefill TFLOP/s, speculative "
+            "speed-up, serving at saturation (--quick: tiny sizes on a CPU)"),
     "serve-load": ("minifer.bench.commands.serve_load",
                    "load-test an OpenAI-compatible completions server: Poisson arrivals, "
                    "streaming; TTFT/TPOT/ITL/E2EL, throughput, goodput"),

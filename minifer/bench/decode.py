@@ -17,7 +17,7 @@ The functions are plain and importable, so the lessons time things exactly as th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,13 +67,15 @@ def time_prefill(model: torch.nn.Module, prompt_tokens: int, batch: int = 1, *,
 
 
 def time_decode_step(model: torch.nn.Module, batch: int = 1, context: int = 64, *,
-                     warmup: int = 2, repeats: int = 10, seed: int = 0) -> Timing:
+                     warmup: int = 2, repeats: int = 10, seed: int = 0,
+                     step: Callable | None = None) -> Timing:
     """Time one decode step of ``batch`` sequences that each have ``context`` cached tokens.
 
     The cache is filled once, by a prefill of one sequence copied into every row (a step's cost
     does not depend on what the cache holds, and a batch-64 prefill would cost far more than
     the steps it sets up); every timed step appends one token per sequence and then rolls it
-    back, so each step sees exactly ``context`` earlier tokens.
+    back, so each step sees exactly ``context`` earlier tokens. `step`: a compiled step
+    (`minifer.generation.compiled_decode`) to time instead of the eager one.
     """
     _check_fits(model, context + 1, "context + 1")
     dev = _model_device(model)
@@ -89,7 +91,7 @@ def time_decode_step(model: torch.nn.Module, batch: int = 1, context: int = 64, 
         tokens = logits.argmax(-1).expand(batch).contiguous()
 
         def run() -> None:
-            decode_step(model, tokens, cache)
+            decode_step(model, tokens, cache, step=step)
             cache.rollback(1)
 
         return time_fn(run, warmup=warmup, repeats=repeats, device=dev)
