@@ -12,9 +12,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import on_device
 
 import minifer as mf
+from conftest import on_device
 from minifer.bench.baselines import MinifierDecoder, TextbookEngine, hf_available
 from minifer.fast.compiled import compiled_decode
 
@@ -174,7 +174,6 @@ def test_frozen_steps_are_dropped_when_weights_change(monkeypatch):
     """A frozen step holds a copy of the weights: a change in place (which torch's guards do not
     see) or a new tensor drops the compiled steps; the same weights keep them."""
     from conftest import lively_model
-
     from minifer.fast import compiled as generation
 
     resets = []

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from conftest import on_device
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import on_device
 from minifer import (
     ByteTokenizer,
     Completion,

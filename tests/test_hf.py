@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import logits_atol, on_device
 
+from conftest import logits_atol, on_device
 from minifer import GPT, SamplingParams, generate
 
 transformers = pytest.importorskip("transformers")

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
-from conftest import logits_atol, on_device
 
 import minifer as mf
+from conftest import logits_atol, on_device
 from minifer import GPT, StaticKVCache, decode_step, prefill
 
 ATOL = 1e-5

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from conftest import lively_model, on_device
 
 import minifer as mf
+from conftest import lively_model, on_device
 from minifer.quality import greedy_agreement, max_logit_diff
 from minifer.quantization import (
     QuantizedLinear,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import on_device
 
 import minifer as mf
+from conftest import on_device
 from minifer import LLMEngine, SamplingParams
 from minifer.fast.native import build_tools_problem
 from minifer.serve.engine import RequestOutput

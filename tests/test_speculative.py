@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import lively_model, on_device
 
 import minifer as mf
 import minifer.speculative as spec
+from conftest import lively_model, on_device
 from minifer import ByteTokenizer, GPTConfig, SamplingParams
 from minifer.pretrained import model_files
 from minifer.sampling import process_logits
