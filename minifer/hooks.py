@@ -58,8 +58,8 @@ def generation_threads(threads: int | str | None, device: torch.device | str
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 rowsum: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """A W8A8 layer's product ``x`` [M, K] by its int8 weight, or None: the layer then runs it
-    in torch's quantized engine. (`minifer.fast.int8_gemv` runs one row on its own kernel.)"""
+    """A W8A8 layer's product ``x`` [M, K] by its int8 weight, or None: the layer then computes
+    `quantization.w8a8_reference`. (`minifer.fast.int8_gemv` gives the same numbers faster.)"""
     return None
 
 

@@ -381,8 +381,8 @@ class QuantizedLinear(nn.Module):
     * ``bias`` in float, when the layer has one.
 
     The integer path (``impl="integer"``) stores what the reference path stores, and besides it
-    the weight prepacked for the quantized engine (not a buffer: it is rebuilt from
-    ``qweight`` and ``scales`` when missing, e.g. after loading a state dict).
+    each weight row's sum for minifer's one-row kernel (not a buffer: rebuilt when missing,
+    e.g. after loading a state dict).
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int, *,

@@ -79,15 +79,15 @@ def test_kernel_rejects_what_it_cannot_read():
 
 @needs_kernel
 @pytest.mark.skipif(integer_problem() is not None, reason=f"no W8A8 path: {integer_problem()}")
-def test_the_int8_layer_runs_the_kernel_at_one_row_and_the_engine_at_more():
+def test_the_int8_layer_gives_the_references_numbers_at_one_row_and_at_more():
     lin = torch.nn.Linear(256, 96)
     layer = QuantizedLinear.from_linear(lin, 8, impl="integer")
     x = torch.randn(4, 256)
     ref = G.w8a8_reference(x[:1], layer.qweight, layer.scales, layer.bias)
     assert torch.equal(layer(x[:1]), ref)
     assert torch.equal(layer(x[:1].view(1, 1, 256))[0], ref)  # a decode step's [B, 1, C]
-    batched = layer(x)  # the quantized engine: its own rounding, within the same bound
-    assert (batched[:1] - ref).abs().max() <= 0.03 * ref.abs().max()
+    batched = layer(x)  # torch._int_mm (or the reference): the same numbers, row by row
+    assert torch.equal(batched, G.w8a8_reference(x, layer.qweight, layer.scales, layer.bias))
     import copy
 
     moved = copy.deepcopy(layer)
@@ -127,8 +127,8 @@ print(json.dumps(out))
 def test_compiled_int8_step_matches_eager():
     """``compile=True`` on a W8A8 model: at batch 1 the compiled step calls the same kernel
     (torch.compile traces through it) and gives eager's greedy tokens (where the CPU has the
-    kernel); at 2 rows it runs `w8a8_int_mm` (the quantized engine's packed weights cannot be
-    traced), whose rounding differs from the engine's a little: its logits stay close. A child process: inductor's code may change the
+    kernel); at 2 rows both run `w8a8_int_mm`, and inductor may fuse its float epilogue into
+    other operations: the logits stay close. A child process: inductor's code may change the
     process's floating-point mode."""
     from test_fast_decode import _inductor_can_run
 
@@ -141,6 +141,5 @@ def test_compiled_int8_step_matches_eager():
     eager, compiled = got["tokens"]
     if G.GEMV.available():  # the same kernel, eager and compiled
         assert compiled == eager
-    # at 2 rows the two round the activations differently (7 or 8 bits, asymmetric or not):
-    # each is ~1% of a layer's output off the float product, the logits a few percent apart
+    # at 2 rows the same integer sums; the compiled float epilogue may round in another order
     assert got["max_diff"] <= 0.05 * got["scale"], got

@@ -26,7 +26,7 @@ def _bf16_call():
 
 
 @pytest.mark.parametrize("kernel, flag, instead, call", [
-    (int8_gemv.Int8Gemv, "avx512_vnni", "quantized engine", _int8_call),
+    (int8_gemv.Int8Gemv, "avx512_vnni", "torch._int_mm", _int8_call),
     (bf16_gemv.Bf16Gemv, "avx512_bf16", "oneDNN", _bf16_call),
 ])
 def test_another_cpu_or_a_failed_build_keeps_to_the_reference(monkeypatch, kernel, flag,

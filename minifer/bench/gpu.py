@@ -42,7 +42,8 @@ import torch
 
 from ..config import GPTConfig
 from ..device import as_device, sync
-from ..generation import compiled_decode, decode_step
+from ..fast.compiled import compiled_decode
+from ..generation import decode_step
 from ..model import GPT
 from ..roofline import ModelSpec, kv_cache_bytes, mbu, prefill_time
 from .decode import time_decode_step, time_prefill

@@ -55,7 +55,7 @@ def w8a8_int_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """`w8a8_reference` with the integer product in ``torch._int_mm`` (int8 × int8 → int32, the
     same sums): what a compiled step runs where it cannot call the C++ kernel, since
-    `torch.compile` traces through it (and not through the quantized engine's packed weights).
+    `torch.compile` traces through it.
     Where ``torch._int_mm`` is not exact (`INT_MM_EXACT`), the reference instead."""
     if not INT_MM_EXACT or x.shape[1] < 2:
         return w8a8_reference(x, w, scales, bias)
@@ -74,7 +74,7 @@ class Int8Gemv(NativeKernel):
     kernel, source, flags = "int8_gemv", SOURCE, VNNI_FLAGS
     cflags, isa = ["-march=x86-64-v4", "-mavx512vnni", "-ffp-contract=off"], "avx512vnni"
     namespace, op = "minifer_int8", "gemv"
-    instead = "int8 layers at batch 1 run in PyTorch's quantized engine"
+    instead = "int8 layers at batch 1 compute the same numbers with torch._int_mm"
 
     @staticmethod
     def shape(x, w, scales, rowsum, bias):
