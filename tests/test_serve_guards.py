@@ -353,6 +353,24 @@ def test_the_command_line_takes_the_key_from_an_option_or_the_environment(monkey
     assert server_options(args)["allowed_hosts"] == ["box.lan", "localhost"]
 
 
+def test_an_empty_api_key_is_an_error_at_start(monkeypatch, capsys):
+    """``--api-key ""`` or ``MINIFER_API_KEY=""`` (an unset shell variable) must not silently
+    turn authentication off: the server refuses to start."""
+    from minifer.serve.__main__ import build_parser, main, server_options
+
+    monkeypatch.delenv("MINIFER_API_KEY", raising=False)
+    for argv in (["--api-key", ""], ["--api-key", "  "]):
+        with pytest.raises(ValueError, match="--api-key is empty"):
+            server_options(build_parser().parse_args(argv))
+    monkeypatch.setenv("MINIFER_API_KEY", "")
+    with pytest.raises(ValueError, match=r"\$MINIFER_API_KEY is empty"):
+        server_options(build_parser().parse_args([]))
+    assert server_options(build_parser().parse_args(["--api-key", "k"]))["api_key"] == "k"
+    with pytest.raises(SystemExit) as exit_:  # before any model is loaded
+        main(["--model", "no-such-model"])
+    assert exit_.value.code == 2 and "MINIFER_API_KEY is empty" in capsys.readouterr().err
+
+
 # ---- priorities ----------------------------------------------------------------------------
 def test_priority_counts_only_when_the_server_schedules_by_priority(server, tiny_model):
     url, _ = server

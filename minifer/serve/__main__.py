@@ -100,8 +100,22 @@ def _threads(value: str) -> int | str:
     return parse_threads(value)
 
 
+def api_key(flag: str | None) -> str | None:
+    """The key from ``--api-key``, else from ``$MINIFER_API_KEY``, else None (no key). An empty
+    or blank key is a ValueError: ``--api-key "$UNSET"`` must not turn authentication off."""
+    for where, key in (("--api-key", flag), (f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV))):
+        if key is None:
+            continue
+        if not key.strip():
+            raise ValueError(f"{where} is empty: give a key, or leave it out (unset "
+                             f"${API_KEY_ENV}) to serve without one")
+        return key
+    return None
+
+
 def server_options(args: argparse.Namespace) -> dict:
-    """`create_app`'s options from the command line (the API key from the environment too)."""
+    """`create_app`'s options from the command line (the API key from the environment too).
+    ValueError for an empty API key."""
     from .api import LOOPBACK_HOSTS
 
     hosts = args.allowed_hosts
@@ -109,7 +123,7 @@ def server_options(args: argparse.Namespace) -> dict:
         hosts = list(LOOPBACK_HOSTS) if args.host in LOOPBACK_HOSTS else None
     return dict(max_model_len=args.max_model_len, max_tokens=args.max_tokens,
                 request_timeout_s=args.request_timeout, max_waiting=args.max_waiting,
-                api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                api_key=api_key(args.api_key),
                 allowed_hosts=hosts, scheduling_policy=args.scheduling_policy,
                 read_timeout_s=args.read_timeout, max_header_bytes=args.max_header_bytes,
                 threads=args.threads, engine_in=args.engine_in, replicas=args.engine_replicas)
@@ -129,7 +143,12 @@ def load_model(name: str, device=None):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = server_options(args)
+    except ValueError as err:
+        parser.error(str(err))  # exits 2 with the usage, before anything is loaded
     import uvicorn
 
     import minifer as mf
@@ -145,7 +164,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                        enable_chunked_prefill=args.enable_chunked_prefill,
                        enable_prefix_caching=args.enable_prefix_caching, aging=args.aging,
                        kv_read=args.kv_read)
-    options = server_options(args)
     app = create_app(engine, model_name=args.served_model_name or args.model,
                      model_root=args.model, **options)
     if options["api_key"] is None and args.host not in ("127.0.0.1", "localhost", "::1"):
