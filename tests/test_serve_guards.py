@@ -166,6 +166,48 @@ def test_405_names_the_allowed_methods(server):
     assert r.json()["error"]["code"] == "method_not_allowed"
 
 
+def test_put_and_patch_get_405_and_head_health_works(server):
+    """Methods a route does not take are 405 naming the allowed ones, whatever the body's
+    type (not 415); ``HEAD /health`` answers like ``GET`` without a body."""
+    url, _ = server
+    for path, allowed in (("/health", "GET"), ("/v1/models", "GET"), ("/metrics", "GET"),
+                          ("/v1/completions", "POST")):
+        for method in ("PUT", "PATCH"):
+            for headers in ({}, {"Content-Type": "text/plain"}):
+                r = httpx.request(method, f"{url}{path}", content=b"x", headers=headers)
+                assert r.status_code == 405, (method, path, r.status_code)
+                assert allowed in r.headers["allow"]
+                assert r.json()["error"]["code"] == "method_not_allowed"
+    r = httpx.head(f"{url}/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_a_huge_unknown_field_name_is_not_echoed_back_whole(server):
+    url, _ = server
+    name = "x" * 900_000
+    r = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny", "prompt": "hi", "'
+                   + name.encode() + b'": 1}', headers={"Content-Type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "unknown_parameter"
+    assert len(r.content) < 2_000 and len(err["param"]) < 200 and "900,000" in err["param"]
+
+
+@pytest.mark.parametrize("field", ["stream", "echo", "ignore_eos"])
+@pytest.mark.parametrize("value", ["true", "false", "1", 1, 0, "yes", None])
+def test_booleans_are_strict(server, field, value):
+    """Only JSON true/false (or null) for a boolean: truthy strings and numbers are refused."""
+    url, _ = server
+    r = httpx.post(f"{url}/v1/completions", json={**BODY, field: value})
+    if value is None:
+        assert r.status_code == 200
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+    r = httpx.post(f"{url}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "logprobs": value, "stream_options": {"include_usage": value}, "stream": True})
+    assert r.status_code == (200 if value is None else 400)
+
+
 # ---- hang-ups ----------------------------------------------------------------------------
 def test_a_non_streaming_client_that_hangs_up_is_aborted_at_once(server):
     """Tokens keep coming every few ms, so a check "after 0.5 s without a token" never ran."""

@@ -149,7 +149,8 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                        read_timeout_s=float(min(read_timeout_s, request_timeout_s)))
     routes.add_error_handlers(app)
     app.include_router(routes.router)
-    _document_this_server(app, model_name, limits.max_tokens, vocab_size)
+    _document_this_server(app, model_name, limits.max_tokens, vocab_size,
+                          priorities=scheduling_policy == "priority")
     return app
 
 
@@ -212,9 +213,11 @@ def _bound_ints(schema: Any, maximum: int) -> None:
             _bound_ints(value, maximum)
 
 
-def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int) -> None:
-    """The schema of this server: its model name, ``max_tokens`` limit and vocabulary in the
-    bodies, and without FastAPI's default 422 (validation errors are 400s here)."""
+def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int,
+                          priorities: bool) -> None:
+    """The schema of this server: its model name, ``max_tokens`` limit, vocabulary and (first
+    come, first served) ``priority`` 0 in the bodies, and without FastAPI's default 422
+    (validation errors are 400s here)."""
     original = app.openapi
 
     def openapi():
@@ -236,6 +239,10 @@ def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int
                             option["maximum"] = max_tokens
                 if "prompt" in props:
                     _bound_ints(props["prompt"], vocab_size - 1)
+                if not priorities and "priority" in props:  # refused unless 0 (or null)
+                    for option in props["priority"].get("anyOf", []):
+                        if option.get("type") == "integer":
+                            option["minimum"] = option["maximum"] = 0
             app.openapi_schema = schema
         return app.openapi_schema
 

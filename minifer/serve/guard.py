@@ -2,7 +2,7 @@
 
 `Guard` is plain ASGI middleware around the whole app: the ``Host`` header must name this
 machine (loopback binds; stops DNS rebinding), an ``Authorization: Bearer`` key when the server
-has one (every route but ``/health``), request bodies must be JSON (415 otherwise: a web page
+has one (every route but ``/health``), POST bodies must be JSON (415 otherwise: a web page
 cannot post to the server without a CORS preflight, which it does not answer), at most
 `MAX_BODY_BYTES` (413) arriving within `READ_TIMEOUT_S` (408), headers of at most
 `MAX_HEADER_BYTES` (431). Any exception a route raises becomes one OpenAI-style JSON 500 and
@@ -136,7 +136,7 @@ class Guard:
                 return APIError(401, f"{why} was provided: send the server's key as "
                                 "'Authorization: Bearer <key>'", code="invalid_api_key",
                                 headers={"WWW-Authenticate": "Bearer"})
-        if scope.get("method") in self.BODY_METHODS:
+        if scope.get("method") == "POST":  # the routes' only method with a body (PUT: 405)
             ctype = h.get("content-type", "").split(";")[0].strip().lower()
             if ctype != "application/json" and not (ctype.startswith("application/")
                                                     and ctype.endswith("+json")):

@@ -53,6 +53,7 @@ __all__ = ["APIError", "CompletionRequest", "Limits", "CompletionBody", "ChatCom
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 NEG_INF_LOGPROB = -9999.0  # what vLLM reports for a logprob of -inf
+MAX_NAME_SHOWN = 64  # an unknown field's name is echoed back at most this long
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
@@ -228,6 +229,12 @@ class ResponseFormat(_Body):
 class ChatCompletionBody(_Sampling):
     """``POST /v1/chat/completions``."""
 
+    # the schema says what `parse_chat_request` checks: top_logprobs only with logprobs true
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"required": ["top_logprobs"],
+               "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = _f(
         ..., "a non-empty list of messages", "The conversation so far.")
     max_completion_tokens: Int(ge=1) | None = _f(
@@ -263,6 +270,11 @@ def _short(value: Any) -> str:
         return "a huge number"
 
 
+def _cut(name: str, most: int = MAX_NAME_SHOWN) -> str:
+    """A name the client sent, as an error message shows it: at most `most` characters."""
+    return name if len(name) <= most else f"{name[:most]}…({len(name):,} characters)"
+
+
 def validation_error(errors: Sequence[dict], model: type[BaseModel]) -> APIError:
     """Pydantic's errors for a `model` body as one OpenAI-style 400 naming the parameter
     (``messages[0].content``) and what it allows."""
@@ -282,8 +294,8 @@ def validation_error(errors: Sequence[dict], model: type[BaseModel]) -> APIError
                 names[-1] += f"[{part}]"
             continue
         if cls is None or part not in cls.model_fields:
-            if e.get("type") == "extra_forbidden":
-                names.append(str(part))
+            if e.get("type") == "extra_forbidden":  # the client's name, cut short if huge
+                names.append(_cut(str(part)))
             break
         info = cls.model_fields[part]
         names.append(part)

@@ -99,6 +99,12 @@ async def health(request: Request):
     return {"status": "ok"}
 
 
+@router.head("/health", include_in_schema=False)
+async def health_head(request: Request):
+    """``HEAD /health``: the status of ``GET /health`` without a body (load balancers)."""
+    return Response(status_code=503 if not state(request).async_engine.alive else 200)
+
+
 @router.get("/v1/models", response_model=S.ModelList, responses=COMMON,
             summary="The served model")
 async def models(request: Request):
