@@ -190,7 +190,7 @@ def test_metrics_read_the_engines_queues_and_prefix_cache(tiny_model):
 # ---- bad input -----------------------------------------------------------------------------
 BAD = [
     ({"max_tokens": -1}, "max_tokens"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),  # only with echo
     ({"max_tokens": "ten"}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -200,7 +200,8 @@ BAD = [
     ({"prompt": "x" * 100, "max_tokens": 40}, "prompt"),  # 100 + 40 - 1 > 128
     ({"prompt": ""}, "prompt"),
     ({"prompt": [1, 2, 999]}, "prompt"),  # outside the vocabulary
-    ({"prompt": ["a", "b"]}, "prompt"),  # one prompt per request
+    ({"prompt": ["a"] * 129}, "prompt"),  # at most 128 prompts per request
+    ({"prompt": ["a", "x" * 300]}, "prompt[1]"),  # which of the prompts is too long
     ({"model": "gpt-4"}, "model"),
     ({"model": None}, "model"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),

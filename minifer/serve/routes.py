@@ -139,8 +139,8 @@ async def prometheus(request: Request):
              summary="OpenAI's completions API")
 async def completions(body: P.CompletionBody, request: Request):
     s = state(request)
-    req = await asyncio.to_thread(P.parse_completion_request, body, **s.parse_options())
-    return await generate(req, request)
+    reqs = await asyncio.to_thread(P.parse_completion_requests, body, **s.parse_options())
+    return await generate(reqs, request)
 
 
 @router.post("/v1/chat/completions", response_model=S.ChatCompletionResponse,
@@ -148,31 +148,49 @@ async def completions(body: P.CompletionBody, request: Request):
 async def chat_completions(body: P.ChatCompletionBody, request: Request):
     s = state(request)
     req = await asyncio.to_thread(P.parse_chat_request, body, **s.parse_options())
-    return await generate(req, request)
+    return await generate([req], request)
 
 
-async def generate(req: P.CompletionRequest, request: Request):
-    """Hand a checked request to the engine; answer whole or as a stream of events."""
+async def generate(reqs: list, request: Request):
+    """Hand checked requests (one per prompt) to the engine at once; answer whole (one choice
+    per prompt) or as one stream of events."""
     s = state(request)
-    limits, aengine = s.limits, s.async_engine
+    limits = s.limits
     deadline = request.scope.get("minifer.arrival", time.monotonic()) + limits.request_timeout_s
-    try:
-        handle = await asyncio.wait_for(
-            aengine.add(req.prompt_ids, req.params, req.priority,
-                        prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None
-                        else None, **req.engine_options()),
-            max(deadline - time.monotonic(), 0.001))
-    except asyncio.TimeoutError:  # the engine did not even take it in time
-        raise timeout_error(limits.request_timeout_s) from None
-    if req.stream:
-        streamer = R.Streamer(req, s.tokenizer, handle.prompt_logprobs)
-        return StreamingResponse(stream_events(streamer, handle, s, deadline),
+    handles = await _add_all(reqs, s, deadline)
+    if reqs[0].stream:
+        streams = [(R.Streamer(req, s.tokenizer, h.prompt_logprobs), h)
+                   for req, h in zip(reqs, handles)]
+        return StreamingResponse(stream_events(streams, s, deadline),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    out = await collect(handle, s, deadline, request)
-    if out is None:  # the client left; nobody reads this
+    outs = await collect(handles, s, deadline, request)
+    if outs is None:  # the client left; nobody reads this
         return Response(status_code=204)
-    return R.reply_body(req, out, s.tokenizer, handle.prompt_logprobs)
+    return R.merge_bodies([R.reply_body(req, out, s.tokenizer, h.prompt_logprobs)
+                           for req, out, h in zip(reqs, outs, handles)])
+
+
+async def _add_all(reqs: list, s: ServerState, deadline: float) -> list:
+    """Every request added to the engine, or none: the first refusal aborts the others."""
+    async def add(req):
+        return await s.async_engine.add(
+            req.prompt_ids, req.params, req.priority,
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+            **req.engine_options())
+
+    tasks = [asyncio.ensure_future(add(req)) for req in reqs]
+    try:  # (the engine did not even take them in time: a timeout)
+        await asyncio.wait_for(asyncio.gather(*tasks), max(deadline - time.monotonic(), 0.001))
+    except BaseException as err:
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is None:
+                s.async_engine.abort(t.result().request_id)
+            t.cancel()
+        if isinstance(err, asyncio.TimeoutError):
+            raise timeout_error(s.limits.request_timeout_s) from None
+        raise
+    return [t.result() for t in tasks]
 
 
 def timeout_error(limit_s: float) -> APIError:
@@ -188,31 +206,40 @@ async def _until_disconnect(receive) -> None:
             return
 
 
-async def collect(handle, s: ServerState, deadline: float, request: Request):
-    """Wait for the whole answer; abort as soon as the client leaves or the timeout passes.
-    The last `RequestOutput`, or None if the client left."""
-    gone = asyncio.ensure_future(_until_disconnect(request.receive))
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise timeout_error(s.limits.request_timeout_s)
-            nxt = asyncio.ensure_future(handle.next())
-            done, _ = await asyncio.wait({nxt, gone}, timeout=left,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in done:
-                nxt.cancel()
-                if gone in done:
-                    return None  # nobody to answer; `finally` aborts the request
-                raise timeout_error(s.limits.request_timeout_s)
-            out = nxt.result()
-            if out.finished:
-                return out
-    finally:
-        gone.cancel()
+def _abort_unfinished(handles, s: ServerState) -> None:
+    for handle in handles:
         if not handle.finished:
             s.async_engine.abort(handle.request_id)
             s.metrics.aborted.inc()
+
+
+async def collect(handles: list, s: ServerState, deadline: float, request: Request):
+    """Wait for the whole answers; abort them as soon as the client leaves or the timeout
+    passes. The last `RequestOutput` of each, or None if the client left."""
+    gone = asyncio.ensure_future(_until_disconnect(request.receive))
+    outs = []
+    try:
+        for handle in handles:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise timeout_error(s.limits.request_timeout_s)
+                nxt = asyncio.ensure_future(handle.next())
+                done, _ = await asyncio.wait({nxt, gone}, timeout=left,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if nxt not in done:
+                    nxt.cancel()
+                    if gone in done:
+                        return None  # nobody to answer; `finally` aborts the requests
+                    raise timeout_error(s.limits.request_timeout_s)
+                out = nxt.result()
+                if out.finished:
+                    outs.append(out)
+                    break
+        return outs
+    finally:
+        gone.cancel()
+        _abort_unfinished(handles, s)
 
 
 def event(obj: dict) -> bytes:
@@ -220,36 +247,74 @@ def event(obj: dict) -> bytes:
     return b"data: " + json_bytes(obj) + b"\n\n"
 
 
-async def stream_events(streamer, handle, s: ServerState, deadline: float):
-    """Server-sent events: one chunk per generated token (its text may be "" while held back),
-    the finish reason on the last, then usage (if asked for) and ``[DONE]``."""
-    n = 0
+async def _events(streamer, handle, s: ServerState, deadline: float, sent: list[int]):
+    """One request's events: one chunk per generated token (its text may be "" while held
+    back), the finish reason on the last; an error event ends it early. `sent`: its count of
+    tokens, kept up to date (for usage)."""
+    for first in streamer.first():
+        yield event(first)
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise asyncio.TimeoutError
+            out = await handle.next(timeout=left)
+        except asyncio.TimeoutError:
+            yield event(timeout_error(s.limits.request_timeout_s).body())
+            return
+        except APIError as err:
+            yield event(err.body())
+            return
+        sent[0] = 0 if streamer.req.score_only else len(out.token_ids)
+        yield event(streamer.step(out))
+        if out.finished:
+            return
+
+
+async def stream_events(streams: list, s: ServerState, deadline: float):
+    """Server-sent events of every request (a list of prompts: their chunks interleaved as
+    they come, each naming its choice's index), then usage (if asked for) and ``[DONE]``."""
+    counts = [[0] for _ in streams]
+    gens = [_events(st, h, s, deadline, n) for (st, h), n in zip(streams, counts)]
     try:
-        for first in streamer.first():
-            yield event(first)
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0:
-                    raise asyncio.TimeoutError
-                out = await handle.next(timeout=left)
-            except asyncio.TimeoutError:
-                yield event(timeout_error(s.limits.request_timeout_s).body())
-                break
-            except APIError as err:
-                yield event(err.body())
-                break
-            n = len(out.token_ids)
-            yield event(streamer.step(out))
-            if out.finished:
-                if streamer.req.include_usage:
-                    yield event(streamer.usage(n))
-                break
+        if len(gens) == 1:  # one prompt: its events as they come
+            async for chunk in gens[0]:
+                yield chunk
+        else:
+            async for chunk in _merge(gens):
+                yield chunk
+        first = streams[0][0]
+        if first.req.include_usage:
+            yield event(first.usage(sum(n[0] for n in counts),
+                                    sum(len(st.req.prompt_ids) for st, _ in streams)))
         yield b"data: [DONE]\n\n"
     finally:  # also runs when the client disconnects (the generator is cancelled)
-        if not handle.finished:
-            s.async_engine.abort(handle.request_id)
-            s.metrics.aborted.inc()
+        _abort_unfinished([h for _, h in streams], s)
+
+
+async def _merge(gens: list):
+    """The items of several async generators, in the order they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(gen) -> None:
+        try:
+            async for item in gen:
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 # ---- errors --------------------------------------------------------------------------------
