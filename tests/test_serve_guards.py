@@ -337,9 +337,15 @@ def test_huge_headers_get_431_however_they_arrive(server, pieces):
 
 
 def test_connections_are_limited(tiny_model):
+    """Connections that passed the guard (kept alive after a request) are never evicted: past
+    the limit a new one gets 503."""
     engine = LLMEngine(tiny_model, mf.ByteTokenizer())
-    with running_server(engine=engine, model_name="tiny", max_connections=2) as url:
-        held = [socket.create_connection(address(url)) for _ in range(2)]
+    with running_server(engine=engine, model_name="tiny", max_connections=3) as url:
+        held = []
+        for _ in range(2):  # uvicorn answers while fewer than max_connections are open
+            held.append(socket.create_connection(address(url)))
+            held[-1].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert read_response(held[-1])[0] == 200
         try:
             r = httpx.get(f"{url}/health")
             assert r.status_code == 503
@@ -347,6 +353,100 @@ def test_connections_are_limited(tiny_model):
             for s in held:
                 s.close()
         time.sleep(0.1)
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"a") -> bool:
+    """Whether the server closes `sock` within `seconds` while the client trickles a byte
+    every 0.1 s (what used to keep the connection open for ever)."""
+    sock.settimeout(0.1)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except TimeoutError:
+            pass
+        except OSError:
+            return True
+        try:
+            sock.sendall(trickle)
+        except OSError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("case", ["401 before the body", "408 for a slow body"])
+def test_an_error_with_an_unread_body_closes_the_connection(tiny_model, case):
+    engine = LLMEngine(tiny_model, mf.ByteTokenizer())
+    with running_server(engine=engine, model_name="tiny", api_key=KEY,
+                        read_timeout_s=0.5) as url:
+        body = json.dumps(BODY).encode()
+        key = {"Authorization": f"Bearer {KEY}"} if case.startswith("408") else {}
+        with socket.create_connection(address(url), timeout=10) as sock:
+            sock.sendall(request_bytes(body, headers=key)[:-10])
+            status, headers, _ = read_response(sock)
+            assert status == (401 if case.startswith("401") else 408)
+            assert headers["connection"] == "close"
+            assert _closed_within(sock, 2.0)
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
+                         ).status_code == 200
+
+
+def test_hundreds_of_trickling_clients_never_lock_out_a_client_with_the_key(tiny_model):
+    """300 connections on 127.0.0.1 trickle their headers, or a body the server refused (401),
+    one byte at a time, against a limit of 32 connections and a read timeout longer than the
+    test: a client with the key is still answered at once, and the refused ones are closed."""
+    async def trickler(host: str, port: int, head: bytes, stop: asyncio.Event) -> bool:
+        """Trickle until told to stop; whether the server closed the connection first."""
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            return True
+        try:
+            writer.write(head)
+            while not stop.is_set():
+                await writer.drain()
+                try:
+                    if await asyncio.wait_for(reader.read(65536), 0.2) == b"":
+                        return True
+                except asyncio.TimeoutError:
+                    pass
+                writer.write(b"a")
+            return False
+        except OSError:
+            return True
+        finally:
+            writer.close()
+
+    engine = LLMEngine(tiny_model, mf.ByteTokenizer(), max_num_seqs=4)
+    with running_server(engine=engine, model_name="tiny", api_key=KEY, max_connections=32,
+                        read_timeout_s=30) as url:
+        host, port = address(url)
+        partial_headers = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+        refused_body = request_bytes(b"{" + b" " * 999)[:-900]  # no key, body unfinished
+
+        async def attack() -> tuple[list[bool], list[bool], httpx.Response, float]:
+            stop = asyncio.Event()
+            slow = [asyncio.ensure_future(trickler(host, port, partial_headers, stop))
+                    for _ in range(200)]
+            refused = [asyncio.ensure_future(trickler(host, port, refused_body, stop))
+                       for _ in range(100)]
+            await asyncio.sleep(1.5)  # all connected and trickling
+            async with httpx.AsyncClient(timeout=10) as http:
+                t0 = time.monotonic()
+                r = await http.post(f"{url}/v1/completions", json=BODY,
+                                    headers={"Authorization": f"Bearer {KEY}"})
+                took = time.monotonic() - t0
+            await asyncio.sleep(0.5)
+            stop.set()
+            return (await asyncio.gather(*slow), await asyncio.gather(*refused), r, took)
+
+        slow, refused, r, took = asyncio.run(attack())
+        assert r.status_code == 200, r.text
+        assert took < 5
+        assert all(refused)  # each got its 401 and was closed
+        assert sum(slow) >= 200 - 32  # the limit held: most were evicted
         assert httpx.get(f"{url}/health").status_code == 200
 
 
