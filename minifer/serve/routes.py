@@ -94,9 +94,15 @@ router = APIRouter()
 @router.get("/health", response_model=S.Health, responses={503: ERRORS[503], **COMMON},
             summary="200 while the engine loop runs")
 async def health(request: Request):
-    if not state(request).async_engine.alive:
+    aengine = state(request).async_engine
+    if not aengine.alive:
         return reply(APIError(503, "the engine loop is not running", type="server_error"))
-    return {"status": "ok"}
+    counts = getattr(aengine, "replicas_alive", None)  # `EngineReplicas`
+    if counts is None:
+        return {"status": "ok"}
+    live, total = counts
+    return {"status": "ok" if live == total else "degraded", "replicas": total,
+            "replicas_alive": live}
 
 
 @router.head("/health", include_in_schema=False)
