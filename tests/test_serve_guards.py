@@ -567,3 +567,45 @@ def test_a_burst_is_queued_by_default_and_a_429_says_when_to_retry(tiny_model):
         assert full[0].headers["retry-after"] == "1"
         err = full[0].json()["error"]
         assert (err["type"], err["code"]) == ("rate_limit_error", "queue_full")
+
+
+# ---- shutdown ------------------------------------------------------------------------------
+def _events_of_stream(url: str, max_tokens: int, events: list, started) -> None:
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+
+
+def test_shutdown_drains_then_ends_each_stream_with_an_error_and_done(tiny_model):
+    """On SIGTERM (uvicorn's ``should_exit``) a short answer still finishes within the grace;
+    a longer one gets an error event naming the shutdown and ``[DONE]``, not a cut connection."""
+    import threading
+
+    engine = Slow(LLMEngine(tiny_model, mf.ByteTokenizer(), max_num_seqs=4), delay=0.05)
+    short, long_ = [], []
+    started = [threading.Event(), threading.Event()]
+    with running_server(engine=engine, model_name="tiny", shutdown_grace_s=2.0) as url:
+        threads = [threading.Thread(target=_events_of_stream, args=(url, n, out, ev))
+                   for n, out, ev in ((10, short, started[0]), (100, long_, started[1]))]
+        for t in threads:
+            t.start()
+        assert all(ev.wait(20) for ev in started)
+        t0 = time.monotonic()
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(10)
+    assert 1.0 < took < 6  # it waited for the grace, and not much longer
+    assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"]
+    assert long_[-1] == "[DONE]" and len(long_) < 100
+    assert json.loads(long_[-2])["error"]["code"] == "shutting_down"
+
+
+def test_the_command_line_takes_a_shutdown_grace():
+    from minifer.serve.__main__ import build_parser
+
+    assert build_parser().parse_args([]).shutdown_grace == 30.0
+    assert build_parser().parse_args(["--shutdown-grace", "5"]).shutdown_grace == 5.0

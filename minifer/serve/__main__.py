@@ -23,7 +23,13 @@ API_KEY_ENV = "MINIFER_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .api import MAX_CONNECTIONS, MAX_HEADER_BYTES, READ_TIMEOUT_S, SCHEDULING_POLICIES
+    from .api import (
+        MAX_CONNECTIONS,
+        MAX_HEADER_BYTES,
+        READ_TIMEOUT_S,
+        SCHEDULING_POLICIES,
+        SHUTDOWN_GRACE_S,
+    )
     from .async_engine import DEFAULT_MAX_WAITING
     from .engine_process import ENGINES
     from .kv_pool import READS
@@ -78,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="connections at once; more get 503")
     lim.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES,
                      help="largest request headers (431 past it)")
+    lim.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
+                     help="on SIGTERM or Ctrl-C, seconds the requests in flight have to "
+                          "finish; then each open stream gets an error event and [DONE]")
     p.add_argument("--threads", type=_threads, default="auto",
                    help="torch CPU threads for the engine's steps, or 'auto' (the default): "
                         "the cores other programs leave free, followed as they change")
@@ -149,11 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = server_options(args)
     except ValueError as err:
         parser.error(str(err))  # exits 2 with the usage, before anything is loaded
-    import uvicorn
 
     import minifer as mf
 
-    from .api import create_app, server_config
+    from .api import create_app, make_server, server_config
     from .engine import LLMEngine
 
     device = args.device or str(mf.default_device())
@@ -171,9 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"machines, and it has no API key (--api-key or ${API_KEY_ENV})", file=sys.stderr)
     print(f"minifer: serving {args.model!r} ({engine!r}) on http://{args.host}:{args.port}"
           f"{' (API key required)' if options['api_key'] else ''}", file=sys.stderr)
-    uvicorn.Server(server_config(app, max_connections=args.max_connections,
-                                 log_level=args.log_level, host=args.host,
-                                 port=args.port)).run()
+    make_server(server_config(app, max_connections=args.max_connections,
+                              log_level=args.log_level, host=args.host, port=args.port,
+                              shutdown_grace_s=args.shutdown_grace)).run()
     return 0
 
 

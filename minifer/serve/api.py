@@ -62,13 +62,14 @@ from .guard import (
 from .prometheus import ServerMetrics
 from .replicas import EngineReplicas
 
-__all__ = ["create_app", "running_server", "server_config", "ServerMetrics", "DEFAULT_HOST",
-           "LOOPBACK_HOSTS"]
+__all__ = ["create_app", "running_server", "server_config", "make_server", "ServerMetrics",
+           "DEFAULT_HOST", "LOOPBACK_HOSTS", "SHUTDOWN_GRACE_S"]
 
 log = logging.getLogger("minifer.serve")
 
 DEFAULT_HOST = "127.0.0.1"  # loopback only: exposing a server to a network is a deliberate choice
 MAX_CONNECTIONS = 512  # connections (and requests in flight) at once; more get 503
+SHUTDOWN_GRACE_S = 30.0  # on SIGTERM, requests in flight have this long to finish
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 
 def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | None = None,
@@ -251,20 +252,42 @@ def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int
 
 # ---- in-process server ---------------------------------------------------------------------
 def server_config(app, *, max_connections: int = MAX_CONNECTIONS, log_level: str = "warning",
-                  **kwargs):
+                  shutdown_grace_s: float = SHUTDOWN_GRACE_S, **kwargs):
     """The `uvicorn.Config` for `app`: the h11 protocol with the app's header deadline and size
-    limit, at most `max_connections` connections, a graceful shutdown of 2 s. `kwargs`: more
-    uvicorn options (``host``, ``port``, ...)."""
+    limit, at most `max_connections` connections, a graceful shutdown of `shutdown_grace_s`
+    (see `make_server`). `kwargs`: more uvicorn options (``host``, ``port``, ...)."""
     import uvicorn
 
     if isinstance(max_connections, bool) or not isinstance(max_connections, int) \
             or max_connections < 1:
         raise ValueError(f"max_connections must be a positive integer, got {max_connections!r}")
+    if isinstance(shutdown_grace_s, bool) or not isinstance(shutdown_grace_s, (int, float)) \
+            or not 0 < shutdown_grace_s < float("inf"):
+        raise ValueError(f"shutdown_grace_s must be a positive number, got {shutdown_grace_s!r}")
     limit = app.state.max_header_bytes
     return uvicorn.Config(app, http=h11_protocol(app.state.read_timeout_s, limit),
                           log_level=log_level, h11_max_incomplete_event_size=limit,
-                          limit_concurrency=max_connections, timeout_graceful_shutdown=2,
-                          lifespan="on", **kwargs)
+                          limit_concurrency=max_connections,
+                          timeout_graceful_shutdown=shutdown_grace_s, lifespan="on", **kwargs)
+
+
+def make_server(config):
+    """A `uvicorn.Server` for `config` whose shutdown (SIGTERM, Ctrl-C, ``should_exit``) drains:
+    no new connections, and the requests in flight have the grace period
+    (``config.timeout_graceful_shutdown``) to finish; a moment before it ends, each open
+    stream gets an error event and ``[DONE]`` and each waiting answer a 503, so that no client
+    sees its connection simply cut."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            grace = float(self.config.timeout_graceful_shutdown or 0)
+            state = getattr(getattr(self.config.app, "state", None), "server", None)
+            if state is not None:
+                state.drain(time.monotonic() + grace - min(1.0, grace / 2))
+            await super().shutdown(sockets)
+
+    return Server(config)
 
 
 def _free_socket(host: str, port: int) -> socket.socket:
@@ -284,19 +307,19 @@ _APP_OPTIONS = ("model_root", "max_model_len", "max_tokens", "request_timeout_s"
 def running_server(model=None, tokenizer=None, *, engine: Any = None,
                    model_name: str = "minifer", host: str = DEFAULT_HOST, port: int = 0,
                    max_connections: int = MAX_CONNECTIONS, log_level: str = "warning",
-                   startup_timeout_s: float = 30.0, **options) -> Iterator[str]:
+                   startup_timeout_s: float = 30.0,
+                   shutdown_grace_s: float = SHUTDOWN_GRACE_S, **options) -> Iterator[str]:
     """Serve in a background thread; yields the base URL (``http://127.0.0.1:PORT``).
 
     Give a model (and tokenizer) plus `LLMEngine` options, or a ready `engine` (to look at its
     scheduler and blocks afterwards). Server options (`create_app`'s: ``max_waiting``,
     ``api_key``, ``scheduling_policy``, ...) go to the app, the rest to `LLMEngine`. ``port=0``
-    picks a free port. The server is always stopped when the block ends, even if it raised::
+    picks a free port. The server is always stopped when the block ends, even if it raised
+(requests in flight have `shutdown_grace_s` to finish)::
 
         with running_server(model, tok, model_name="shakespeare", max_num_seqs=8) as url:
             httpx.post(f"{url}/v1/completions", json={"model": "shakespeare", "prompt": "ROMEO:"})
     """
-    import uvicorn
-
     app_options = {k: options.pop(k) for k in _APP_OPTIONS if k in options}
     if engine is None:
         if model is None:
@@ -311,8 +334,8 @@ def running_server(model=None, tokenizer=None, *, engine: Any = None,
         app_options["allowed_hosts"] = None  # bound to a network address: its names are many
     app = create_app(engine, model_name=model_name, **app_options)
     sock = _free_socket(host, port)
-    server = uvicorn.Server(server_config(app, max_connections=max_connections,
-                                          log_level=log_level))
+    server = make_server(server_config(app, max_connections=max_connections,
+                                       log_level=log_level, shutdown_grace_s=shutdown_grace_s))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                               name="minifer-http", daemon=True)
     thread.start()
@@ -326,6 +349,6 @@ def running_server(model=None, tokenizer=None, *, engine: Any = None,
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         yield f"http://{shown}:{bound_port}"
     finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+        server.should_exit = True  # a graceful shutdown: see `make_server`
+        thread.join(timeout=shutdown_grace_s + 15)
         sock.close()

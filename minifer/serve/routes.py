@@ -50,6 +50,16 @@ class ServerState:
     vocab_size: int
     priorities: bool  # whether ``priority`` is honoured (``--scheduling-policy priority``)
 
+    draining_until: float | None = None  # shutting down: answers end by then (monotonic)
+
+    def drain(self, until: float) -> None:
+        """The server is shutting down: every answer still open ends by `until`."""
+        self.draining_until = until
+
+    def cut_short(self) -> bool:
+        """Whether the shutdown's grace is over for the answers still open."""
+        return self.draining_until is not None and time.monotonic() >= self.draining_until
+
     def parse_options(self) -> dict:
         """The server-dependent arguments of `protocol`'s parse functions."""
         return dict(model_name=self.model_name, limits=self.limits, tokenizer=self.tokenizer,
@@ -92,7 +102,7 @@ router = APIRouter()
 
 # ---- GET: what the server is and how it is doing -----------------------------------------
 @router.get("/health", response_model=S.Health, responses={503: ERRORS[503], **COMMON},
-            summary="200 while the engine loop runs")
+            response_model_exclude_none=True, summary="200 while the engine loop runs")
 async def health(request: Request):
     aengine = state(request).async_engine
     if not aengine.alive:
@@ -219,32 +229,46 @@ def _abort_unfinished(handles, s: ServerState) -> None:
             s.metrics.aborted.inc()
 
 
+POLL_S = 0.25  # how often a waiting answer looks whether the server is shutting down
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down and its grace period for requests in "
+                    "flight ended; retry on another server or after it restarts",
+                    type="server_error", code="shutting_down")
+
+
 async def collect(handles: list, s: ServerState, deadline: float, request: Request):
-    """Wait for the whole answers; abort them as soon as the client leaves or the timeout
-    passes. The last `RequestOutput` of each, or None if the client left."""
+    """Wait for the whole answers; abort them as soon as the client leaves, the timeout
+    passes or the server's shutdown grace ends. The last `RequestOutput` of each, or None if
+    the client left."""
     gone = asyncio.ensure_future(_until_disconnect(request.receive))
     outs = []
+    nxt = None
     try:
         for handle in handles:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise timeout_error(s.limits.request_timeout_s)
-                nxt = asyncio.ensure_future(handle.next())
-                done, _ = await asyncio.wait({nxt, gone}, timeout=left,
+                if s.cut_short():
+                    raise shutting_down()
+                if nxt is None:
+                    nxt = asyncio.ensure_future(handle.next())
+                done, _ = await asyncio.wait({nxt, gone}, timeout=min(left, POLL_S),
                                              return_when=asyncio.FIRST_COMPLETED)
-                if nxt not in done:
-                    nxt.cancel()
-                    if gone in done:
-                        return None  # nobody to answer; `finally` aborts the requests
-                    raise timeout_error(s.limits.request_timeout_s)
-                out = nxt.result()
-                if out.finished:
-                    outs.append(out)
-                    break
+                if nxt in done:
+                    out, nxt = nxt.result(), None
+                    if out.finished:
+                        outs.append(out)
+                        break
+                elif gone in done:
+                    return None  # nobody to answer; `finally` aborts the requests
         return outs
     finally:
         gone.cancel()
+        if nxt is not None:
+            nxt.cancel()
         _abort_unfinished(handles, s)
 
 
@@ -261,11 +285,16 @@ async def _events(streamer, handle, s: ServerState, deadline: float, sent: list[
         yield event(first)
     while True:
         left = deadline - time.monotonic()
+        if s.cut_short():
+            yield event(shutting_down().body())
+            return
         try:
             if left <= 0:
                 raise asyncio.TimeoutError
-            out = await handle.next(timeout=left)
+            out = await handle.next(timeout=min(left, POLL_S))
         except asyncio.TimeoutError:
+            if left > POLL_S:
+                continue  # only a look at the shutdown
             yield event(timeout_error(s.limits.request_timeout_s).body())
             return
         except APIError as err:
