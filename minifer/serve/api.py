@@ -12,22 +12,30 @@ Endpoints:
   hit rate, TTFT / TPOT / E2EL histograms, token and request counters.
 
 A request's path (claim REQ-1): the body is checked against its schema (bad input → 400 naming
-the parameter), the prompt is tokenized with the engine's own checks, and the `AsyncEngine`
-thread adds it to the engine and runs ``engine.step()`` while anything is unfinished; each
-step's `RequestOutput` reaches the handler's queue and leaves as an SSE chunk at once. At the end
-the server reports usage and the engine frees the request's KV blocks (REQ-3). Limits (MET-5):
-the context window, ``max_tokens``, a per-request timeout, a bounded waiting queue (429 with
-``Retry-After`` past it); a client that disconnects — streaming or not — aborts its request,
-which frees its blocks.
+the parameter), the prompt is tokenized with the engine's own checks (a list of prompts: each
+its own choice, all added at once), and the `AsyncEngine` thread adds it to the engine and runs
+``engine.step()`` while anything is unfinished; each step's `RequestOutput` reaches the
+handler's queue and leaves as an SSE chunk at once. At the end the server reports usage and the
+engine frees the request's KV blocks (REQ-3). Limits (MET-5): the context window (a text prompt
+too long to fit whatever its tokens is refused before it is tokenized), ``max_tokens``, a
+per-request timeout, a bounded waiting queue (429 with ``Retry-After`` past it); a client that
+disconnects — streaming or not — aborts its request, which frees its blocks.
 
-Guards (`minifer.serve.guard.Guard`, before any route): the ``Host`` header must name this machine (loopback
-binds; stops DNS rebinding), an ``Authorization: Bearer`` key when the server has one (every
-route but ``/health``), request bodies must be JSON (415 otherwise: a web page cannot post to
-the server without a CORS preflight, which it does not answer), at most `max_body_bytes` (413)
-arriving within `read_timeout_s` (408), headers of at most `max_header_bytes` (431). uvicorn
-adds: headers must arrive within `read_timeout_s` of a connection's first byte, at most
-`max_connections` at once (503). Every error — a bad request or a bug — is one OpenAI-style JSON
-body, counted in ``minifer_request_rejected_total`` by status, and leaves the connection usable.
+Guards (`minifer.serve.guard.Guard`, before any route): the ``Host`` header must name this
+machine (loopback binds; stops DNS rebinding), an ``Authorization: Bearer`` key when the server
+has one (every route but ``/health``), POST bodies must be JSON (415 otherwise: a web page
+cannot post to the server without a CORS preflight, which it does not answer), at most
+`max_body_bytes` (413) arriving within `read_timeout_s` (408), headers of at most
+`max_header_bytes` (431). Its HTTP protocol (`minifer.serve.guard.h11_protocol`) adds: headers
+within `read_timeout_s` of a request's first byte and the whole request within twice that, at
+most `max_connections` at once (503; a connection that never passed the guard gives way to a
+new one). Every error — a bad request or a bug — is one OpenAI-style JSON body, counted in
+``minifer_request_rejected_total`` by status; it leaves the connection usable unless part of
+the body is unread (then the server closes it).
+
+Shutdown (SIGTERM, Ctrl-C; `make_server`): no new connections, the requests in flight have
+``shutdown_grace_s`` (``--shutdown-grace``) to finish, then each open stream ends with an error
+event and ``[DONE]``.
 
 The routes, one function per endpoint, are in `minifer.serve.routes`; `create_app` checks its
 options, builds the engine loop and the app, and puts what the routes read on ``app.state``.
