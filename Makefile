@@ -137,6 +137,7 @@ bench: $(STAMP)
 	run serve $(BENCH_ARGS); \
 	run peers $(BENCH_ARGS); \
 	run disagg $(BENCH_ARGS); \
+	run serve-stall; \
 	echo "== make bench took $$(( $$(date +%s) - start )) s"
 
 # Retrain the shipped tokenizer and Shakespeare models (≈40 min on 2 CPU cores; resumable).

@@ -8,6 +8,15 @@ Two tokenizers share one interface (`encode`, `decode`, `vocab_size`, `eos_token
 - `Tokenizer`: a trained byte-level BPE loaded from a `tokenizer.json` written by the Hugging
   Face `tokenizers` library (the shipped Shakespeare models use one).
 
+Special tokens in text. By default a user's text that merely looks like a special token
+(``"<|endoftext|>"`` typed in a prompt) stays text: only the engine emits the real end-of-text id
+(tiktoken's default). ``encode(text, special_tokens=True)`` recognises them as the Hugging Face
+tokenizer's ``encode`` does; the OpenAI-compatible server does that, as vLLM does.
+
+`max_token_chars` is the most characters of text one token can stand for: a text of more than
+``n * max_token_chars`` characters needs more than ``n`` tokens, which a server can know before
+it tokenizes anything.
+
 Why an incremental detokenizer? A byte-level token can end in the middle of a multi-byte UTF-8
 character (an emoji is 4 bytes). Decoding each token on its own would print replacement
 characters; a streaming server instead holds those bytes back until the character is complete.
@@ -16,6 +25,7 @@ characters; a streaming server instead holds those bytes back until the characte
 from __future__ import annotations
 
 import codecs
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
@@ -30,8 +40,8 @@ class TokenizerLike(Protocol):
     vocab_size: int
     eos_token_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: Iterable[int]) -> str: ...
+    def encode(self, text: str, *, special_tokens: bool = False) -> list[int]: ...
+    def decode(self, ids: Iterable[int], *, special_tokens: bool = False) -> str: ...
     def detokenizer(self) -> Detokenizer: ...
     def token_to_text(self, token_id: int) -> str: ...
 
@@ -43,15 +53,37 @@ class ByteTokenizer:
         self.specials = tuple(specials)
         self.vocab_size = 256 + len(self.specials)
         self.eos_token_id: int | None = 256 if "<|endoftext|>" in self.specials else None
+        self.max_token_chars = max([1, *map(len, self.specials)])
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, special_tokens: bool = False) -> list[int]:
+        """UTF-8 bytes; with `special_tokens`, each special token's text is its id."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return list(text.encode("utf-8"))
+        if not special_tokens or not any(sp in text for sp in self.specials):
+            return list(text.encode("utf-8"))
+        pattern = re.compile("|".join(map(re.escape, sorted(self.specials, key=len,
+                                                            reverse=True))))
+        ids: list[int] = []
+        start = 0
+        for m in pattern.finditer(text):
+            ids += text[start:m.start()].encode("utf-8")
+            ids.append(256 + self.specials.index(m.group()))
+            start = m.end()
+        return ids + list(text[start:].encode("utf-8"))
 
-    def decode(self, ids: Iterable[int]) -> str:
-        detok = self.detokenizer()
-        return "".join(detok.feed(i) for i in ids) + detok.flush()
+    def decode(self, ids: Iterable[int], *, special_tokens: bool = False) -> str:
+        """Text of `ids`; special tokens print nothing unless `special_tokens`."""
+        if not special_tokens:
+            detok = self.detokenizer()
+            return "".join(detok.feed(i) for i in ids) + detok.flush()
+        out, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+                continue
+            out += [run.decode("utf-8", "replace"), self.specials[i - 256]]
+            run = bytearray()
+        return "".join(out) + run.decode("utf-8", "replace")
 
     def detokenizer(self) -> ByteDetokenizer:
         return ByteDetokenizer(self)
@@ -93,6 +125,10 @@ class Tokenizer:
         self.hf.encode_special_tokens = True
         self.vocab_size: int = hf_tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_id: int | None = hf_tokenizer.token_to_id(eos_token)
+        # a byte-level vocabulary writes each byte as one character: the longest token's
+        # string is the most bytes (so characters) of text one token stands for
+        self.max_token_chars = max(map(len, hf_tokenizer.get_vocab(with_added_tokens=True)))
+        self._hf_special = None  # a copy that recognises special tokens in text (lazily)
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs) -> Tokenizer:
@@ -107,13 +143,27 @@ class Tokenizer:
             raise ValueError(f"corrupt tokenizer file {path}: {err}") from err
         return cls(hf, **kwargs)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; with `special_tokens`, special tokens' text is their id.
+
+        The library's batch call releases Python's GIL while it tokenizes (``encode`` holds it:
+        a 1 MB prompt held every other thread of a server for most of a second)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return self.hf.encode(text, add_special_tokens=False).ids
+        hf = self.hf
+        if special_tokens:
+            if self._hf_special is None:  # a copy: the flag is the tokenizer's, not the call's
+                from tokenizers import Tokenizer as HFTokenizer
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+                self._hf_special = HFTokenizer.from_str(self.hf.to_str())
+                self._hf_special.encode_special_tokens = False
+            hf = self._hf_special
+        batch = getattr(hf, "encode_batch_fast", hf.encode_batch)  # fast: no offsets
+        return batch([text], add_special_tokens=False)[0].ids
+
+    def decode(self, ids: Iterable[int], *, special_tokens: bool = False) -> str:
+        """Text of `ids`; special tokens print nothing unless `special_tokens`."""
+        return self.hf.decode(list(ids), skip_special_tokens=not special_tokens)
 
     def detokenizer(self) -> BPEDetokenizer:
         return BPEDetokenizer(self)

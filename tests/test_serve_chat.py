@@ -8,6 +8,8 @@ forward pass over prompt + answer; the shipped play-trained model answers a chat
 
 from __future__ import annotations
 
+import codecs
+
 import httpx
 import pytest
 import torch
@@ -169,8 +171,17 @@ def test_completion_logprobs_are_the_models_log_softmax(served):
                                                              best.values.tolist())}
         expected.setdefault(lp.tokens[pos], value)  # the chosen token is always listed
         assert top == pytest.approx(expected, abs=1e-4)
-    lengths = [len(t) for t in lp.tokens]
-    assert lp.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+    # each offset indexes into the text: where the character that the token's first byte
+    # begins (or continues) stands; a whole-character token is found there
+    utf8, chars, offsets = codecs.getincrementaldecoder("utf-8")("replace"), 0, []
+    for t in ids:
+        offsets.append(chars)
+        chars += len(utf8.decode(bytes([t])))
+    assert lp.text_offset == offsets
+    assert chars + len(utf8.decode(b"", final=True)) == len(choice.text)
+    for token, t, offset in zip(lp.tokens, ids, lp.text_offset):
+        if t < 128:
+            assert choice.text[offset:offset + len(token)] == token
 
 
 def test_chat_logprobs_plain_and_streamed(served):

@@ -166,6 +166,48 @@ def test_405_names_the_allowed_methods(server):
     assert r.json()["error"]["code"] == "method_not_allowed"
 
 
+def test_put_and_patch_get_405_and_head_health_works(server):
+    """Methods a route does not take are 405 naming the allowed ones, whatever the body's
+    type (not 415); ``HEAD /health`` answers like ``GET`` without a body."""
+    url, _ = server
+    for path, allowed in (("/health", "GET"), ("/v1/models", "GET"), ("/metrics", "GET"),
+                          ("/v1/completions", "POST")):
+        for method in ("PUT", "PATCH"):
+            for headers in ({}, {"Content-Type": "text/plain"}):
+                r = httpx.request(method, f"{url}{path}", content=b"x", headers=headers)
+                assert r.status_code == 405, (method, path, r.status_code)
+                assert allowed in r.headers["allow"]
+                assert r.json()["error"]["code"] == "method_not_allowed"
+    r = httpx.head(f"{url}/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_a_huge_unknown_field_name_is_not_echoed_back_whole(server):
+    url, _ = server
+    name = "x" * 900_000
+    r = httpx.post(f"{url}/v1/completions", content=b'{"model": "tiny", "prompt": "hi", "'
+                   + name.encode() + b'": 1}', headers={"Content-Type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "unknown_parameter"
+    assert len(r.content) < 2_000 and len(err["param"]) < 200 and "900,000" in err["param"]
+
+
+@pytest.mark.parametrize("field", ["stream", "echo", "ignore_eos"])
+@pytest.mark.parametrize("value", ["true", "false", "1", 1, 0, "yes", None])
+def test_booleans_are_strict(server, field, value):
+    """Only JSON true/false (or null) for a boolean: truthy strings and numbers are refused."""
+    url, _ = server
+    r = httpx.post(f"{url}/v1/completions", json={**BODY, field: value})
+    if value is None:
+        assert r.status_code == 200
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+    r = httpx.post(f"{url}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "logprobs": value, "stream_options": {"include_usage": value}, "stream": True})
+    assert r.status_code == (200 if value is None else 400)
+
+
 # ---- hang-ups ----------------------------------------------------------------------------
 def test_a_non_streaming_client_that_hangs_up_is_aborted_at_once(server):
     """Tokens keep coming every few ms, so a check "after 0.5 s without a token" never ran."""
@@ -295,9 +337,15 @@ def test_huge_headers_get_431_however_they_arrive(server, pieces):
 
 
 def test_connections_are_limited(tiny_model):
+    """Connections that passed the guard (kept alive after a request) are never evicted: past
+    the limit a new one gets 503."""
     engine = LLMEngine(tiny_model, mf.ByteTokenizer())
-    with running_server(engine=engine, model_name="tiny", max_connections=2) as url:
-        held = [socket.create_connection(address(url)) for _ in range(2)]
+    with running_server(engine=engine, model_name="tiny", max_connections=3) as url:
+        held = []
+        for _ in range(2):  # uvicorn answers while fewer than max_connections are open
+            held.append(socket.create_connection(address(url)))
+            held[-1].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert read_response(held[-1])[0] == 200
         try:
             r = httpx.get(f"{url}/health")
             assert r.status_code == 503
@@ -305,6 +353,100 @@ def test_connections_are_limited(tiny_model):
             for s in held:
                 s.close()
         time.sleep(0.1)
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"a") -> bool:
+    """Whether the server closes `sock` within `seconds` while the client trickles a byte
+    every 0.1 s (what used to keep the connection open for ever)."""
+    sock.settimeout(0.1)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except TimeoutError:
+            pass
+        except OSError:
+            return True
+        try:
+            sock.sendall(trickle)
+        except OSError:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("case", ["401 before the body", "408 for a slow body"])
+def test_an_error_with_an_unread_body_closes_the_connection(tiny_model, case):
+    engine = LLMEngine(tiny_model, mf.ByteTokenizer())
+    with running_server(engine=engine, model_name="tiny", api_key=KEY,
+                        read_timeout_s=0.5) as url:
+        body = json.dumps(BODY).encode()
+        key = {"Authorization": f"Bearer {KEY}"} if case.startswith("408") else {}
+        with socket.create_connection(address(url), timeout=10) as sock:
+            sock.sendall(request_bytes(body, headers=key)[:-10])
+            status, headers, _ = read_response(sock)
+            assert status == (401 if case.startswith("401") else 408)
+            assert headers["connection"] == "close"
+            assert _closed_within(sock, 2.0)
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}
+                         ).status_code == 200
+
+
+def test_hundreds_of_trickling_clients_never_lock_out_a_client_with_the_key(tiny_model):
+    """300 connections on 127.0.0.1 trickle their headers, or a body the server refused (401),
+    one byte at a time, against a limit of 32 connections and a read timeout longer than the
+    test: a client with the key is still answered at once, and the refused ones are closed."""
+    async def trickler(host: str, port: int, head: bytes, stop: asyncio.Event) -> bool:
+        """Trickle until told to stop; whether the server closed the connection first."""
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            return True
+        try:
+            writer.write(head)
+            while not stop.is_set():
+                await writer.drain()
+                try:
+                    if await asyncio.wait_for(reader.read(65536), 0.2) == b"":
+                        return True
+                except asyncio.TimeoutError:
+                    pass
+                writer.write(b"a")
+            return False
+        except OSError:
+            return True
+        finally:
+            writer.close()
+
+    engine = LLMEngine(tiny_model, mf.ByteTokenizer(), max_num_seqs=4)
+    with running_server(engine=engine, model_name="tiny", api_key=KEY, max_connections=32,
+                        read_timeout_s=30) as url:
+        host, port = address(url)
+        partial_headers = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+        refused_body = request_bytes(b"{" + b" " * 999)[:-900]  # no key, body unfinished
+
+        async def attack() -> tuple[list[bool], list[bool], httpx.Response, float]:
+            stop = asyncio.Event()
+            slow = [asyncio.ensure_future(trickler(host, port, partial_headers, stop))
+                    for _ in range(200)]
+            refused = [asyncio.ensure_future(trickler(host, port, refused_body, stop))
+                       for _ in range(100)]
+            await asyncio.sleep(1.5)  # all connected and trickling
+            async with httpx.AsyncClient(timeout=10) as http:
+                t0 = time.monotonic()
+                r = await http.post(f"{url}/v1/completions", json=BODY,
+                                    headers={"Authorization": f"Bearer {KEY}"})
+                took = time.monotonic() - t0
+            await asyncio.sleep(0.5)
+            stop.set()
+            return (await asyncio.gather(*slow), await asyncio.gather(*refused), r, took)
+
+        slow, refused, r, took = asyncio.run(attack())
+        assert r.status_code == 200, r.text
+        assert took < 5
+        assert all(refused)  # each got its 401 and was closed
+        assert sum(slow) >= 200 - 32  # the limit held: most were evicted
         assert httpx.get(f"{url}/health").status_code == 200
 
 
@@ -351,6 +493,24 @@ def test_the_command_line_takes_the_key_from_an_option_or_the_environment(monkey
     assert opts["api_key"] == "from-flag" and opts["allowed_hosts"] is None
     args = build_parser().parse_args(["--allowed-hosts", "box.lan", "localhost"])
     assert server_options(args)["allowed_hosts"] == ["box.lan", "localhost"]
+
+
+def test_an_empty_api_key_is_an_error_at_start(monkeypatch, capsys):
+    """``--api-key ""`` or ``MINIFER_API_KEY=""`` (an unset shell variable) must not silently
+    turn authentication off: the server refuses to start."""
+    from minifer.serve.__main__ import build_parser, main, server_options
+
+    monkeypatch.delenv("MINIFER_API_KEY", raising=False)
+    for argv in (["--api-key", ""], ["--api-key", "  "]):
+        with pytest.raises(ValueError, match="--api-key is empty"):
+            server_options(build_parser().parse_args(argv))
+    monkeypatch.setenv("MINIFER_API_KEY", "")
+    with pytest.raises(ValueError, match=r"\$MINIFER_API_KEY is empty"):
+        server_options(build_parser().parse_args([]))
+    assert server_options(build_parser().parse_args(["--api-key", "k"]))["api_key"] == "k"
+    with pytest.raises(SystemExit) as exit_:  # before any model is loaded
+        main(["--model", "no-such-model"])
+    assert exit_.value.code == 2 and "MINIFER_API_KEY is empty" in capsys.readouterr().err
 
 
 # ---- priorities ----------------------------------------------------------------------------
@@ -407,3 +567,45 @@ def test_a_burst_is_queued_by_default_and_a_429_says_when_to_retry(tiny_model):
         assert full[0].headers["retry-after"] == "1"
         err = full[0].json()["error"]
         assert (err["type"], err["code"]) == ("rate_limit_error", "queue_full")
+
+
+# ---- shutdown ------------------------------------------------------------------------------
+def _events_of_stream(url: str, max_tokens: int, events: list, started) -> None:
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+
+
+def test_shutdown_drains_then_ends_each_stream_with_an_error_and_done(tiny_model):
+    """On SIGTERM (uvicorn's ``should_exit``) a short answer still finishes within the grace;
+    a longer one gets an error event naming the shutdown and ``[DONE]``, not a cut connection."""
+    import threading
+
+    engine = Slow(LLMEngine(tiny_model, mf.ByteTokenizer(), max_num_seqs=4), delay=0.05)
+    short, long_ = [], []
+    started = [threading.Event(), threading.Event()]
+    with running_server(engine=engine, model_name="tiny", shutdown_grace_s=2.0) as url:
+        threads = [threading.Thread(target=_events_of_stream, args=(url, n, out, ev))
+                   for n, out, ev in ((10, short, started[0]), (100, long_, started[1]))]
+        for t in threads:
+            t.start()
+        assert all(ev.wait(20) for ev in started)
+        t0 = time.monotonic()
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(10)
+    assert 1.0 < took < 6  # it waited for the grace, and not much longer
+    assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"]
+    assert long_[-1] == "[DONE]" and len(long_) < 100
+    assert json.loads(long_[-2])["error"]["code"] == "shutting_down"
+
+
+def test_the_command_line_takes_a_shutdown_grace():
+    from minifer.serve.__main__ import build_parser
+
+    assert build_parser().parse_args([]).shutdown_grace == 30.0
+    assert build_parser().parse_args(["--shutdown-grace", "5"]).shutdown_grace == 5.0

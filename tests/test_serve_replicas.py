@@ -137,3 +137,43 @@ def test_limits_hold_over_all_replicas_and_aborts_reach_their_replica(model, tmp
     finally:
         reps.stop()
     assert not reps.alive
+
+
+def _health(url: str) -> dict:
+    r = httpx.get(f"{url}/health", timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_killed_replica_leaves_the_routing_at_once_and_is_restarted(model):
+    """kill -9 of one replica: every request goes to the other at once (it got 503s when the
+    dead one had the fewest in flight), /health and the metrics say 1 of 2 replicas with the
+    dead one's gauges gone, and the replica is started again in the background."""
+    import multiprocessing
+    import os
+    import signal
+
+    engine = LLMEngine(model, mf.ByteTokenizer(), max_num_seqs=4)
+    with running_server(engine=engine, model_name="tiny", engine_in="process",
+                        replicas=2) as url:
+        assert _health(url) == {"status": "ok", "replicas": 2, "replicas_alive": 2}
+        total = _metric(url, "minifer_kv_blocks_total")
+        procs = [p for p in multiprocessing.active_children() if p.name == "minifer-engine"]
+        assert len(procs) == 2
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].join(10)
+        health = _health(url)  # before the restart (a new process takes seconds to start)
+        assert health == {"status": "degraded", "replicas": 2, "replicas_alive": 1}
+        assert _metric(url, "minifer_engine_replicas_alive") == 1
+        assert _metric(url, "minifer_kv_blocks_total") == total // 2  # its gauges left
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        for _ in range(10):  # sequentially: the dead replica has the fewest in flight
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        assert all(_all_streams(url))  # concurrently
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and _health(url)["status"] != "ok":
+            time.sleep(0.2)
+        assert _health(url) == {"status": "ok", "replicas": 2, "replicas_alive": 2}
+        assert _metric(url, "minifer_engine_replica_restarts") == 1
+        assert _metric(url, "minifer_kv_blocks_total") == total
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200

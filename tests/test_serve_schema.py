@@ -116,5 +116,15 @@ def test_the_schema_documents_every_body_and_error(server):
         assert "x-allowed" in props["seed"] and props["seed"]["anyOf"][0]["minimum"] == 0
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert "HTTPValidationError" not in schemas
+    # the two constraints the parser adds: priority 0 on a first come, first served server,
+    # and top_logprobs only with logprobs true
+    for body in ("CompletionBody", "ChatCompletionBody"):
+        [integer] = [o for o in schemas[body]["properties"]["priority"]["anyOf"]
+                     if o.get("type") == "integer"]
+        assert integer["minimum"] == integer["maximum"] == 0
+    chat_body = schemas["ChatCompletionBody"]
+    assert chat_body["if"]["required"] == ["top_logprobs"]
+    assert chat_body["then"] == {"required": ["logprobs"],
+                                 "properties": {"logprobs": {"const": True}}}
     chat = schemas["ChatMessage"]["properties"]
     assert chat["role"]["enum"] == ["system", "developer", "user", "assistant"]

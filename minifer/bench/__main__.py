@@ -42,6 +42,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-load": ("minifer.bench.commands.serve_load",
                    "load-test an OpenAI-compatible completions server: Poisson arrivals, "
                    "streaming; TTFT/TPOT/ITL/E2EL, throughput, goodput"),
+    "serve-stall": ("minifer.bench.commands.serve_stall",
+                    "the largest gap in other clients' streams while ~1 MB prompts arrive at "
+                    "the HTTP server (python -m minifer.serve in a process of its own)"),
 }
 
 

@@ -23,7 +23,13 @@ API_KEY_ENV = "MINIFER_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .api import MAX_CONNECTIONS, MAX_HEADER_BYTES, READ_TIMEOUT_S, SCHEDULING_POLICIES
+    from .api import (
+        MAX_CONNECTIONS,
+        MAX_HEADER_BYTES,
+        READ_TIMEOUT_S,
+        SCHEDULING_POLICIES,
+        SHUTDOWN_GRACE_S,
+    )
     from .async_engine import DEFAULT_MAX_WAITING
     from .engine_process import ENGINES
     from .kv_pool import READS
@@ -78,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="connections at once; more get 503")
     lim.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES,
                      help="largest request headers (431 past it)")
+    lim.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
+                     help="on SIGTERM or Ctrl-C, seconds the requests in flight have to "
+                          "finish; then each open stream gets an error event and [DONE]")
     p.add_argument("--threads", type=_threads, default="auto",
                    help="torch CPU threads for the engine's steps, or 'auto' (the default): "
                         "the cores other programs leave free, followed as they change")
@@ -100,8 +109,22 @@ def _threads(value: str) -> int | str:
     return parse_threads(value)
 
 
+def api_key(flag: str | None) -> str | None:
+    """The key from ``--api-key``, else from ``$MINIFER_API_KEY``, else None (no key). An empty
+    or blank key is a ValueError: ``--api-key "$UNSET"`` must not turn authentication off."""
+    for where, key in (("--api-key", flag), (f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV))):
+        if key is None:
+            continue
+        if not key.strip():
+            raise ValueError(f"{where} is empty: give a key, or leave it out (unset "
+                             f"${API_KEY_ENV}) to serve without one")
+        return key
+    return None
+
+
 def server_options(args: argparse.Namespace) -> dict:
-    """`create_app`'s options from the command line (the API key from the environment too)."""
+    """`create_app`'s options from the command line (the API key from the environment too).
+    ValueError for an empty API key."""
     from .api import LOOPBACK_HOSTS
 
     hosts = args.allowed_hosts
@@ -109,7 +132,7 @@ def server_options(args: argparse.Namespace) -> dict:
         hosts = list(LOOPBACK_HOSTS) if args.host in LOOPBACK_HOSTS else None
     return dict(max_model_len=args.max_model_len, max_tokens=args.max_tokens,
                 request_timeout_s=args.request_timeout, max_waiting=args.max_waiting,
-                api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                api_key=api_key(args.api_key),
                 allowed_hosts=hosts, scheduling_policy=args.scheduling_policy,
                 read_timeout_s=args.read_timeout, max_header_bytes=args.max_header_bytes,
                 threads=args.threads, engine_in=args.engine_in, replicas=args.engine_replicas)
@@ -129,12 +152,16 @@ def load_model(name: str, device=None):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    import uvicorn
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = server_options(args)
+    except ValueError as err:
+        parser.error(str(err))  # exits 2 with the usage, before anything is loaded
 
     import minifer as mf
 
-    from .api import create_app, server_config
+    from .api import create_app, make_server, server_config
     from .engine import LLMEngine
 
     device = args.device or str(mf.default_device())
@@ -145,7 +172,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                        enable_chunked_prefill=args.enable_chunked_prefill,
                        enable_prefix_caching=args.enable_prefix_caching, aging=args.aging,
                        kv_read=args.kv_read)
-    options = server_options(args)
     app = create_app(engine, model_name=args.served_model_name or args.model,
                      model_root=args.model, **options)
     if options["api_key"] is None and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -153,9 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"machines, and it has no API key (--api-key or ${API_KEY_ENV})", file=sys.stderr)
     print(f"minifer: serving {args.model!r} ({engine!r}) on http://{args.host}:{args.port}"
           f"{' (API key required)' if options['api_key'] else ''}", file=sys.stderr)
-    uvicorn.Server(server_config(app, max_connections=args.max_connections,
-                                 log_level=args.log_level, host=args.host,
-                                 port=args.port)).run()
+    make_server(server_config(app, max_connections=args.max_connections,
+                              log_level=args.log_level, host=args.host, port=args.port,
+                              shutdown_grace_s=args.shutdown_grace)).run()
     return 0
 
 

@@ -12,22 +12,33 @@ Endpoints:
   hit rate, TTFT / TPOT / E2EL histograms, token and request counters.
 
 A request's path (claim REQ-1): the body is checked against its schema (bad input → 400 naming
-the parameter), the prompt is tokenized with the engine's own checks, and the `AsyncEngine`
-thread adds it to the engine and runs ``engine.step()`` while anything is unfinished; each
-step's `RequestOutput` reaches the handler's queue and leaves as an SSE chunk at once. At the end
-the server reports usage and the engine frees the request's KV blocks (REQ-3). Limits (MET-5):
-the context window, ``max_tokens``, a per-request timeout, a bounded waiting queue (429 with
-``Retry-After`` past it); a client that disconnects — streaming or not — aborts its request,
-which frees its blocks.
+the parameter), the prompt is tokenized with the engine's own checks (a list of prompts: each
+its own choice, all added at once), and the `AsyncEngine` thread adds it to the engine and runs
+``engine.step()`` while anything is unfinished; each step's `RequestOutput` reaches the
+handler's queue and leaves as an SSE chunk at once. At the end the server reports usage and the
+engine frees the request's KV blocks (REQ-3). Limits (MET-5): the context window (a text prompt
+too long to fit whatever its tokens is refused before it is tokenized), ``max_tokens``, a
+per-request timeout, a bounded waiting queue (429 with ``Retry-After`` past it); a client that
+disconnects — streaming or not — aborts its request, which frees its blocks.
 
-Guards (`minifer.serve.guard.Guard`, before any route): the ``Host`` header must name this machine (loopback
-binds; stops DNS rebinding), an ``Authorization: Bearer`` key when the server has one (every
-route but ``/health``), request bodies must be JSON (415 otherwise: a web page cannot post to
-the server without a CORS preflight, which it does not answer), at most `max_body_bytes` (413)
-arriving within `read_timeout_s` (408), headers of at most `max_header_bytes` (431). uvicorn
-adds: headers must arrive within `read_timeout_s` of a connection's first byte, at most
-`max_connections` at once (503). Every error — a bad request or a bug — is one OpenAI-style JSON
-body, counted in ``minifer_request_rejected_total`` by status, and leaves the connection usable.
+Guards (`minifer.serve.guard.Guard`, before any route): the ``Host`` header must name this
+machine (loopback binds; stops DNS rebinding), an ``Authorization: Bearer`` key when the server
+has one (every route but ``/health``), POST bodies must be JSON (415 otherwise: a web page
+cannot post to the server without a CORS preflight, which it does not answer), at most
+`max_body_bytes` (413) arriving within `read_timeout_s` (408), headers of at most
+`max_header_bytes` (431). Its HTTP protocol (`minifer.serve.guard.h11_protocol`) adds: headers
+within `read_timeout_s` of a request's first byte and the whole request within twice that, at
+most `max_connections` at once (503; a connection that never passed the guard gives way to a
+new one). Every error — a bad request or a bug — is one OpenAI-style JSON body, counted in
+``minifer_request_rejected_total`` by status; it leaves the connection usable unless part of
+the body is unread (then the server closes it).
+
+Shutdown (SIGTERM, Ctrl-C; `make_server`): no new connections, the requests in flight have
+``shutdown_grace_s`` (``--shutdown-grace``) to finish, then each open stream ends with an error
+event and ``[DONE]``.
+
+The routes, one function per endpoint, are in `minifer.serve.routes`; `create_app` checks its
+options, builds the engine loop and the app, and puts what the routes read on ``app.state``.
 
 From Python or a notebook, `running_server` starts the server in a background thread on a free
 loopback port and always stops it. From a shell: ``python -m minifer.serve --model shakespeare``.
@@ -35,10 +46,8 @@ FastAPI, uvicorn and prometheus_client (the ``serve`` extra) are imported only w
 built, so ``import minifer`` never needs them.
 """
 
-# no `from __future__ import annotations` here: FastAPI reads the handlers' annotations
-# (`request: Request`) at definition time, and Request is imported inside create_app.
+from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import socket
@@ -48,9 +57,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..checks import check_int
-from .async_engine import DEFAULT_MAX_WAITING, AsyncEngine, RequestHandle, engine_max_model_len
+from .async_engine import DEFAULT_MAX_WAITING, AsyncEngine, engine_max_model_len
 from .engine_process import ENGINES, EngineProcess
-from .errors import APIError
 from .guard import (
     LOOPBACK_HOSTS,
     MAX_BODY_BYTES,
@@ -58,18 +66,18 @@ from .guard import (
     READ_TIMEOUT_S,
     Guard,
     h11_protocol,
-    json_bytes,
 )
 from .prometheus import ServerMetrics
 from .replicas import EngineReplicas
 
-__all__ = ["create_app", "running_server", "server_config", "ServerMetrics", "DEFAULT_HOST",
-           "LOOPBACK_HOSTS"]
+__all__ = ["create_app", "running_server", "server_config", "make_server", "ServerMetrics",
+           "DEFAULT_HOST", "LOOPBACK_HOSTS", "SHUTDOWN_GRACE_S"]
 
 log = logging.getLogger("minifer.serve")
 
 DEFAULT_HOST = "127.0.0.1"  # loopback only: exposing a server to a network is a deliberate choice
 MAX_CONNECTIONS = 512  # connections (and requests in flight) at once; more get 503
+SHUTDOWN_GRACE_S = 30.0  # on SIGTERM, requests in flight have this long to finish
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 
 def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | None = None,
@@ -100,19 +108,68 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     of ``max_num_seqs`` and of the KV pool (`EngineReplicas`; one process where they cannot
     start).
     """
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import PlainTextResponse, Response, StreamingResponse
-    from starlette.exceptions import HTTPException
+    from fastapi import FastAPI
 
-    from . import protocol as P
-    from . import replies as R
+    from . import routes
     from . import schema as S
+    from .protocol import Limits
 
+    check_server_options(engine, max_model_len=max_model_len, engine_in=engine_in,
+                         replicas=replicas, scheduling_policy=scheduling_policy,
+                         api_key=api_key, read_timeout_s=read_timeout_s,
+                         max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
+    if max_model_len is None:
+        max_model_len = engine_max_model_len(engine)
+    limits = Limits(max_model_len, max_model_len if max_tokens is None else max_tokens,
+                    request_timeout_s)
+    tokenizer = getattr(engine, "tokenizer", None)
+    vocab_size = engine.model.config.vocab_size
+    if tokenizer is not None:
+        vocab_size = min(vocab_size, tokenizer.vocab_size)
+    created = int(time.time())
+    card = S.ModelCard(id=model_name, created=created, root=model_root or model_name,
+                       max_model_len=limits.max_model_len, permission=[S.ModelPermission(
+                           id=f"modelperm-{model_name}", created=created)])
+
+    aengine = _engine_loop(engine, engine_in=engine_in, replicas=replicas,
+                           max_waiting=max_waiting, threads=threads, max_model_len=max_model_len)
+    metrics = ServerMetrics(aengine)
+    aengine.on_finish = metrics.on_finish
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        aengine.start()
+        try:
+            yield
+        finally:
+            aengine.stop()
+
+    app = FastAPI(title="minifer", version="0.1.0", lifespan=lifespan,
+                  summary="OpenAI-compatible completions and chat on minifer's serving engine")
+    app.state.server = routes.ServerState(
+        engine=engine, async_engine=aengine, metrics=metrics, limits=limits,
+        model_name=model_name, card=card, tokenizer=tokenizer, vocab_size=vocab_size,
+        priorities=scheduling_policy == "priority")
+    app.state.engine, app.state.async_engine, app.state.metrics = engine, aengine, metrics
+    app.state.limits, app.state.model_name = limits, model_name
+    app.state.read_timeout_s, app.state.max_header_bytes = float(read_timeout_s), max_header_bytes
+    app.add_middleware(Guard, metrics=metrics, api_key=api_key, allowed_hosts=_hosts(allowed_hosts),
+                       max_body_bytes=int(max_body_bytes), max_header_bytes=int(max_header_bytes),
+                       read_timeout_s=float(min(read_timeout_s, request_timeout_s)))
+    routes.add_error_handlers(app)
+    app.include_router(routes.router)
+    _document_this_server(app, model_name, limits.max_tokens, vocab_size,
+                          priorities=scheduling_policy == "priority")
+    return app
+
+
+def check_server_options(engine: Any, *, max_model_len, engine_in, replicas, scheduling_policy,
+                         api_key, read_timeout_s, max_body_bytes, max_header_bytes) -> None:
+    """ValueError naming the first of `create_app`'s options that is out of range."""
     ceiling = engine_max_model_len(engine)
-    max_model_len = ceiling if max_model_len is None else max_model_len
-    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
-            or not 1 <= max_model_len <= ceiling:
+    if max_model_len is not None and (isinstance(max_model_len, bool)
+                                      or not isinstance(max_model_len, int)
+                                      or not 1 <= max_model_len <= ceiling):
         raise ValueError(f"max_model_len must be an integer in [1, {ceiling}] (the most this "
                          f"engine can hold), got {max_model_len!r}")
     if engine_in not in ENGINES:
@@ -130,171 +187,27 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                     ("max_header_bytes", max_header_bytes)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
             raise ValueError(f"{name} must be a positive number, got {v!r}")
-    hosts = None
+
+
+def _hosts(allowed_hosts: Sequence[str] | str | None) -> frozenset[str] | None:
+    """The Host names the guard lets in (None: any)."""
     if isinstance(allowed_hosts, str):
         allowed_hosts = [allowed_hosts]
-    if allowed_hosts is not None and "*" not in allowed_hosts:
-        hosts = frozenset(h.strip().lower().strip("[]") for h in allowed_hosts)
-    limits = P.Limits(max_model_len, max_model_len if max_tokens is None else max_tokens,
-                      request_timeout_s)
-    tokenizer = getattr(engine, "tokenizer", None)
-    vocab_size = engine.model.config.vocab_size
-    if tokenizer is not None:
-        vocab_size = min(vocab_size, tokenizer.vocab_size)
-    created = int(time.time())
-    priorities = scheduling_policy == "priority"
-    card = S.ModelCard(id=model_name, created=created, root=model_root or model_name,
-                       max_model_len=limits.max_model_len, permission=[S.ModelPermission(
-                           id=f"modelperm-{model_name}", created=created)])
+    if allowed_hosts is None or "*" in allowed_hosts:
+        return None
+    return frozenset(h.strip().lower().strip("[]") for h in allowed_hosts)
 
+
+def _engine_loop(engine: Any, *, engine_in: str, replicas: int, max_waiting: int, threads,
+                 max_model_len: int):
+    """Where the engine steps: a thread, a process, or several replica processes."""
     if replicas > 1:
         bm = engine.block_manager
-        aengine = EngineReplicas(engine, replicas, max_waiting=max_waiting, threads=threads,
-                                 blocks_needed=-(-max_model_len // bm.block_size), fallback=True)
-    elif engine_in == "process":
-        aengine = EngineProcess(engine, max_waiting=max_waiting, threads=threads, fallback=True)
-    else:
-        aengine = AsyncEngine(engine, max_waiting=max_waiting, threads=threads)
-    metrics = ServerMetrics(aengine)
-    aengine.on_finish = metrics.on_finish
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        aengine.start()
-        try:
-            yield
-        finally:
-            aengine.stop()
-
-    app = FastAPI(title="minifer", version="0.1.0", lifespan=lifespan,
-                  summary="OpenAI-compatible completions and chat on minifer's serving engine")
-    app.state.engine, app.state.async_engine, app.state.metrics = engine, aengine, metrics
-    app.state.limits, app.state.model_name = limits, model_name
-    app.state.read_timeout_s, app.state.max_header_bytes = float(read_timeout_s), max_header_bytes
-    app.add_middleware(Guard, metrics=metrics, api_key=api_key, allowed_hosts=hosts,
-                       max_body_bytes=int(max_body_bytes), max_header_bytes=int(max_header_bytes),
-                       read_timeout_s=float(min(read_timeout_s, request_timeout_s)))
-
-    def reply(err: APIError) -> Response:
-        return Response(json_bytes(err.body()), status_code=err.status, headers=err.headers,
-                        media_type="application/json")
-
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, err: APIError):
-        return reply(err)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(request: Request, err: RequestValidationError):
-        model = P.ChatCompletionBody if request.url.path.endswith("/chat/completions") \
-            else P.CompletionBody
-        return reply(P.validation_error(err.errors(), model))
-
-    @app.exception_handler(HTTPException)
-    async def on_http_error(request: Request, err: HTTPException):
-        cause = err.__cause__
-        if isinstance(cause, APIError):  # raised while FastAPI read the body (408, 413)
-            return reply(cause)
-        headers = dict(getattr(err, "headers", None) or {})  # e.g. a 405's Allow
-        if err.status_code == 400 and cause is not None:  # the body is not JSON it can parse
-            return reply(APIError(400, f"the request body is not valid JSON: "
-                                  f"{type(cause).__name__}: {cause!s:.200}", code="invalid_json"))
-        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
-        return reply(APIError(err.status_code, str(err.detail), code=code, headers=headers))
-
-    errors = {status: {"model": S.ErrorResponse, "description": what} for status, what in (
-        (400, "Bad request: the error names the parameter"),
-        (401, "Missing or wrong API key (when the server has one)"),
-        (408, "The body did not arrive in time, or the request ran past its timeout"),
-        (413, "The body is too large"), (415, "The body is not JSON"),
-        (431, "The headers are too large"),
-        (429, "Too many requests waiting; retry after Retry-After seconds"),
-        (500, "A server error (the server keeps serving)"),
-        (503, "The engine is not running"))}
-    errors[429]["headers"] = {"Retry-After": {"schema": {"type": "integer"},
-                                              "description": "seconds"}}
-    errors[401]["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
-    common = {s: errors[s] for s in (400, 401, 431, 500)}
-    sse = {"text/event-stream": {"schema": {  # one event (Open API before 3.2: `schema`)
-        "type": "object", "required": ["data"],
-        "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
-        "description": "With stream: true, one event per token whose data is a chunk in JSON "
-                       "(a CompletionResponse or a chat.completion.chunk with the new text), "
-                       "then `data: [DONE]`"}}}
-
-    @app.get("/health", response_model=S.Health, responses={503: errors[503], **common},
-             summary="200 while the engine loop runs")
-    async def health():
-        if not aengine.alive:
-            return reply(APIError(503, "the engine loop is not running", type="server_error"))
-        return {"status": "ok"}
-
-    @app.get("/v1/models", response_model=S.ModelList, responses=common,
-             summary="The served model")
-    async def models():
-        return {"object": "list", "data": [card.model_dump()]}
-
-    @app.get("/v1/models/{model_id}", response_model=S.ModelCard,
-             responses={404: {"model": S.ErrorResponse, "description": "No such model"},
-                        **common}, summary="One served model")
-    async def model(model_id: str):
-        if model_id != model_name:
-            return reply(APIError(404, f"the model {model_id!r:.80} does not exist; this server "
-                                  f"serves {model_name!r}", param="model",
-                                  code="model_not_found"))
-        return card.model_dump()
-
-    @app.get("/metrics", response_class=PlainTextResponse, responses={
-        200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-              "description": "Prometheus text format"}, **common},
-             summary="Prometheus metrics")
-    async def prometheus():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    post_errors = {**{s: errors[s] for s in errors}, 200: {"content": sse}}
-
-    async def serve(req: "P.CompletionRequest", request: Request):
-        deadline = request.scope.get("minifer.arrival", time.monotonic()) \
-            + limits.request_timeout_s
-        try:
-            handle = await asyncio.wait_for(
-                aengine.add(req.prompt_ids, req.params, req.priority,
-                            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None
-                            else None, **req.engine_options()),
-                max(deadline - time.monotonic(), 0.001))
-        except asyncio.TimeoutError:  # the engine did not even take it in time
-            raise _timeout_error(limits.request_timeout_s) from None
-        if req.stream:
-            streamer = R.Streamer(req, tokenizer, handle.prompt_logprobs)
-            return StreamingResponse(_sse(streamer, handle, aengine, metrics, deadline, limits),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        out = await _collect(handle, aengine, metrics, deadline, request, limits)
-        if out is None:  # the client left; nobody reads this
-            return Response(status_code=204)
-        return R.reply_body(req, out, tokenizer, handle.prompt_logprobs)
-
-    parse = dict(model_name=model_name, limits=limits, tokenizer=tokenizer,
-                 vocab_size=vocab_size, priorities=priorities)
-
-    @app.post("/v1/completions", response_model=S.CompletionResponse, responses=post_errors,
-              summary="OpenAI's completions API")
-    # Checking a body tokenizes its prompt (and decodes an id prompt): for a large prompt that
-    # takes long enough to stall every other stream, so it runs in a worker thread, never on
-    # the event loop (the engine thread itself only steps).
-    async def completions(body: P.CompletionBody, request: Request):
-        return await serve(await asyncio.to_thread(P.parse_completion_request, body, **parse),
-                           request)
-
-    @app.post("/v1/chat/completions", response_model=S.ChatCompletionResponse,
-              responses=post_errors, summary="OpenAI's chat completions API (minifer.serve.chat)")
-    async def chat_completions(body: P.ChatCompletionBody, request: Request):
-        return await serve(await asyncio.to_thread(P.parse_chat_request, body, **parse),
-                           request)
-
-    _document_this_server(app, model_name, limits.max_tokens, vocab_size)
-    return app
+        return EngineReplicas(engine, replicas, max_waiting=max_waiting, threads=threads,
+                              blocks_needed=-(-max_model_len // bm.block_size), fallback=True)
+    if engine_in == "process":
+        return EngineProcess(engine, max_waiting=max_waiting, threads=threads, fallback=True)
+    return AsyncEngine(engine, max_waiting=max_waiting, threads=threads)
 
 
 def _bound_ints(schema: Any, maximum: int) -> None:
@@ -309,9 +222,11 @@ def _bound_ints(schema: Any, maximum: int) -> None:
             _bound_ints(value, maximum)
 
 
-def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int) -> None:
-    """The schema of this server: its model name, ``max_tokens`` limit and vocabulary in the
-    bodies, and without FastAPI's default 422 (validation errors are 400s here)."""
+def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int,
+                          priorities: bool) -> None:
+    """The schema of this server: its model name, ``max_tokens`` limit, vocabulary and (first
+    come, first served) ``priority`` 0 in the bodies, and without FastAPI's default 422
+    (validation errors are 400s here)."""
     original = app.openapi
 
     def openapi():
@@ -333,106 +248,54 @@ def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int
                             option["maximum"] = max_tokens
                 if "prompt" in props:
                     _bound_ints(props["prompt"], vocab_size - 1)
+                if not priorities and "priority" in props:  # refused unless 0 (or null)
+                    for option in props["priority"].get("anyOf", []):
+                        if option.get("type") == "integer":
+                            option["minimum"] = option["maximum"] = 0
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi
 
 
-def _timeout_error(limits_s: float) -> APIError:
-    return APIError(408, f"the request ran past the server's per-request timeout of "
-                    f"{limits_s:g} s and was aborted", type="timeout_error", code="timeout")
-
-
-async def _until_disconnect(receive) -> None:
-    """Return when the client hangs up (the body is already read: only a disconnect is left)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _collect(handle: RequestHandle, aengine: AsyncEngine, metrics: "ServerMetrics",
-                   deadline: float, request, limits):
-    """Wait for the whole answer; abort as soon as the client leaves or the timeout passes.
-    The last `RequestOutput`, or None if the client left."""
-    gone = asyncio.ensure_future(_until_disconnect(request.receive))
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _timeout_error(limits.request_timeout_s)
-            nxt = asyncio.ensure_future(handle.next())
-            done, _ = await asyncio.wait({nxt, gone}, timeout=left,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if nxt not in done:
-                nxt.cancel()
-                if gone in done:
-                    return None  # nobody to answer; `finally` aborts the request
-                raise _timeout_error(limits.request_timeout_s)
-            out = nxt.result()
-            if out.finished:
-                return out
-    finally:
-        gone.cancel()
-        if not handle.finished:
-            aengine.abort(handle.request_id)
-            metrics.aborted.inc()
-
-
-async def _sse(streamer, handle: RequestHandle, aengine: AsyncEngine, metrics: "ServerMetrics",
-               deadline: float, limits):
-    """Server-sent events: one chunk per generated token (its text may be "" while held back),
-    the finish reason on the last, then usage (if asked for) and ``[DONE]``."""
-
-    def event(obj: dict) -> bytes:
-        return b"data: " + json_bytes(obj) + b"\n\n"
-
-    n = 0
-    try:
-        for first in streamer.first():
-            yield event(first)
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0:
-                    raise asyncio.TimeoutError
-                out = await handle.next(timeout=left)
-            except asyncio.TimeoutError:
-                yield event(_timeout_error(limits.request_timeout_s).body())
-                break
-            except APIError as err:
-                yield event(err.body())
-                break
-            n = len(out.token_ids)
-            yield event(streamer.step(out))
-            if out.finished:
-                if streamer.req.include_usage:
-                    yield event(streamer.usage(n))
-                break
-        yield b"data: [DONE]\n\n"
-    finally:  # also runs when the client disconnects (the generator is cancelled)
-        if not handle.finished:
-            aengine.abort(handle.request_id)
-            metrics.aborted.inc()
-
-
 # ---- in-process server ---------------------------------------------------------------------
 def server_config(app, *, max_connections: int = MAX_CONNECTIONS, log_level: str = "warning",
-                  **kwargs):
+                  shutdown_grace_s: float = SHUTDOWN_GRACE_S, **kwargs):
     """The `uvicorn.Config` for `app`: the h11 protocol with the app's header deadline and size
-    limit, at most `max_connections` connections, a graceful shutdown of 2 s. `kwargs`: more
-    uvicorn options (``host``, ``port``, ...)."""
+    limit, at most `max_connections` connections, a graceful shutdown of `shutdown_grace_s`
+    (see `make_server`). `kwargs`: more uvicorn options (``host``, ``port``, ...)."""
     import uvicorn
 
     if isinstance(max_connections, bool) or not isinstance(max_connections, int) \
             or max_connections < 1:
         raise ValueError(f"max_connections must be a positive integer, got {max_connections!r}")
+    if isinstance(shutdown_grace_s, bool) or not isinstance(shutdown_grace_s, (int, float)) \
+            or not 0 < shutdown_grace_s < float("inf"):
+        raise ValueError(f"shutdown_grace_s must be a positive number, got {shutdown_grace_s!r}")
     limit = app.state.max_header_bytes
     return uvicorn.Config(app, http=h11_protocol(app.state.read_timeout_s, limit),
                           log_level=log_level, h11_max_incomplete_event_size=limit,
-                          limit_concurrency=max_connections, timeout_graceful_shutdown=2,
-                          lifespan="on", **kwargs)
+                          limit_concurrency=max_connections,
+                          timeout_graceful_shutdown=shutdown_grace_s, lifespan="on", **kwargs)
+
+
+def make_server(config):
+    """A `uvicorn.Server` for `config` whose shutdown (SIGTERM, Ctrl-C, ``should_exit``) drains:
+    no new connections, and the requests in flight have the grace period
+    (``config.timeout_graceful_shutdown``) to finish; a moment before it ends, each open
+    stream gets an error event and ``[DONE]`` and each waiting answer a 503, so that no client
+    sees its connection simply cut."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            grace = float(self.config.timeout_graceful_shutdown or 0)
+            state = getattr(getattr(self.config.app, "state", None), "server", None)
+            if state is not None:
+                state.drain(time.monotonic() + grace - min(1.0, grace / 2))
+            await super().shutdown(sockets)
+
+    return Server(config)
 
 
 def _free_socket(host: str, port: int) -> socket.socket:
@@ -452,19 +315,19 @@ _APP_OPTIONS = ("model_root", "max_model_len", "max_tokens", "request_timeout_s"
 def running_server(model=None, tokenizer=None, *, engine: Any = None,
                    model_name: str = "minifer", host: str = DEFAULT_HOST, port: int = 0,
                    max_connections: int = MAX_CONNECTIONS, log_level: str = "warning",
-                   startup_timeout_s: float = 30.0, **options) -> Iterator[str]:
+                   startup_timeout_s: float = 30.0,
+                   shutdown_grace_s: float = SHUTDOWN_GRACE_S, **options) -> Iterator[str]:
     """Serve in a background thread; yields the base URL (``http://127.0.0.1:PORT``).
 
     Give a model (and tokenizer) plus `LLMEngine` options, or a ready `engine` (to look at its
     scheduler and blocks afterwards). Server options (`create_app`'s: ``max_waiting``,
     ``api_key``, ``scheduling_policy``, ...) go to the app, the rest to `LLMEngine`. ``port=0``
-    picks a free port. The server is always stopped when the block ends, even if it raised::
+    picks a free port. The server is always stopped when the block ends, even if it raised
+(requests in flight have `shutdown_grace_s` to finish)::
 
         with running_server(model, tok, model_name="shakespeare", max_num_seqs=8) as url:
             httpx.post(f"{url}/v1/completions", json={"model": "shakespeare", "prompt": "ROMEO:"})
     """
-    import uvicorn
-
     app_options = {k: options.pop(k) for k in _APP_OPTIONS if k in options}
     if engine is None:
         if model is None:
@@ -479,8 +342,8 @@ def running_server(model=None, tokenizer=None, *, engine: Any = None,
         app_options["allowed_hosts"] = None  # bound to a network address: its names are many
     app = create_app(engine, model_name=model_name, **app_options)
     sock = _free_socket(host, port)
-    server = uvicorn.Server(server_config(app, max_connections=max_connections,
-                                          log_level=log_level))
+    server = make_server(server_config(app, max_connections=max_connections,
+                                       log_level=log_level, shutdown_grace_s=shutdown_grace_s))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                               name="minifer-http", daemon=True)
     thread.start()
@@ -494,6 +357,6 @@ def running_server(model=None, tokenizer=None, *, engine: Any = None,
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         yield f"http://{shown}:{bound_port}"
     finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+        server.should_exit = True  # a graceful shutdown: see `make_server`
+        thread.join(timeout=shutdown_grace_s + 15)
         sock.close()

@@ -2,12 +2,15 @@
 
 `Guard` is plain ASGI middleware around the whole app: the ``Host`` header must name this
 machine (loopback binds; stops DNS rebinding), an ``Authorization: Bearer`` key when the server
-has one (every route but ``/health``), request bodies must be JSON (415 otherwise: a web page
+has one (every route but ``/health``), POST bodies must be JSON (415 otherwise: a web page
 cannot post to the server without a CORS preflight, which it does not answer), at most
 `MAX_BODY_BYTES` (413) arriving within `READ_TIMEOUT_S` (408), headers of at most
 `MAX_HEADER_BYTES` (431). Any exception a route raises becomes one OpenAI-style JSON 500 and
-the connection stays usable; every error response is counted by status. `h11_protocol` gives
-uvicorn's HTTP protocol a deadline for each request's headers.
+the connection stays usable, unless part of the request's body is still unread: then the
+response says ``connection: close`` and the server closes the connection (the rest of the body
+would otherwise keep it open). Every error response is counted by status. `h11_protocol` gives
+uvicorn's HTTP protocol a deadline for each request's headers and for the whole request, and
+keeps connections that passed the guard from being crowded out by ones that did not.
 """
 
 from __future__ import annotations
@@ -87,13 +90,16 @@ class Guard:
             await self.app(scope, receive, send)
             return
         scope["minifer.arrival"] = time.monotonic()  # the request timeout counts from here
-        state = {"started": False, "done": False}
+        state = {"started": False, "done": False, "body_read": not _has_body(scope)}
 
         async def counted_send(message) -> None:
             if message["type"] == "http.response.start":
                 state["started"] = True
                 if message["status"] >= 400:
                     self.metrics.rejected.labels(str(message["status"])).inc()
+                    if not state["body_read"]:  # the rest of it would keep the connection
+                        message = dict(message, headers=[*message.get("headers", []),
+                                                         (b"connection", b"close")])
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 state["done"] = True
             await send(message)
@@ -102,8 +108,9 @@ class Guard:
         if refusal is not None:
             await _send_error(counted_send, refusal)
             return
+        scope["minifer.trusted"] = True  # past the key: `h11_protocol` never evicts it
         try:
-            await self.app(scope, self._reader(scope, receive), counted_send)
+            await self.app(scope, self._reader(scope, receive, state), counted_send)
         except Exception as err:  # a bug: answer it, log it, keep the connection and the server
             log.error("request %s %s failed\n%s", scope.get("method"), scope.get("path"),
                       traceback.format_exc())
@@ -136,7 +143,7 @@ class Guard:
                 return APIError(401, f"{why} was provided: send the server's key as "
                                 "'Authorization: Bearer <key>'", code="invalid_api_key",
                                 headers={"WWW-Authenticate": "Bearer"})
-        if scope.get("method") in self.BODY_METHODS:
+        if scope.get("method") == "POST":  # the routes' only method with a body (PUT: 405)
             ctype = h.get("content-type", "").split(";")[0].strip().lower()
             if ctype != "application/json" and not (ctype.startswith("application/")
                                                     and ctype.endswith("+json")):
@@ -148,8 +155,9 @@ class Guard:
                 return _body_too_large(self.max_body_bytes)
         return None
 
-    def _reader(self, scope, receive):
-        """`receive` with the body's deadline and size limit (APIError 408 / 413)."""
+    def _reader(self, scope, receive, state: dict):
+        """`receive` with the body's deadline and size limit (APIError 408 / 413); sets
+        ``state["body_read"]`` once the whole body is in."""
         if scope.get("method") not in self.BODY_METHODS:
             return receive
         deadline = time.monotonic() + self.read_timeout_s
@@ -173,6 +181,7 @@ class Guard:
                 if seen > self.max_body_bytes:
                     raise _body_too_large(self.max_body_bytes)
                 done = not message.get("more_body", False)
+                state["body_read"] = done
             else:
                 done = True
             return message
@@ -180,55 +189,123 @@ class Guard:
         return read
 
 
+def _has_body(scope) -> bool:
+    """Whether the request says a body follows its headers (a length > 0, or chunks)."""
+    for k, v in scope.get("headers", []):
+        k = k.lower()
+        if (k == b"content-length" and v.strip() not in (b"0", b"")) \
+                or k == b"transfer-encoding":
+            return True
+    return False
+
+
 def _body_too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit:,} bytes", code="body_too_large")
 
 
 def h11_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES):
-    """uvicorn's h11 protocol, plus a deadline for each request's headers: a connection that
-    sends nothing, or trickles its headers, is answered 408 and closed after `header_timeout_s`
-    (uvicorn itself only times out idle keep-alive connections). Headers that outgrow h11's
-    buffer (`max_header_bytes`, uvicorn's ``h11_max_incomplete_event_size``) before they end
-    are answered with the same JSON 431 as `Guard` gives: which of the two sees them depends on
-    how the bytes arrive (one read of the whole request, or several)."""
+    """uvicorn's h11 protocol, plus what stops slow clients from holding connections:
+
+    - a deadline for each request's headers: a connection that sends nothing, or trickles its
+      headers, is answered 408 and closed after `header_timeout_s` (uvicorn itself only times
+      out idle keep-alive connections, and each byte restarts that timer);
+    - a total deadline for the whole request, body included, of twice that from its first
+      byte, which trickling cannot extend (`Guard` answers a slow body 408 before it);
+    - at the connection limit (uvicorn's ``limit_concurrency``), a new connection evicts the
+      oldest one still sending its first request's headers that never passed the guard (the
+      API key): connections that authenticated are never crowded out by ones that did not.
+
+    Headers that outgrow h11's buffer (`max_header_bytes`, uvicorn's
+    ``h11_max_incomplete_event_size``) before they end are answered with the same JSON 431 as
+    `Guard` gives: which of the two sees them depends on how the bytes arrive (one read of the
+    whole request, or several)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class Protocol(H11Protocol):
         _header_timer = None
+        _request_timer = None
+        trusted = False  # a request on it passed the guard
+        opened = 0.0
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self.opened = self.loop.time()
             self._arm()
+            limit = self.limit_concurrency
+            while limit is not None and len(self.connections) >= limit and self._evict():
+                pass
+
+        def _evict(self) -> bool:
+            """Close the oldest untrusted connection still in its headers; False if none."""
+            idle = [c for c in self.connections if c is not self and not c.trusted
+                    and not c.scope_trusted() and c.conn.their_state is h11.IDLE
+                    and not c.transport.is_closing()]
+            if not idle:
+                return False
+            oldest = min(idle, key=lambda c: c.opened)
+            oldest._close(b"503 Service Unavailable", b"the server is full: this connection "
+                          b"sent no complete request in time and gave way to a new one")
+            self.connections.discard(oldest)
+            return True
+
+        def scope_trusted(self) -> bool:
+            return bool(getattr(self, "scope", None) and self.scope.get("minifer.trusted"))
 
         def _arm(self) -> None:
             if self._header_timer is None:
                 self._header_timer = self.loop.call_later(header_timeout_s, self._too_slow)
+            if self._request_timer is None:
+                self._request_timer = self.loop.call_later(2 * header_timeout_s,
+                                                           self._request_too_slow)
 
-        def _disarm(self) -> None:
+        def _disarm(self, request: bool = True) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
+            if request and self._request_timer is not None:
+                self._request_timer.cancel()
+                self._request_timer = None
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            their = self.conn.their_state
+            if self.transport.is_closing():
+                self._disarm()
+            elif their is h11.IDLE:
                 self._arm()  # (more of) the next request's headers: they have a deadline
+            elif their is h11.SEND_BODY:
+                self._disarm(request=False)  # the headers are in; the body has the rest
             else:
                 self._disarm()
 
         def on_response_complete(self) -> None:
+            if self.scope_trusted():
+                self.trusted = True
             super().on_response_complete()
-            self._disarm()  # idle again: uvicorn's keep-alive timeout takes over
+            if self.conn.their_state is not h11.SEND_BODY:
+                self._disarm()  # idle again: uvicorn's keep-alive timeout takes over
+
+        def _close(self, status: bytes, body: bytes) -> None:
+            self.transport.write(b"HTTP/1.1 " + status + b"\r\nconnection: close\r\n"
+                                 b"content-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(body), body))
+            self.transport.close()
 
         def _too_slow(self) -> None:
             self._header_timer = None
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                body = b"request headers did not arrive in time"
-                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\n"
-                                     b"content-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
-                                     % (len(body), body))
-                self.transport.close()
+                self._close(b"408 Request Timeout", b"request headers did not arrive in time")
+
+        def _request_too_slow(self) -> None:
+            self._request_timer = None
+            if self.transport.is_closing() or self.conn.their_state not in (h11.IDLE,
+                                                                             h11.SEND_BODY):
+                return
+            if self.cycle is None or not self.cycle.response_started:
+                self._close(b"408 Request Timeout", b"the request did not arrive in time")
+            else:
+                self.transport.close()  # answered already; the rest of the body is not wanted
 
         def send_400_response(self, msg: str) -> None:
             # uvicorn's answer to any h11.RemoteProtocolError; h11 raises one for a buffer past

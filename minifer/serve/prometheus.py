@@ -82,6 +82,10 @@ class _EngineGauges:
         "prefix_cache_hit_rate": ("minifer_prefix_cache_hit_rate", "Fraction of looked-up full "
                                   "prompt blocks found in the prefix cache"),
         "preemptions": ("minifer_num_preemptions", "Preemptions so far"),
+        "replicas": ("minifer_engine_replicas", "Engine replicas (--engine-replicas)"),
+        "replicas_alive": ("minifer_engine_replicas_alive", "Engine replicas serving now"),
+        "replica_restarts": ("minifer_engine_replica_restarts", "Engine replicas started "
+                             "again after they died"),
     }
 
     def __init__(self, async_engine: Any) -> None:

@@ -11,8 +11,8 @@ refusal is an `APIError` (400) whose OpenAI-style body names the parameter and w
 
 Integers may be written as integral numbers (``16.0``), as JSON Schema counts them.
 
-Fields follow OpenAI's APIs: ``model``, ``prompt`` (text or token ids; one prompt per request)
-or ``messages``, ``max_tokens`` (completions: default 16; chat: default what the context has
+Fields follow OpenAI's APIs: ``model``, ``prompt`` (text or token ids, or a list of them: each
+its own choice) or ``messages``, ``max_tokens`` (completions: default 16; chat: default what the context has
 left; chat also takes ``max_completion_tokens``), ``temperature`` (default 1), ``top_p``,
 ``stop`` (up to 4 strings), ``seed``, ``stream``, ``stream_options.include_usage``,
 ``logprobs`` (completions: how many alternatives per token, 0–20; chat: true/false plus
@@ -31,6 +31,7 @@ Needs pydantic (the ``serve`` extra, with FastAPI); nothing here knows about HTT
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import typing
@@ -49,10 +50,12 @@ from .logprobs import MAX_TOP_LOGPROBS
 from .scheduler import PRIORITY_LIMIT
 
 __all__ = ["APIError", "CompletionRequest", "Limits", "CompletionBody", "ChatCompletionBody",
-           "parse_completion_request", "parse_chat_request", "validation_error", "error_body"]
+           "parse_completion_request", "parse_completion_requests", "parse_chat_request", "validation_error", "error_body"]
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_PROMPTS = 128  # prompts in one completions request (each its own choice)
 NEG_INF_LOGPROB = -9999.0  # what vLLM reports for a logprob of -inf
+MAX_NAME_SHOWN = 64  # an unknown field's name is echoed back at most this long
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
@@ -98,6 +101,8 @@ class CompletionRequest:
     echo: bool = False
     prompt_text: str | None = None
     min_tokens: int = 0
+    index: int = 0  # the choice's index: the prompt's place in a list of prompts
+    score_only: bool = False  # max_tokens 0 with echo: the prompt's logprobs, no new token
 
     def engine_options(self) -> dict:
         """Keyword arguments for `LLMEngine.add_request` beyond prompt, params and priority."""
@@ -189,11 +194,14 @@ class CompletionBody(_Sampling):
     """``POST /v1/completions``."""
 
     prompt: (NonEmpty | Annotated[list[TokenId], Field(min_length=1)]
-             | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
+             | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
-                         Field(min_length=1, max_length=1)]) = _f(
-        ..., "a non-empty string or a non-empty list of token ids (one prompt per request: "
-        "send several requests, they are batched on the server)", "The prompt.")
+                         Field(min_length=1, max_length=MAX_PROMPTS)]) = _f(
+        ..., f"a non-empty string, a non-empty list of token ids, or a list of at most "
+        f"{MAX_PROMPTS} of either (each its own choice, batched on the server)", "The prompt.")
+    max_tokens: Int(ge=0) | None = _f(
+        None, "an integer >= 1, at most the server's --max-tokens (0: only with echo, to score "
+        "the prompt)", "Most tokens to generate. Default 16.")
     echo: bool | None = _f(None, "true or false", "Return the prompt before the completion.")
     logprobs: Int(ge=0, le=MAX_TOP_LOGPROBS) | None = _f(
         None, f"an integer in [0, {MAX_TOP_LOGPROBS}] or null",
@@ -227,6 +235,12 @@ class ResponseFormat(_Body):
 
 class ChatCompletionBody(_Sampling):
     """``POST /v1/chat/completions``."""
+
+    # the schema says what `parse_chat_request` checks: top_logprobs only with logprobs true
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"required": ["top_logprobs"],
+               "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)] = _f(
         ..., "a non-empty list of messages", "The conversation so far.")
@@ -263,6 +277,11 @@ def _short(value: Any) -> str:
         return "a huge number"
 
 
+def _cut(name: str, most: int = MAX_NAME_SHOWN) -> str:
+    """A name the client sent, as an error message shows it: at most `most` characters."""
+    return name if len(name) <= most else f"{name[:most]}…({len(name):,} characters)"
+
+
 def validation_error(errors: Sequence[dict], model: type[BaseModel]) -> APIError:
     """Pydantic's errors for a `model` body as one OpenAI-style 400 naming the parameter
     (``messages[0].content``) and what it allows."""
@@ -282,8 +301,8 @@ def validation_error(errors: Sequence[dict], model: type[BaseModel]) -> APIError
                 names[-1] += f"[{part}]"
             continue
         if cls is None or part not in cls.model_fields:
-            if e.get("type") == "extra_forbidden":
-                names.append(str(part))
+            if e.get("type") == "extra_forbidden":  # the client's name, cut short if huge
+                names.append(_cut(str(part)))
             break
         info = cls.model_fields[part]
         names.append(part)
@@ -318,27 +337,62 @@ def _validate(cls: type[BaseModel], body: Any) -> Any:
 
 
 # ---- server-dependent checks ---------------------------------------------------------------
-def _encode(text: str, tokenizer, vocab_size: int, param: str) -> list[int]:
-    """Text to ids through `minifer.sequence.encode_prompts`: the engine's own checks."""
+class _SpecialTokens:
+    """`tokenizer` whose ``encode`` recognises special tokens in text (``<|endoftext|>``), as
+    the Hugging Face tokenizer and vLLM do; a tokenizer without the option encodes as it does."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+        try:
+            self.option = "special_tokens" in inspect.signature(tokenizer.encode).parameters
+        except (TypeError, ValueError):
+            self.option = False
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, special_tokens=True) if self.option else self.tok.encode(text)
+
+
+def _too_long(param: str, chars: int, most: int, limits: Limits) -> APIError:
+    return APIError(400, f"{param}: this model's maximum context length is "
+                    f"{limits.max_model_len} tokens, and the {param} has {chars:,} characters: "
+                    f"more than that many tokens can hold (one token stands for at most {most} "
+                    f"characters); shorten it", param=param, code="context_length_exceeded")
+
+
+def _encode(text: str, tokenizer, vocab_size: int, param: str, limits: Limits) -> list[int]:
+    """Text to ids through `minifer.sequence.encode_prompts`: the engine's own checks. A text
+    too long to fit the context window whatever its tokens is refused before tokenizing."""
     if tokenizer is None:
         raise _bad(param, "this server has no tokenizer: send token ids (a list of integers)")
+    most = getattr(tokenizer, "max_token_chars", None)
+    if isinstance(most, int) and len(text) > limits.max_model_len * most:
+        raise _too_long(param, len(text), most, limits)
     try:
-        [ids] = encode_prompts([text], tokenizer, vocab_size)
+        [ids] = encode_prompts([text], _SpecialTokens(tokenizer), vocab_size)
     except (ValueError, TypeError) as err:
         raise _bad(param, str(err).removeprefix("prompt 0 ").removeprefix("prompt 0: ")) from None
     return ids
 
 
-def _prompt_ids(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[int], str | None]:
-    """One prompt (text or ids, possibly OpenAI's one-element batch form) → ids, text."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+def _prompt_ids(prompt: Any, tokenizer, vocab_size: int,
+                limits: Limits) -> tuple[list[int], str | None]:
+    """One prompt (text or ids) → ids, text."""
     if isinstance(prompt, str):
-        return _encode(prompt, tokenizer, vocab_size, "prompt"), prompt
+        return _encode(prompt, tokenizer, vocab_size, "prompt", limits), prompt
+    if len(prompt) > limits.max_model_len:  # before decoding it
+        raise _context_error(len(prompt), 1, limits, "max_tokens", "prompt")
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         raise _bad("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    return list(prompt), (tokenizer.decode(prompt) if tokenizer is not None else None)
+    return list(prompt), (_decode(tokenizer, prompt) if tokenizer is not None else None)
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    """An id prompt's text, special tokens kept (as its tokens show them)."""
+    try:
+        return tokenizer.decode(ids, special_tokens=True)
+    except TypeError:  # a tokenizer without the option
+        return tokenizer.decode(ids)
 
 
 def _check_model(model: str, model_name: str) -> None:
@@ -347,16 +401,23 @@ def _check_model(model: str, model_name: str) -> None:
                    f"{model_name!r}", code="model_not_found")
 
 
-def _check_length(ids: list[int], max_tokens: int, limits: Limits, param: str) -> None:
+def _context_error(prompt_tokens: int, max_tokens: int, limits: Limits, param: str,
+                   prompt_param: str) -> APIError:
+    need = prompt_tokens + max_tokens - 1
+    return APIError(400, f"{prompt_param}: this model's maximum context length is "
+                    f"{limits.max_model_len} tokens; the {prompt_param} has {prompt_tokens} "
+                    f"tokens and {param}={max_tokens} ({prompt_param} + {param} - 1 = {need}); "
+                    f"shorten the {prompt_param} or lower {param}", param=prompt_param,
+                    code="context_length_exceeded")
+
+
+def _check_length(ids: list[int], max_tokens: int, limits: Limits, param: str,
+                  prompt_param: str = "prompt") -> None:
+    """`prompt_param`: the field the client sent the prompt in (``prompt``, ``messages``)."""
     if not 1 <= max_tokens <= limits.max_tokens:
         raise _bad(param, f"must be an integer in [1, {limits.max_tokens}], got {max_tokens!r}")
-    need = len(ids) + max_tokens - 1  # the last token is never fed back
-    if need > limits.max_model_len:
-        raise APIError(400, f"prompt: this model's maximum context length is "
-                       f"{limits.max_model_len} tokens; the prompt has {len(ids)} tokens and "
-                       f"{param}={max_tokens} (prompt + {param} - 1 = {need}); shorten the "
-                       f"prompt or lower {param}", param="prompt",
-                       code="context_length_exceeded")
+    if len(ids) + max_tokens - 1 > limits.max_model_len:  # the last token is never fed back
+        raise _context_error(len(ids), max_tokens, limits, param, prompt_param)
 
 
 def _sampling(b: _Sampling, max_tokens: int, stop: list[str], tokenizer, vocab_size: int,
@@ -392,21 +453,51 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
 
 
-def parse_completion_request(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
-                             vocab_size: int, priorities: bool = False) -> CompletionRequest:
-    """Check a ``/v1/completions`` body (a dict or a `CompletionBody`); raise `APIError` (400)
-    naming the bad parameter. `priorities`: whether the server honours ``priority``."""
+def parse_completion_requests(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
+                              vocab_size: int, priorities: bool = False
+                              ) -> list[CompletionRequest]:
+    """Check a ``/v1/completions`` body (a dict or a `CompletionBody`): one request per prompt
+    (a list of prompts is a batch, each its own choice), sharing the answer's id. Raise
+    `APIError` (400) naming the bad parameter. `priorities`: whether the server honours
+    ``priority``."""
     b = _validate(CompletionBody, body)
     _check_model(b.model, model_name)
-    ids, text = _prompt_ids(b.prompt, tokenizer, vocab_size)
+    prompts = b.prompt
+    if isinstance(prompts, str) or isinstance(prompts[0], int):
+        prompts = [prompts]
     max_tokens = 16 if b.max_tokens is None else b.max_tokens
-    _check_length(ids, max_tokens, limits, "max_tokens")
-    params, priority, min_tokens = _sampling(b, max_tokens, _stops(b.stop), tokenizer,
+    score_only = max_tokens == 0
+    if score_only and not b.echo:
+        raise _bad("max_tokens", "0 is only allowed with echo (to score the prompt)")
+    params, priority, min_tokens = _sampling(b, max(max_tokens, 1), _stops(b.stop), tokenizer,
                                              vocab_size, priorities)
     include_usage = bool(b.stream_options and b.stream_options.include_usage)
-    return CompletionRequest(ids, params, stream=bool(b.stream), include_usage=include_usage,
-                             priority=priority, model=b.model, logprobs=b.logprobs,
-                             echo=bool(b.echo), prompt_text=text, min_tokens=min_tokens)
+    reqs: list[CompletionRequest] = []
+    for i, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        try:
+            ids, text = _prompt_ids(prompt, tokenizer, vocab_size, limits)
+            _check_length(ids, max(max_tokens, 1), limits, "max_tokens")
+        except APIError as err:
+            if param == "prompt":
+                raise
+            message = err.message.replace("prompt", param, 1)  # which of the prompts
+            raise APIError(err.status, message, param=param, type=err.type,
+                           code=err.code) from None
+        reqs.append(CompletionRequest(
+            ids, params, stream=bool(b.stream), include_usage=include_usage, priority=priority,
+            model=b.model, logprobs=b.logprobs, echo=bool(b.echo), prompt_text=text,
+            min_tokens=min_tokens, index=i, score_only=score_only,
+            **({"id": reqs[0].id, "created": reqs[0].created} if reqs else {})))
+    return reqs
+
+
+def parse_completion_request(body: Any, **options) -> CompletionRequest:
+    """`parse_completion_requests` for a body with one prompt."""
+    reqs = parse_completion_requests(body, **options)
+    if len(reqs) != 1:
+        raise _bad("prompt", f"one prompt expected here, got {len(reqs)}")
+    return reqs[0]
 
 
 def _message_text(m: ChatMessage) -> str:
@@ -423,7 +514,7 @@ def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=
         raise _bad("messages", "this server has no tokenizer, and chat needs one")
     prompt, _ = render_chat([{"role": m.role, "content": _message_text(m), "name": m.name}
                              for m in b.messages])
-    ids = _encode(prompt, tokenizer, vocab_size, "messages")
+    ids = _encode(prompt, tokenizer, vocab_size, "messages", limits)
     param = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
     if b.max_tokens is not None and b.max_completion_tokens is not None \
             and b.max_tokens != b.max_completion_tokens:
@@ -432,7 +523,7 @@ def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=
     max_tokens = b.max_completion_tokens or b.max_tokens
     if max_tokens is None:  # what the context window has left, within the server's limit
         max_tokens = max(1, min(limits.max_tokens, limits.max_model_len - len(ids) + 1))
-    _check_length(ids, max_tokens, limits, param)
+    _check_length(ids, max_tokens, limits, param, "messages")
     if b.top_logprobs is not None and not b.logprobs:
         raise _bad("top_logprobs", "only allowed when logprobs is true")
     stop = _stops(b.stop)

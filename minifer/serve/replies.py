@@ -10,13 +10,14 @@ infinity).
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from .logprobs import TokenLogprob
 from .protocol import NEG_INF_LOGPROB, CompletionRequest
 
 __all__ = ["openai_finish_reason", "usage_body", "token_text", "token_bytes", "completion_body",
-           "chunk_body", "chat_body", "chat_chunk_body", "Streamer", "reply_body"]
+           "chunk_body", "chat_body", "chat_chunk_body", "Streamer", "reply_body", "merge_bodies"]
 
 def openai_finish_reason(reason: str | None) -> str | None:
     """The engine's reason as OpenAI spells it: "eos" and "stop" are both a natural "stop"."""
@@ -67,21 +68,33 @@ def token_bytes(tokenizer, token_id: int) -> list[int] | None:
 
 
 class _Tokens:
-    """Token ids with their logprob entries, shaped as a choice's ``logprobs``."""
+    """Token ids with their logprob entries, shaped as a choice's ``logprobs``; one per answer
+    (it counts the characters of the answer's text so far, for ``text_offset``)."""
 
     def __init__(self, tokenizer) -> None:
         self.tok = tokenizer
+        self.chars = 0  # characters of the text before the next token
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def text(self, ids: Sequence[int], entries: Sequence[TokenLogprob | None],
-             offset: int = 0) -> dict:
+    def _offset(self, token_id: int) -> int:
+        """Where `token_id` starts in the text: the index of the character its first byte
+        begins, or continues (a token may hold part of a character)."""
+        at = self.chars
+        raw = token_bytes(self.tok, token_id)
+        text = token_text(self.tok, token_id) if raw is None else \
+            self._utf8.decode(bytes(raw))
+        self.chars += len(text)
+        return at
+
+    def text(self, ids: Sequence[int], entries: Sequence[TokenLogprob | None]) -> dict:
         """Completions' ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``; the
-        chosen token is always among its position's ``top_logprobs`` (as vLLM does)."""
+        chosen token is always among its position's ``top_logprobs`` (as vLLM does). Each
+        offset indexes into the choice's ``text`` (echo: the prompt, special tokens kept)."""
         tokens, lps, tops, offsets = [], [], [], []
         for tid, e in zip(ids, entries):
             s = token_text(self.tok, tid)
             tokens.append(s)
-            offsets.append(offset)
-            offset += len(s)
+            offsets.append(self._offset(tid))
             if e is None:
                 lps.append(None)
                 tops.append(None)
@@ -110,6 +123,9 @@ def completion_body(req: CompletionRequest, text: str, finish_reason: str | None
                     tokenizer=None) -> dict:
     """The whole answer of a non-streamed completion (``echo``: the prompt first)."""
     lp = None
+    if req.score_only:  # max_tokens 0: the one token generated is not part of the answer
+        text, token_ids, completion_tokens, finish_reason = "", (), 0, "length"
+        logprobs = [] if logprobs is not None else None
     if req.logprobs is not None and logprobs is not None:
         ids, entries = list(token_ids), list(logprobs)
         if req.echo:
@@ -120,7 +136,7 @@ def completion_body(req: CompletionRequest, text: str, finish_reason: str | None
         text = (req.prompt_text or "") + text
     return {"id": req.id, "object": "text_completion", "created": req.created,
             "model": req.model,
-            "choices": [{"index": 0, "text": text, "logprobs": lp,
+            "choices": [{"index": req.index, "text": text, "logprobs": lp,
                          "finish_reason": openai_finish_reason(finish_reason)}],
             "usage": usage_body(len(req.prompt_ids), completion_tokens)}
 
@@ -139,7 +155,7 @@ def _stream_chunk(req: CompletionRequest, obj: str, choice: dict | None,
 def chunk_body(req: CompletionRequest, text: str | None, finish_reason: str | None = None,
                usage: dict | None = None, logprobs: dict | None = None) -> dict:
     """One server-sent event of a streamed completion (``text=None``: usage only)."""
-    choice = None if text is None else {"index": 0, "text": text, "logprobs": logprobs,
+    choice = None if text is None else {"index": req.index, "text": text, "logprobs": logprobs,
                                         "finish_reason": openai_finish_reason(finish_reason)}
     return _stream_chunk(req, "text_completion", choice, usage)
 
@@ -175,7 +191,6 @@ class Streamer:
         self.req, self.tok = req, tokenizer
         self.shape = _Tokens(tokenizer)
         self.sent_tokens = 0
-        self.offset = 0
         self.prompt_logprobs = prompt_logprobs
 
     def first(self) -> list[dict]:
@@ -189,12 +204,15 @@ class Streamer:
         if req.logprobs is not None:
             entries = list(self.prompt_logprobs or [None] * len(req.prompt_ids))
             lp = self.shape.text(req.prompt_ids, entries)
-            self.offset = sum(len(s) for s in lp["tokens"])
         return [chunk_body(req, req.prompt_text or "", None, logprobs=lp)]
 
     def step(self, out) -> dict:
         """The event for one engine step's output (one new token)."""
         req = self.req
+        if req.score_only:  # max_tokens 0: nothing but the end
+            return chunk_body(req, "", "length", logprobs=None if req.logprobs is None else
+                              {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []})
         new_ids = out.token_ids[self.sent_tokens:]
         entries = (out.logprobs or [])[self.sent_tokens:] if req.logprobs is not None else None
         self.sent_tokens = len(out.token_ids)
@@ -205,12 +223,15 @@ class Streamer:
             return chat_chunk_body(req, delta, reason, logprobs=lp)
         lp = None
         if entries is not None:
-            lp = self.shape.text(new_ids, entries, self.offset)
-            self.offset += sum(len(s) for s in lp["tokens"])
+            lp = self.shape.text(new_ids, entries)
         return chunk_body(req, out.delta, reason, logprobs=lp)
 
-    def usage(self, completion_tokens: int) -> dict:
-        u = usage_body(len(self.req.prompt_ids), completion_tokens)
+    def usage(self, completion_tokens: int, prompt_tokens: int | None = None) -> dict:
+        """The usage-only last chunk (`prompt_tokens`: all prompts of a batch; default this
+        request's)."""
+        if prompt_tokens is None:
+            prompt_tokens = len(self.req.prompt_ids)
+        u = usage_body(prompt_tokens, completion_tokens)
         if self.req.kind == "chat":
             return chat_chunk_body(self.req, None, usage=u)
         return chunk_body(self.req, None, usage=u)
@@ -226,3 +247,13 @@ def reply_body(req: CompletionRequest, out, tokenizer=None,
         return chat_body(req, text, out.finish_reason, len(out.token_ids), **kw)
     return completion_body(req, text, out.finish_reason, len(out.token_ids),
                            prompt_logprobs=prompt_logprobs, **kw)
+
+
+def merge_bodies(bodies: Sequence[dict]) -> dict:
+    """One answer for a list of prompts: every body's choice in order, the usage added up."""
+    if len(bodies) == 1:
+        return bodies[0]
+    merged = dict(bodies[0], choices=[c for b in bodies for c in b["choices"]])
+    merged["usage"] = usage_body(sum(b["usage"]["prompt_tokens"] for b in bodies),
+                                 sum(b["usage"]["completion_tokens"] for b in bodies))
+    return merged

@@ -153,4 +153,8 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"]
+    """``ok``; ``degraded`` when some engine replicas have stopped and the rest serve."""
+
+    status: Literal["ok", "degraded"]
+    replicas: int | None = None  # with --engine-replicas: how many in all
+    replicas_alive: int | None = None  # ... and how many serve now
