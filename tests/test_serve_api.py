@@ -18,10 +18,10 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import lively_model, scripted_gpt
 from serve_double import Slow, StandInEngine
 
 import minifer as mf
+from conftest import lively_model, scripted_gpt
 from minifer.serve.api import running_server
 from minifer.serve.protocol import APIError, CompletionBody, Limits, parse_completion_request
 

@@ -13,10 +13,10 @@ import codecs
 import httpx
 import pytest
 import torch
-from conftest import lively_model, scripted_gpt
 from serve_double import StandInEngine
 
 import minifer as mf
+from conftest import lively_model, scripted_gpt
 from minifer.serve.api import running_server
 from minifer.serve.chat import ASSISTANT, END_OF_TURN, USER, render_chat, speech
 from minifer.serve.engine import LLMEngine

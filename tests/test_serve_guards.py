@@ -17,10 +17,10 @@ import time
 
 import httpx
 import pytest
-from conftest import lively_model
 from serve_double import Slow
 
 import minifer as mf
+from conftest import lively_model
 from minifer.serve.api import running_server
 from minifer.serve.engine import LLMEngine
 

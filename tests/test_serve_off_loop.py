@@ -7,8 +7,8 @@ import json
 import threading
 
 import httpx
-from conftest import lively_model
 
+from conftest import lively_model
 from minifer.serve.api import running_server
 from minifer.tokenizer import ByteTokenizer
 

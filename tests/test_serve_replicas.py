@@ -11,11 +11,11 @@ import time
 
 import httpx
 import pytest
-from conftest import lively_model
 from process_double import FileSteeredGPT
 from test_serve_engine_process import _metric
 
 import minifer as mf
+from conftest import lively_model
 from minifer.serve.api import running_server
 from minifer.serve.engine import LLMEngine
 from minifer.serve.errors import APIError

@@ -14,9 +14,9 @@ import time
 
 import httpx
 import pytest
-from conftest import lively_model
 
 import minifer as mf
+from conftest import lively_model
 from minifer.serve import schema as S
 from minifer.serve.api import running_server
 from minifer.serve.engine import LLMEngine
