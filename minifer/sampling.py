@@ -74,6 +74,9 @@ class SamplingParams:
             put("seed", check_int("seed", self.seed, lo, hi - 1,
                                   allowed="be None or an integer in [0, 2**64)"))
         put("logit_bias", _as_logit_bias(self.logit_bias))
+        if not isinstance(self.ignore_eos, bool) and type(self.ignore_eos).__name__ != "bool_":
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        put("ignore_eos", bool(self.ignore_eos))
 
     @property
     def greedy(self) -> bool:

@@ -461,3 +461,11 @@ def test_top_p_keeps_all_tokens_tied_with_the_boundary_token():
     kept = torch.isfinite(apply_top_p(logits, p0 + 0.01))[0].tolist()
     assert kept == [True, True, True, True, False]
     assert torch.isfinite(apply_top_k(logits, 2))[0].tolist() == kept
+
+
+@pytest.mark.parametrize("value", ["false", "true", 1, 0, None])
+def test_ignore_eos_takes_only_a_bool(value):
+    """A truthy string such as "false" used to switch it on."""
+    with pytest.raises(ValueError, match="ignore_eos must be True or False"):
+        SamplingParams(ignore_eos=value)
+    assert SamplingParams(ignore_eos=True).ignore_eos is True
