@@ -53,3 +53,19 @@ def test_every_lesson_shows_its_diagram(lesson: pathlib.Path) -> None:
     markdown = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
     for name in expected:
         assert f"](diagrams/{name})" in markdown, f"{lesson.name} does not show diagrams/{name}"
+
+
+def test_the_diagrams_numbers_are_computed_by_minifer() -> None:
+    """The int8 row is `quantize_int8`'s (0.12 / (0.50 / 127) = 30.48 rounds to 30, w' = 0.118)
+    and the top-p inset keeps what `apply_top_p` keeps; the committed SVGs show those numbers."""
+    draw = _draw_module()
+    w, q, back, scale = draw.int8_row(draw.INT8_ROW)
+    assert q == [30, -127, 8, 64] and abs(scale - 0.5 / 127) < 1e-9
+    quant = (DIAGRAMS / "08_quantization.svg").read_text()
+    for v in q:
+        assert f">{v}<" in quant
+    assert ">0.118<" in quant and ">0.122<" not in quant
+    kept = draw.top_p_kept(draw.TOP_P_HEIGHTS, draw.TOP_P)
+    probs = sorted((h / sum(draw.TOP_P_HEIGHTS) for h in draw.TOP_P_HEIGHTS), reverse=True)
+    assert sum(probs[:kept]) >= draw.TOP_P > sum(probs[:kept - 1])  # the smallest such set: 5
+    assert f"{kept} kept" in (DIAGRAMS / "06_sampling.svg").read_text()

@@ -17,6 +17,11 @@ import argparse
 import pathlib
 from xml.sax.saxutils import escape
 
+import torch
+
+from minifer.quantization import quantize_int8
+from minifer.sampling import apply_top_p
+
 BLUE, ORANGE, GREEN, RED, GREY, PURPLE = "#4c78a8", "#f58518", "#54a24b", "#e45756", "#9d9d9d", "#b279a2"
 LIGHT = {BLUE: "#dbe7f3", ORANGE: "#fde6cf", GREEN: "#dcefd8", RED: "#f9dcdc", GREY: "#eeeeee",
          PURPLE: "#efe0ea"}
@@ -238,6 +243,15 @@ def paged_blocks() -> Canvas:
     return c
 
 
+TOP_P, TOP_P_HEIGHTS = 0.9, [60, 44, 30, 20, 12, 7, 4]  # bar heights: probabilities ∝ height
+
+
+def top_p_kept(heights: list[float], p: float) -> int:
+    """How many of the tokens with these probabilities (∝ heights) `apply_top_p` keeps."""
+    probs = torch.tensor(heights, dtype=torch.float32) / sum(heights)
+    return int(torch.isfinite(apply_top_p(probs.log()[None], p)).sum())
+
+
 def sampling() -> Canvas:
     c = Canvas(760, 250, "From logits to a token: penalty, temperature, top-k, top-p, then a draw")
     c.text(380, 24, "Sampling, step by step (lesson 06)", size=15, bold=True)
@@ -252,12 +266,12 @@ def sampling() -> Canvas:
         c.text(x + 52, 146, note.split("\n")[1], size=11)
         if i:
             c.arrow(x - 18, 85, x, 85)
-    heights = [60, 44, 30, 20, 12, 7, 4]
-    kept = 3
+    heights = TOP_P_HEIGHTS
+    kept = top_p_kept(heights, TOP_P)
     for j, h in enumerate(heights):
         color = BLUE if j < kept else RED
         c.cell(520 + j * 26, 235 - h, 22, h, color)
-    c.text(600, 180, "top-p = 0.9 on 7 tokens", size=11)
+    c.text(600, 166, f"top-p = {TOP_P} on {len(heights)} tokens: {kept} kept", size=11)
     c.text(500, 232, "kept", size=11, color=BLUE, anchor="end")
     c.text(712, 232, "cut", size=11, color=RED, anchor="start")
     c.text(30, 190, "temperature 0 (or top-k 1) is greedy decoding: always the highest score.",
@@ -310,18 +324,30 @@ def batching() -> Canvas:
     return c
 
 
+INT8_ROW = [0.12, -0.50, 0.03, 0.25]
+
+
+def int8_row(row: list[float]) -> tuple[list[float], list[int], list[float], float]:
+    """One weight row through `minifer.quantization.quantize_int8`: (w, q, w' = q × scale, scale)."""
+    w = torch.tensor([row], dtype=torch.float32)
+    q, scale = quantize_int8(w)
+    return row, q[0].tolist(), (q.float() * scale[:, None])[0].tolist(), float(scale[0])
+
+
 def quantization() -> Canvas:
     c = Canvas(760, 250, "int8 quantization of one weight row: a scale, rounding, and back")
     c.text(380, 24, "Quantizing a weight row to int8 (lesson 08)", size=15, bold=True)
-    w = ["0.12", "-0.50", "0.03", "0.25"]
-    q = ["31", "-127", "8", "64"]
-    d = ["0.122", "-0.500", "0.031", "0.252"]
+    w_row, q_row, d_row, scale = int8_row(INT8_ROW)
+    w = [f"{v:.2f}" for v in w_row]
+    q = [str(v) for v in q_row]
+    d = [f"{v:.3f}" for v in d_row]
     for label, vals, color, y in (("fp32 w (4 bytes each)", w, BLUE, 60), ("int8 q (1 byte each)", q, ORANGE, 140)):
         c.text(150, y + 20, label, size=12, anchor="end")
         for i, v in enumerate(vals):
             c.cell(160 + i * 62, y, 58, 30, color, v, size=12)
     c.arrow(284, 92, 284, 138)
-    c.text(300, 112, "scale = max|w| / 127 = 0.50 / 127 ≈ 0.00394", size=12, anchor="start")
+    c.text(300, 112, f"scale = max|w| / 127 = {max(abs(v) for v in w_row):.2f} / 127 ≈ {scale:.5f}",
+           size=12, anchor="start")
     c.text(300, 128, "q = round(w / scale), clamped to [-127, 127]", size=12, anchor="start")
     c.box(470, 140, 250, 30, "stored: q and one scale per row", GREY, size=12)
     c.arrow(284, 172, 284, 198)
