@@ -1,9 +1,9 @@
 """bf16 at batch 1: a matrix-vector kernel for the CPU's AVX512-BF16 instructions.
 
 A decode step at batch 1 multiplies one row by every weight matrix, so its time is the time to
-read the weights: 249 MB a token for GPT-2 124M in bf16, half of fp32's. oneDNN's bf16 product
-(`minifer.prepack`) read them slower than the same library reads fp32 on a 2-core Xeon
-(BENCHMARKS.md), so bf16 at batch 1 gained less over fp32 than its halved bytes promise.
+read the weights, half of fp32's bytes in bf16. oneDNN's bf16 product (`minifer.prepack`) can
+read them slower than the same library reads fp32 (BENCHMARKS.md measures it), so bf16 at
+batch 1 gained less over fp32 than its halved bytes promise.
 `bf16_reference` says in two lines what the product is: float32 products and sums of the bf16
 numbers, rounded once to bf16. ``csrc/bf16_gemv.cpp`` computes that with AVX512-BF16's
 ``vdpbf16ps`` (32 bf16 multiply-adds per instruction into float32), four weight rows per pass

@@ -3,10 +3,8 @@
 `F.linear` hands torch's CPU matmul the weight in its stored layout, ``(out, in)`` row-major,
 and the kernel re-blocks it for its vector registers on every call. At decode, where each
 token multiplies a few rows by every weight of the model, that re-blocking and a layout the
-kernel was not tuned for are a large part of the step: on a 2-core AMD EPYC (Zen 4) a GPT-2
-(124M) decode ran 1.5x faster at batch 1 and 16 with the weights prepacked (fp32; bf16 2x at
-batch 1), and GPT-2's 50,257-row output layer alone went from 15 to 7 ms per token.
-Prepacking is what `torch.compile`'s CPU "freezing" does to a graph's weights, and what
+kernel was not tuned for are a large part of the step (BENCHMARKS.md, "Peers with prepacked
+weights", measures it). Prepacking is what `torch.compile`'s CPU "freezing" does to a graph's weights, and what
 OpenVINO and CTranslate2 do when they load a model; `prepack` does it in eager mode, layer
 by layer, with oneDNN's own ops (``torch.ops.mkldnn``).
 

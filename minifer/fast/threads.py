@@ -295,7 +295,7 @@ class ThreadGovernor:
 
 _shared: ThreadGovernor | None = None
 # A second of work, as the server: at 2 cores, 200 clock ticks, so a brief burst of another
-# program does not read as a busy core (a quarter second was tried; BENCHMARKS.md).
+# program does not read as a busy core.
 GENERATE_PERIOD_S = 1.0
 
 
