@@ -29,6 +29,7 @@ from ..sampling import SamplingParams
 from ..sequence import check_weights, prepare
 from ..tokenizer import TokenizerLike
 from .block_manager import BlockManager
+from .driver import drive
 from .handoff import Handoff
 from .kv_pool import PagedKVPool
 from .model_runner import ModelRunner
@@ -315,10 +316,16 @@ class LLMEngine:
                 self.abort(rid)
             raise
         final: dict[str, RequestOutput] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+
+        def keep(outputs: list[RequestOutput]) -> None:
+            final.update((o.request_id, o) for o in outputs if o.finished)
+
+        try:
+            drive(self, lambda idle: not idle, keep)  # step until nothing is left
+        except BaseException:
+            for rid in ids:  # a step that raised (or Ctrl-C): leave nothing behind
+                self.abort(rid)
+            raise
         return [final[i] for i in ids]
 
     def __repr__(self) -> str:

@@ -42,6 +42,7 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     logprobs: list | None = None  # a `serve.logprobs.TokenLogprob` per token, if asked for
+    error: str | None = None  # why it failed (finish_reason "error"), naming the request id
 
 
 class Request:
@@ -55,6 +56,7 @@ class Request:
 
     num_logprobs: int | None = None  # alternatives to report per token (None: no logprobs)
     logprobs: list | None = None  # the TokenLogprob of each generated token so far
+    error: str | None = None  # set when something in a step failed for this request alone
 
     def __init__(self, request_id: str, seq: Sequence, vocab: int, priority: int,
                  arrival_time: float, order: int, device: torch.device,
@@ -103,7 +105,7 @@ class Request:
         return RequestOutput(self.request_id, s.prompt_ids, list(s.output_ids),
                              self.text if s.stopper is not None else None, delta,
                              self.finished, self.metrics.finish_reason, self.metrics,
-                             None if self.logprobs is None else list(self.logprobs))
+                             None if self.logprobs is None else list(self.logprobs), self.error)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, priority={self.priority}, {self.status.value}, "

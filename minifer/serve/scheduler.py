@@ -212,16 +212,18 @@ class Scheduler:
             c.block_table = self.bm.block_table(c.request.request_id)
         return out
 
-    def postprocess(self, out: SchedulerOutput, tokens: Sequence[int],
+    def postprocess(self, out: SchedulerOutput, tokens: Sequence[int | Exception],
                     now: float | None = None) -> list[RequestOutput]:
         """Record a step's results: `tokens` holds one sampled token per chunk of ``out.due``.
 
         Every scheduled request now has K/V for the tokens it fed (`num_computed` moves on, and
         full blocks are named for prefix caching); each due request gets its token, and one
-        that finishes leaves the running queue and frees its blocks. Returns an output for
-        every request that received a token. `now` (default ``time.perf_counter()``) stamps
-        the tokens: the scheduler never reads a clock of its own otherwise, so a simulator can
-        drive it on simulated time.
+        that finishes leaves the running queue and frees its blocks. A request whose token is
+        an exception (its sampling failed), or whose `append` raises (detokenizing, stop
+        strings), finishes with reason "error" (`Request.error` says why) and harms no other.
+        Returns an output for every request that received a token or failed. `now` (default
+        ``time.perf_counter()``) stamps the tokens: the scheduler reads no other clock, so a
+        simulator can drive it on simulated time.
         """
         for c in out.chunks:
             req = c.request
@@ -232,21 +234,33 @@ class Scheduler:
         if len(tokens) != len(due):
             raise ValueError(f"postprocess needs one token per due chunk ({len(due)}), got "
                              f"{len(tokens)}")
-        if now is None:
-            now = time.perf_counter()
+        now = time.perf_counter() if now is None else now
         outputs = []
         for c, token in zip(due, tokens):
-            req, m = c.request, c.request.metrics
-            if req.status is not Status.RUNNING:
-                continue
-            event = req.seq.append(token, now - m.arrival_time)
-            req.text += event.text
-            m.on_token(now)
-            if event.finish_reason is not None:
-                m.on_finish(now, event.finish_reason)
-                self.finish(req)
-            outputs.append(req.output(event.text))
+            req = c.request
+            if req.status is Status.RUNNING:
+                outputs.append(self._record(req, token, now))
         return outputs
+
+    def _record(self, req: Request, token: int | Exception, now: float) -> RequestOutput:
+        """Append `token` to `req` (finishing it if it stops), or end it with the error."""
+        m, err = req.metrics, token if isinstance(token, Exception) else None
+        if err is None:
+            try:
+                event = req.seq.append(token, now - m.arrival_time)
+            except Exception as e:  # noqa: BLE001 - this request's failure, no one else's
+                err = e
+        if err is not None:
+            req.error = f"request {req.request_id!r} failed: {type(err).__name__}: {err}"
+            m.on_finish(now, "error")
+            self.finish(req)
+            return req.output("")
+        req.text += event.text
+        m.on_token(now)
+        if event.finish_reason is not None:
+            m.on_finish(now, event.finish_reason)
+            self.finish(req)
+        return req.output(event.text)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         candidates = sorted(self.waiting, key=self.rank)
