@@ -187,3 +187,64 @@ def test_hostile_requests_never_change_a_victims_tokens(small, requests, options
             assert out.finish_reason == "error" and repr(out.request_id) in out.error
     assert eng.block_manager.num_used_blocks == 0 and not eng.has_unfinished()
     eng.block_manager.check()
+
+
+# ---- refused at add_request: what can be known then ------------------------------------------
+def test_add_request_refuses_a_bad_arrival_time_and_priority(small):
+    """One request check for every front (`options.prepare_request`; the disaggregated
+    front's is tested in test_serve_disagg): NaN or infinite arrival times never reach the
+    scheduler's clock arithmetic."""
+    eng = LLMEngine(small)
+    for bad in (float("nan"), float("-inf"), "soon"):
+        with pytest.raises(ValueError, match="arrival_time must be a finite number"):
+            eng.add_request([1, 2], GREEDY, arrival_time=bad)
+    for bad in ("high", float("inf"), 2**70):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            eng.add_request([1, 2], GREEDY, priority=bad)
+    assert not eng.has_unfinished() and eng.num_unfinished == 0
+
+
+def test_a_huge_block_size_is_a_value_error_before_allocating(small):
+    """Issue 45, item 9: ``block_size=10**6`` once tried to allocate 40 GB; now the config
+    names the parameter and its range before any tensor exists."""
+    for bad in (10**6, 129, 0, 2.0):
+        with pytest.raises(ValueError, match=r"block_size must be an integer in \[1, 128\]"):
+            LLMEngine(small, block_size=bad)
+    assert LLMEngine(small, block_size=128).config.num_blocks == 32
+
+
+def test_handing_over_between_engines_ends_only_the_bad_request(small):
+    """Disaggregated serving in one process (the workers' loops without the wire): a hostile
+    request fails at its first token on the prefill engine and is handed over finished."""
+    from minifer.serve.handoff import add_prefilled, export_prefilled
+
+    pre, dec = LLMEngine(small, block_size=4), LLMEngine(small, block_size=4)
+    rids = [pre.add_request(p, sp) for p, sp in
+            [(VICTIMS[0], GREEDY), (HOSTILE_PROMPT, hostile()), (VICTIMS[1], GREEDY)]]
+    final = {}
+    while pre.has_unfinished() or dec.has_unfinished():
+        for out in pre.step() if pre.has_unfinished() else []:
+            if out.finished:
+                final[out.request_id] = out
+            else:
+                assert add_prefilled(dec, export_prefilled(pre, out.request_id))
+        for out in dec.step() if dec.has_unfinished() else []:
+            if out.finished:
+                final[out.request_id] = out
+    assert final[rids[1]].finish_reason == "error" and "'req-1'" in final[rids[1]].error
+    assert [final[r].token_ids for r in (rids[0], rids[2])] == [
+        _alone(small, VICTIMS[0]), _alone(small, VICTIMS[1])]
+    assert pre.block_manager.num_used_blocks == dec.block_manager.num_used_blocks == 0
+
+
+def test_the_disaggregated_processes_end_only_the_bad_request(small):
+    from minifer.serve.disagg import DisaggregatedEngine
+
+    with DisaggregatedEngine(small, block_size=4, timeout_s=60) as eng:
+        outs = eng.generate([VICTIMS[0], HOSTILE_PROMPT, VICTIMS[1]],
+                            [GREEDY, hostile(), GREEDY])
+        again = eng.generate([VICTIMS[2]], GREEDY)  # both workers still serve
+    assert outs[1].finish_reason == "error" and "'req-1'" in outs[1].error
+    assert outs[1].token_ids == []
+    assert [outs[0].token_ids, outs[2].token_ids, again[0].token_ids] == [
+        _alone(small, p) for p in VICTIMS]

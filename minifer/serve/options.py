@@ -18,11 +18,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ..checks import check_number
 from ..sampling import SamplingParams
+from ..sequence import prepare
 from .logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from .scheduler import PRIORITY_LIMIT
 
-__all__ = ["check_request", "check_options", "ban_early_eos", "record_logprobs",
+__all__ = ["prepare_request", "check_request", "check_options", "ban_early_eos", "record_logprobs",
            "generate_arguments"]
 
 
@@ -43,6 +45,26 @@ def generate_arguments(prompts, params) -> tuple[list, list]:
     if len(params) != len(prompts):
         raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
     return list(prompts), list(params)
+
+
+def prepare_request(model, tokenizer, prompt, params: SamplingParams | None, *,
+                    priority: int = 0, arrival_time: float | None = None,
+                    request_id: str | None = None, logprobs: int | None = None,
+                    min_tokens: int = 0, device=None):
+    """The one check of a request, for every front (`LLMEngine.add_request`, the
+    disaggregated front): ValueErrors naming `priority`, `arrival_time` (a finite number),
+    `request_id`, `prompt`, `logprobs`, `min_tokens` or what `minifer.sequence.prepare`
+    refuses. Returns the request's `Sequence` and the vocabulary it may sample from."""
+    check_request(prompt, priority)
+    if arrival_time is not None:
+        check_number("arrival_time", arrival_time, finite=True,
+                     why=" (time.perf_counter() seconds)")
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise ValueError(f"request_id must be a non-empty string, got {request_id!r:.60}")
+    prep = prepare(model, [prompt], params, tokenizer, device=device)
+    seq = prep.sequences[0]
+    check_options(seq, logprobs, min_tokens)
+    return seq, prep.vocab
 
 
 def check_request(prompt, priority) -> None:

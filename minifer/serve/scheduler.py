@@ -108,33 +108,37 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add_prefilled(self, req: Request, num_computed: int) -> int | None:
-        """Admit `req` straight into `running` with the K/V of its first `num_computed` tokens
-        computed elsewhere (disaggregated serving: the prefill engine's, `serve.handoff`).
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
-        Allocates blocks for all of ``req.tokens`` (prompt + the first sampled token) and
-        returns how many leading tokens were already in this pool's prefix cache (their K/V
-        need not be written; 0 without prefix caching), or None, changing nothing, when the
-        request does not fit now: `max_num_seqs` requests already run, or too few blocks are
-        free. The caller writes the K/V of tokens ``cached .. num_computed - 1`` into the
-        block table. The next step feeds the remaining token(s) as a decode step. Preempted
-        later, the request recomputes here like any other (`preempt`).
+    def can_admit(self, tokens: Sequence[int]) -> bool:
+        """Whether a request holding `tokens` could start running now (a seat and blocks)."""
+        return len(self.running) < self.max_num_seqs and self.bm.can_allocate(tokens)
+
+    def add_prefilled(self, req: Request, first_token: int, now: float
+                      ) -> tuple[int, RequestOutput] | None:
+        """Admit `req` straight into `running`: its prompt's K/V were computed elsewhere and
+        `first_token` was sampled there at `now` (disaggregated serving, `serve.handoff`).
+
+        Allocates blocks for the prompt and the first token, records the token as `postprocess`
+        records any, and returns how many leading prompt tokens were already in this pool's
+        prefix cache (their K/V need not be written) with the request's output; or None,
+        changing nothing, when the request does not fit now (`can_admit`). The caller writes
+        the K/V of the other prompt tokens into the block table before the next step, which
+        feeds the first token as a decode step. Preempted later, the request recomputes here.
         """
-        check_int("num_computed", num_computed, 1, req.num_tokens - 1,
-                  why=" (at least one token must be left to feed)")
         if self.policy != "continuous":
             raise ValueError("add_prefilled needs the continuous policy (a static group would "
                              "not admit a request mid-group)")
-        tokens = req.tokens
-        if len(self.running) >= self.max_num_seqs or not self.bm.can_allocate(tokens):
+        prompt = req.tokens
+        if not self.can_admit([*prompt, first_token]):
             return None
-        cached = min(self.bm.allocate(req.request_id, tokens), num_computed)
-        req.num_computed = num_computed
+        cached = min(self.bm.allocate(req.request_id, [*prompt, first_token]), len(prompt))
         req.status = Status.RUNNING
         self.running.append(req)
-        if self.bm.enable_prefix_caching:
-            self.bm.commit(req.request_id, tokens, num_computed)
-        return cached
+        out = self.postprocess(SchedulerOutput([Chunk(req, 0, len(prompt))]), [first_token], now)
+        return cached, out[0]
 
     def check_fits(self, seq: SequenceState) -> None:
         """Raise ValueError for a request (its prepared `minifer.sequence.Sequence`) this
