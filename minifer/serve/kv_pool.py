@@ -1,16 +1,14 @@
-"""The paged KV cache's storage, and attention over it through the unchanged `GPT.forward`.
+"""The paged KV cache's storage, and attention over it for one packed forward call.
 
 `PagedKVPool` holds, per layer, one K and one V tensor of shape
-``(num_blocks, block_size, kv_heads, head_dim)``; a token's slot is chosen by the
-`BlockManager`. Attention needs each sequence's keys as one contiguous run, so for every forward
-call a `PagedBatch` *gathers* each row's cached K/V from its blocks into exactly the layout
-`StaticKVCache` uses — rows right-aligned (left padded), every row writing its new tokens at the
-same slot ``pos``, ``start[b]`` padding slots in front of row ``b`` — hands that to the model
-as its cache, and *scatters* the new tokens' K/V back into their blocks.
-
-Gathering copies the cached K/V once per layer per call, about as many bytes as attention then
-reads: a fused paged-attention kernel (vLLM's) reads the blocks in place instead. The copy keeps
-the model code unchanged and the result identical to the static cache (tested).
+``(num_blocks, block_size, kv_heads, head_dim)``; which slot a token uses is the
+`BlockManager`'s decision. A serving step feeds every scheduled token — one per decode row,
+many per prompt chunk — through the model as one sequence: `PackedBatch` is that call's cache
+(a `minifer.cache.PackedKVCache`). It writes each new token's K/V once, into its slot, and
+lets each row attend only to its own tokens, reading them where they lie in the pool: by slot
+(the readable reference), by whole block, or, for decode rows, through a paged-attention
+kernel that reads the blocks in place (`paged_attention`). Every way gives each row the
+attention it would get alone (tested against the static cache).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from ..checks import check_int
 from ..config import kv_token_bytes
 from .paged_attention import KERNEL
 
-__all__ = ["PagedKVPool", "PackedBatch", "PagedBatch", "DecodeWorkspace", "READS", "check_read"]
+__all__ = ["PagedKVPool", "PackedBatch", "READS", "check_read"]
 
 READS = ("blocks", "slots", "kernel")  # how PackedBatch reads K/V (see its docstring)
 GROUP_COST = 128  # padded tokens one more decode attention call is worth (see `_group_rows`)
@@ -131,152 +129,10 @@ class PagedKVPool:
             k.view(flat)[idx] = kv[layer, 0]
             v.view(flat)[idx] = kv[layer, 1]
 
-    def packed(self, tables: Sequence[Sequence[int]], context: Sequence[int],
-               num_new: Sequence[int], logits_rows: Sequence[int] | None = None,
-               read: str = "blocks", group_cost: int = GROUP_COST) -> PackedBatch:
-        """A cache view for one packed forward call over rows of any lengths (`PackedBatch`)."""
-        return PackedBatch(self, tables, context, num_new, logits_rows, read, group_cost)
-
-    def batch(self, tables: Sequence[Sequence[int]], context: Sequence[int],
-              num_new: int) -> PagedBatch:
-        """A cache view for one forward call: row b has `context[b]` cached tokens in the
-        blocks `tables[b]` and feeds `num_new` new ones (the same count for every row)."""
-        return PagedBatch(self, tables, context, num_new)
-
     def __repr__(self) -> str:
         return (f"PagedKVPool(layers={self.n_layer}, blocks={self.num_blocks}, "
                 f"block_size={self.block_size}, kv_heads={self.n_kv_head}, "
                 f"head_dim={self.head_dim}, dtype={self.dtype}, nbytes={self.nbytes:,})")
-
-
-class PagedBatch:
-    """A `minifer.cache.KVCache` (what `GPT.forward` expects) backed by a paged pool.
-
-    Row ``b`` holds ``context[b]`` cached tokens; with ``S = max(context)`` they are placed at
-    slots ``S - context[b] .. S - 1`` (``start[b] = S - context[b]``, the padding), and the new
-    tokens at slots ``S .. S + T - 1`` for every row, so positions and masks come out exactly as
-    for a left-padded `StaticKVCache` batch.
-    """
-
-    def __init__(self, pool: PagedKVPool, tables: Sequence[Sequence[int]],
-                 context: Sequence[int], num_new: int) -> None:
-        if len(tables) != len(context) or not tables:
-            raise ValueError("tables and context must be non-empty and of equal length")
-        if num_new < 1:
-            raise ValueError(f"num_new must be >= 1, got {num_new}")
-        self.pool = pool
-        B, S, T = len(tables), max(context), num_new
-        for b, (table, c) in enumerate(zip(tables, context)):
-            if len(table) * pool.block_size < c + T:
-                raise ValueError(f"row {b}: {len(table)} blocks cannot hold {c + T} tokens")
-        dev = pool.device
-        self.batch_size, self.pos, self.max_len = B, S, S + T
-        self.start = torch.tensor([S - c for c in context], dtype=torch.long, device=dev)
-        self.padded = any(c != S for c in context)
-        # Where row b's slots S+T come from: padding (reads slot 0, masked anyway), its cached
-        # tokens, then its new ones (written to the pool first, so one gather fetches all).
-        rows = [[0] * (S - c) + pool.slots(t, 0, c + T) for t, c in zip(tables, context)]
-        self._gather = torch.tensor(rows, dtype=torch.long, device=dev).view(-1)  # (B*(S+T),)
-        self._scatter = torch.tensor([r[S:] for r in rows], dtype=torch.long,
-                                     device=dev).view(-1)  # (B*T,): the new tokens' slots
-        self._buffers: list[torch.Tensor] | None = None  # reused by every layer
-
-    def check_room(self, n: int) -> None:
-        if self.pos + n > self.max_len:
-            raise ValueError(f"paged batch holds {self.max_len - self.pos} new tokens per row, "
-                             f"got {n}")
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new ``k, v`` ``(B, kv_heads, T, head_dim)`` in their blocks; return every row's
-        cached plus new K/V ``(B, kv_heads, S + T, head_dim)``, right-aligned."""
-        B, nkv, T, hd = k.shape
-        S = self.pos
-        if self._buffers is None:
-            self._buffers = [torch.empty(B * (S + T), nkv, hd, dtype=k.dtype, device=k.device)
-                             for _ in range(2)]
-        out = []
-        for store, new, buf in zip((self.pool.k[layer], self.pool.v[layer]), (k, v), self._buffers):
-            flat = store.view(-1, nkv, hd)  # (num_blocks * block_size, nkv, hd)
-            flat.index_copy_(0, self._scatter, new.transpose(1, 2).reshape(B * T, nkv, hd))
-            torch.index_select(flat, 0, self._gather, out=buf)
-            out.append(buf.view(B, S + T, nkv, hd).transpose(1, 2))  # (B, nkv, S + T, hd)
-        return out[0], out[1]
-
-    def advance(self, n: int) -> None:
-        self.pos += n
-
-
-class DecodeWorkspace:
-    """The decode batch's K/V kept contiguous between steps (a `minifer.cache.KVCache`), so
-    they are gathered only when the batch changes.
-
-    While the same requests decode step after step, each step adds one token per row: the
-    workspace appends it in place (and writes it to the pool too, which stays the one source
-    of truth), exactly like `StaticKVCache`. A request joining, leaving or being preempted
-    changes the batch, and the workspace is rebuilt from the pool with one gather. The price is
-    a second, dense copy of the running requests' K/V (``room`` slots of headroom per row): a
-    fused paged-attention kernel would need neither the copy nor the gather. A rebuild may
-    reuse the previous workspace's `storage` (its contents are gathered afresh from the pool).
-    """
-
-    def __init__(self, pool: PagedKVPool, keys: Sequence, tables: Sequence[Sequence[int]],
-                 context: Sequence[int], room: int = 64,
-                 storage: list[torch.Tensor] | None = None) -> None:
-        B, S = len(tables), max(context)
-        nkv, hd, dev = pool.n_kv_head, pool.head_dim, pool.device
-        self.pool, self.keys = pool, tuple(keys)
-        self.batch_size, self.pos, self.max_len = B, S, S + room
-        self.lengths = list(context)
-        self.start = torch.tensor([S - c for c in context], dtype=torch.long, device=dev)
-        self.padded = any(c != S for c in context)
-        shape = (B, nkv, self.max_len, hd)  # slots past pos are written before being read
-        need = B * nkv * self.max_len * hd
-        if storage is None or storage[0].numel() < need:  # else reuse: no fresh pages to fault in
-            storage = [torch.empty(need + need // 4, dtype=pool.dtype, device=dev)
-                       for _ in range(2 * pool.n_layer)]
-        self.storage = storage  # flat buffers; pass them to the next workspace
-        views = [t[:need].view(shape) for t in storage]
-        self.k, self.v = views[:pool.n_layer], views[pool.n_layer:]
-        # padding slots copy slot 0 of the pool: finite values, masked out by attention
-        rows = [[0] * (S - c) + pool.slots(t, 0, c) for t, c in zip(tables, context)]
-        if S:
-            idx = torch.tensor(rows, dtype=torch.long, device=dev).view(-1)
-            for store, buf in ((pool.k, self.k), (pool.v, self.v)):
-                for layer in range(pool.n_layer):
-                    got = store[layer].view(-1, nkv, hd).index_select(0, idx)
-                    buf[layer][:, :, :S] = got.view(B, S, nkv, hd).transpose(1, 2)
-        self._scatter: torch.Tensor | None = None
-
-    def matches(self, keys: Sequence, context: Sequence[int]) -> bool:
-        """Whether this workspace holds exactly these rows at these lengths, with room for one
-        more token each."""
-        return (tuple(keys) == self.keys and list(context) == self.lengths
-                and self.pos < self.max_len)
-
-    def prepare(self, tables: Sequence[Sequence[int]]) -> DecodeWorkspace:
-        """Set the pool slots where this step's new tokens go; returns self (the cache)."""
-        bs = self.pool.block_size
-        slots = [t[c // bs] * bs + c % bs for t, c in zip(tables, self.lengths)]
-        self._scatter = torch.tensor(slots, dtype=torch.long, device=self.pool.device)
-        return self
-
-    def check_room(self, n: int) -> None:
-        if n != 1 or self.pos + n > self.max_len:
-            raise ValueError(f"the decode workspace takes one token per row per step with "
-                             f"{self.max_len - self.pos} slots left, got {n}")
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, nkv, T, hd = k.shape
-        end = self.pos + T
-        for store, buf, new in ((self.pool.k, self.k, k), (self.pool.v, self.v, v)):
-            buf[layer][:, :, self.pos:end] = new
-            store[layer].view(-1, nkv, hd).index_copy_(0, self._scatter, new[:, :, 0])
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def advance(self, n: int) -> None:
-        self.pos += n
-        self.lengths = [c + n for c in self.lengths]
-        self._scatter = None
 
 
 class PackedBatch:
