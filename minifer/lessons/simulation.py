@@ -126,7 +126,8 @@ def simulate(requests: Sequence[Arrival], costs: StepCosts, policy: str = "conti
         if not scheduler.has_unfinished():
             now = pending[0].metrics.arrival_time
             continue
-        chunks = scheduler.schedule().chunks
+        plan = scheduler.schedule()
+        chunks = plan.chunks
         decoding = [c for c in chunks if c.start > 0]  # one token after cached ones
         prefill_tokens = sum(c.num_new for c in chunks if c.start == 0)
         dt = costs.step(len(decoding), prefill_tokens)
@@ -139,13 +140,9 @@ def simulate(requests: Sequence[Arrival], costs: StepCosts, policy: str = "conti
         trace.steps.append(step)
         trace.step_s.append(dt)
         trace.prompt_tokens_computed += prefill_tokens
-        for c in chunks:  # every chunk completes its request's tokens: one more token each
-            req = c.request
-            req.num_computed = c.start + c.num_new
-            req.metrics.on_token(now)
-            if req.seq.append(0, now - req.metrics.arrival_time).finish_reason is not None:
-                req.metrics.on_finish(now, "length")
-                scheduler.finish(req)
+        # every chunk completes its request's tokens: one more token each (token 0: only the
+        # lengths matter), recorded by the engine's own bookkeeping at the simulated time
+        scheduler.postprocess(plan, [0] * len(plan.due), now=now)
     if policy == "static":
         mark_held(trace)
     trace.metrics = metrics
