@@ -14,6 +14,8 @@ between requests block by block when prefix caching is on.
 Greedy outputs are token-identical to `minifer.generate` of each prompt alone (tested): every
 row attends over exactly its own tokens at its own positions, whatever else is in the batch.
 Seeded sampling uses one generator per request, so it does not depend on the batch either.
+What fails for one request inside a step (sampling, detokenizing) ends that request alone, with
+finish reason "error" (`RequestOutput.error` says why); every other request goes on unchanged.
 """
 
 from __future__ import annotations
@@ -212,22 +214,14 @@ class LLMEngine:
         """
         prompts, params = generate_arguments(prompts, params)
         ids: list[str] = []
+        final: dict[str, RequestOutput] = {}
         try:
             for p, sp in zip(prompts, params):
                 ids.append(self.add_request(p, sp))
-        except (ValueError, TypeError):
-            for rid in ids:  # leave the engine as it was
-                self.abort(rid)
-            raise
-        final: dict[str, RequestOutput] = {}
-
-        def keep(outputs: list[RequestOutput]) -> None:
-            final.update((o.request_id, o) for o in outputs if o.finished)
-
-        try:
-            drive(self, lambda idle: not idle, keep)  # step until nothing is left
+            drive(self, lambda idle: not idle,  # step until nothing is left
+                  lambda outs: final.update((o.request_id, o) for o in outs if o.finished))
         except BaseException:
-            for rid in ids:  # a step that raised (or Ctrl-C): leave nothing behind
+            for rid in ids:  # a refused request, a step that raised: leave nothing behind
                 self.abort(rid)
             raise
         return [final[i] for i in ids]

@@ -59,10 +59,8 @@ class PagedKVPool:
         """A reused ``(rows, width)`` buffer for one attention call's K or V reads (`name`).
 
         Layers run one after another and each consumes its reads before the next, so one buffer
-        per name serves every layer and step; it only grows. Reading into it, not into a fresh
-        tensor, saves an allocation of megabytes per layer (on CPU a fresh large tensor costs
-        page faults, which took as long as the copy itself). It holds one layer's reads for
-        one call: not a second copy of the running K/V, nothing in it outlives the call.
+        per name serves every layer and step (it only grows): no fresh allocation of megabytes
+        per layer. Nothing in it outlives the call; it is no second copy of the K/V.
         """
         n = rows * width
         buf = self._scratch.get(name)
@@ -139,36 +137,20 @@ class PackedBatch:
     """One forward call over rows of any lengths, packed end to end (a `minifer.cache.PackedKVCache`).
 
     Row ``b`` has ``context[b]`` tokens cached in the blocks ``tables[b]`` and feeds
-    ``num_new[b]`` new ones: a decode row feeds one, a prompt chunk many. All rows' new tokens
-    go through the model as one sequence of ``N = sum(num_new)`` tokens (``idx`` of shape
-    ``(1, N)``), so the token-wise layers (embeddings, projections, MLP) run once for the whole
-    step, whatever mix of prefill and decode it holds: vLLM v1's and nano-vllm's packing.
-    Attention is the only layer that must keep rows apart: `attend` writes the new K/V into
-    the pool at their slots (`slot_mapping`, each token written once) and lets each row attend
-    only to its own tokens, at its own positions (`positions`).
+    ``num_new[b]`` new ones: a decode row one, a prompt chunk many. All new tokens go through
+    the model as one ``(1, N)`` sequence, so the token-wise layers run once for the whole step
+    (vLLM's and nano-vllm's packing). Attention alone keeps rows apart: `attend` writes the new
+    K/V at their slots (`slot_mapping`) and lets each row attend to its own tokens only, at its
+    own positions (`positions`). Decode rows come first and share attention calls over
+    right-padded batches; each prompt chunk gets its own causal call.
 
-    Attention reads each row's K/V where they lie in the pool, in one of two ways (`read`):
-
-    - ``"slots"``, the readable reference: one index per cached token (`PagedKVPool.slots`),
-      gathered into a dense buffer per layer for `torch.nn.functional.scaled_dot_product_attention`;
-    - ``"blocks"`` (the default), block-table indexed: one index per *block* of the row's table,
-      so the read moves whole blocks (``block_size`` tokens at a time) and the index tensors are
-      ``block_size`` times smaller; the unused tail of a row's last block is masked out;
-    - ``"kernel"``: the decode rows attend through `paged_attention.PagedDecodeKernel`, a
-      compiled kernel that reads each cached key and value in place (no copy); prompt chunks
-      read whole blocks as above.
-
-    All three build the index tensors once per step (not per layer) and give the same attention up
-    to float rounding (tested). The block path also splits the decode rows into a few attention
-    calls by length, so that a short row is not padded to the longest one in the step: each
-    call beyond the first must save more than `group_cost` padded tokens (`_group_rows`). Neither keeps a second copy of the running K/V between steps:
-    each token's K/V is written once, into the pool. Rows feeding one token each (the decode
-    rows) must come first; they share one attention call over a right-padded batch, and every
-    longer row (a prompt chunk) gets its own call, causal over its new tokens on top of its
-    cached ones.
-
-    `logits_index` holds, for each row in `logits_rows` (default: all), the packed index of its
-    last token: the only positions whose next-token logits are needed.
+    `read` says how attention reads a row's K/V from the pool (`READS`): ``"slots"``, one
+    index per token (the readable reference); ``"blocks"``, one per block (block-sized copies;
+    decode rows split by length into a few calls when that saves more than `group_cost`
+    padded tokens a call, `_group_rows`); ``"kernel"``, decode rows through
+    `paged_attention.KERNEL`, which reads the blocks in place. The same attention every way,
+    to float rounding (tested). `logits_index`: the packed index of the last token of each
+    row in `logits_rows` (default: all), the only positions whose logits are needed.
     """
 
     packed = True  # GPT.forward: run the packed path (see `minifer.cache.PackedKVCache`)
@@ -178,20 +160,10 @@ class PackedBatch:
                  logits_rows: Sequence[int] | None = None, read: str = "blocks",
                  group_cost: int = GROUP_COST) -> None:
         check_read(read)
-        if not (len(tables) == len(context) == len(num_new)) or not tables:
-            raise ValueError("tables, context and num_new must be non-empty and of equal length")
-        if any(n < 1 for n in num_new):
-            raise ValueError(f"every row must feed at least one token, got num_new={list(num_new)}")
-        singles = sum(1 for n in num_new if n == 1)
-        if any(n != 1 for n in num_new[:singles]):
-            raise ValueError("rows feeding one token (decode rows) must come first")
-        bs, dev = pool.block_size, pool.device
-        for b, (table, c, n) in enumerate(zip(tables, context, num_new)):
-            if len(table) * bs < c + n:
-                raise ValueError(f"row {b}: {len(table)} blocks cannot hold {c + n} tokens")
-        self.pool = pool
+        _check_rows(pool, tables, context, num_new)
+        dev = pool.device
+        self.pool, self.read = pool, read
         self.num_rows, self.num_tokens = len(tables), sum(num_new)
-        self.context, self.num_new = list(context), list(num_new)
         pos: list[int] = []
         slots: list[int] = []
         for table, c, n in zip(tables, context, num_new):
@@ -202,56 +174,57 @@ class PackedBatch:
         ends = list(itertools.accumulate(num_new))
         rows = range(len(tables)) if logits_rows is None else logits_rows
         self.logits_index = torch.tensor([ends[b] - 1 for b in rows], dtype=torch.long, device=dev)
-        # decode rows: attention calls over right-padded batches (padding masked out); rows of
-        # very different lengths go to different calls, so short rows are not padded to the
-        # longest (`_group_rows`)
-        self.read, self.num_single = read, singles
-        self._groups = []  # (its rows, None: all; how many; gather; padded length; mask)
-        self._kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
-        unit = 1 if read == "slots" else bs  # tokens per index
-        lengths = [c + 1 for c in context[:singles]]  # each decode row's tokens, its new one too
-        if singles and read == "kernel":
-            # the block table and lengths of the decode rows, padded to >= 2 rows and blocks
-            # (`PagedDecodeKernel`): a padding row attends to one token, a padding block is masked
-            M = max(2, -(-max(lengths) // bs))
-            rows_t = [_read_index(pool, t, L, M, "blocks") for t, L in zip(tables, lengths)]
-            if singles == 1:
-                rows_t, lengths = rows_t + [rows_t[0]], lengths + [1]
-            self._kernel_args = (torch.tensor(rows_t, dtype=torch.long, device=dev),
-                                 torch.tensor(lengths, dtype=torch.long, device=dev))
-        elif singles:
-            groups = _group_rows(lengths, unit, group_cost) if read == "blocks" else [
-                list(range(singles))]
-            for rows_g in groups:
-                lens = [lengths[i] for i in rows_g]
-                S = -(-max(lens) // unit) * unit
-                idx = [_read_index(pool, tables[i], L, S // unit, read)
-                       for i, L in zip(rows_g, lens)]
-                gather = torch.tensor(idx, dtype=torch.long, device=dev).view(-1)
-                mask = None
-                if any(L != S for L in lens):
-                    allowed = (torch.arange(S, device=dev)[None, :]
-                               < torch.tensor(lens, device=dev)[:, None])  # (G, S)
-                    mask = torch.zeros(allowed.shape, dtype=pool.dtype, device=dev)
-                    mask = mask.masked_fill(~allowed, float("-inf"))[:, None, None, :]
-                which = None if len(groups) == 1 else torch.tensor(rows_g, device=dev)
-                self._groups.append((which, len(rows_g), gather, S, mask))
-        # prompt chunks: one causal attention call each, over cached + new tokens
-        self._chunks = []
-        offset = singles
-        for table, c, n in list(zip(tables, context, num_new))[singles:]:
-            L = -(-(c + n) // unit) * unit  # tokens read: c + n, rounded up to whole blocks
-            gather = torch.tensor(_read_index(pool, table, c + n, L // unit,
-                                              "slots" if read == "slots" else "blocks"),
-                                  dtype=torch.long, device=dev)
+        self.num_single = sum(1 for n in num_new if n == 1)  # the decode rows, first
+        lengths = [c + 1 for c in context[:self.num_single]]  # their tokens, the new one too
+        self._kernel_args = None
+        self._groups = []  # decode attention calls: (rows or None: all, count, gather, S, mask)
+        if self.num_single and read == "kernel":
+            self._kernel_args = _kernel_args(pool, tables, lengths)
+        elif self.num_single:
+            self._groups = self._plan_decode(tables, lengths, group_cost)
+        self._chunks = self._plan_chunks(tables[self.num_single:], context[self.num_single:],
+                                         num_new[self.num_single:])
+
+    def _plan_decode(self, tables, lengths: list[int], group_cost: int) -> list[tuple]:
+        """The decode rows' attention calls: each reads its rows' K/V padded to its longest
+        row (in whole blocks, or tokens for ``"slots"``) and masks the padding."""
+        pool, dev = self.pool, self.pool.device
+        unit = 1 if self.read == "slots" else pool.block_size  # tokens per index
+        groups = (_group_rows(lengths, unit, group_cost) if self.read == "blocks"
+                  else [list(range(len(lengths)))])
+        calls = []
+        for rows in groups:
+            lens = [lengths[i] for i in rows]
+            S = -(-max(lens) // unit) * unit
+            idx = [_read_index(pool, tables[i], L, S // unit, self.read)
+                   for i, L in zip(rows, lens)]
+            gather = torch.tensor(idx, dtype=torch.long, device=dev).view(-1)
             mask = None
-            # new token i (at position c + i) sees keys 0..c + i; without cached tokens that is
-            # SDPA's is_causal (top-left aligned: a block's unused tail is never seen)
-            if c:
+            if any(L != S for L in lens):
+                allowed = (torch.arange(S, device=dev)[None, :]
+                           < torch.tensor(lens, device=dev)[:, None])  # (G, S)
+                mask = torch.zeros(allowed.shape, dtype=pool.dtype, device=dev)
+                mask = mask.masked_fill(~allowed, float("-inf"))[:, None, None, :]
+            which = None if len(groups) == 1 else torch.tensor(rows, device=dev)
+            calls.append((which, len(rows), gather, S, mask))
+        return calls
+
+    def _plan_chunks(self, tables, context, num_new) -> list[tuple]:
+        """One causal attention call per prompt chunk, over its cached and new tokens."""
+        dev, unit = self.pool.device, 1 if self.read == "slots" else self.pool.block_size
+        chunks, offset = [], self.num_single
+        for table, c, n in zip(tables, context, num_new):
+            L = -(-(c + n) // unit) * unit  # tokens read: c + n, rounded up to whole blocks
+            how = "slots" if self.read == "slots" else "blocks"
+            gather = torch.tensor(_read_index(self.pool, table, c + n, L // unit, how),
+                                  dtype=torch.long, device=dev)
+            mask = None  # no cached tokens: SDPA's is_causal (a block's unused tail unseen)
+            if c:  # new token i (at position c + i) sees keys 0 .. c + i
                 q = torch.arange(c, c + n, device=dev)
                 mask = torch.arange(L, device=dev)[None, :] <= q[:, None]  # (n, L)
-            self._chunks.append((offset, n, L, gather, mask))
+            chunks.append((offset, n, L, gather, mask))
             offset += n
+        return chunks
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -266,28 +239,35 @@ class PackedBatch:
         kf, vf = pk.view(-1, width), pv.view(-1, width)  # 2-D: index_select copies whole rows
         outs = []
         if self._kernel_args is not None:
-            D = self.num_single
-            qd = q[0, :, :D].transpose(0, 1)  # (D, nh, hd)
-            if D == 1:
-                qd = torch.cat([qd, qd])
-            y = KERNEL(qd.contiguous(), pk, pv, *self._kernel_args, hd ** -0.5)  # (D', nh, hd)
-            outs.append(y[:D].transpose(0, 1).unsqueeze(0))  # (1, nh, D, hd)
+            outs.append(self._attend_kernel(q, pk, pv))
         elif self.num_single:
-            D = self.num_single
-            qd = q[0, :, :D].transpose(0, 1).unsqueeze(2)  # (D, nh, 1, hd)
-            y = None if len(self._groups) == 1 else qd.new_empty(qd.shape)
-            for which, G, gather, S, mask in self._groups:
-                kd, vd = self._read(kf, vf, gather)
-                kd, vd = (x.view(G, S, nkv, hd).transpose(1, 2) for x in (kd, vd))  # (G,nkv,S,hd)
-                qg = qd if which is None else qd.index_select(0, which)
-                yg = _sdpa(qg, kd, vd, mask, False)  # (G, nh, 1, hd)
-                y = yg if which is None else y.index_copy_(0, which, yg)
-            outs.append(y.transpose(0, 2))  # (1, nh, D, hd)
+            outs.append(self._attend_decode(q, kf, vf, nkv, hd))
         for offset, n, L, gather, mask in self._chunks:
             kc, vc = self._read(kf, vf, gather)
             kc, vc = (x.view(1, L, nkv, hd).transpose(1, 2) for x in (kc, vc))  # (1, nkv, L, hd)
             outs.append(_sdpa(q[:, :, offset:offset + n], kc, vc, mask, mask is None))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _attend_decode(self, q, kf, vf, nkv: int, hd: int) -> torch.Tensor:
+        """The decode rows' attention ``(1, nh, D, hd)``, one SDPA call per group of rows."""
+        qd = q[0, :, :self.num_single].transpose(0, 1).unsqueeze(2)  # (D, nh, 1, hd)
+        y = None if len(self._groups) == 1 else qd.new_empty(qd.shape)
+        for which, G, gather, S, mask in self._groups:
+            kd, vd = self._read(kf, vf, gather)
+            kd, vd = (x.view(G, S, nkv, hd).transpose(1, 2) for x in (kd, vd))  # (G,nkv,S,hd)
+            qg = qd if which is None else qd.index_select(0, which)
+            yg = _sdpa(qg, kd, vd, mask, False)  # (G, nh, 1, hd)
+            y = yg if which is None else y.index_copy_(0, which, yg)
+        return y.transpose(0, 2)  # (1, nh, D, hd)
+
+    def _attend_kernel(self, q, pk, pv) -> torch.Tensor:
+        """The decode rows' attention ``(1, nh, D, hd)`` through the paged kernel."""
+        D, hd = self.num_single, q.shape[-1]
+        qd = q[0, :, :D].transpose(0, 1)  # (D, nh, hd)
+        if D == 1:
+            qd = torch.cat([qd, qd])
+        y = KERNEL(qd.contiguous(), pk, pv, *self._kernel_args, hd ** -0.5)  # (D', nh, hd)
+        return y[:D].transpose(0, 1).unsqueeze(0)
 
     def _read(self, kf: torch.Tensor, vf: torch.Tensor, index: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,6 +276,30 @@ class PackedBatch:
         k = torch.index_select(kf, 0, index, out=self.pool.scratch("k", n, w))
         v = torch.index_select(vf, 0, index, out=self.pool.scratch("v", n, w))
         return k, v
+
+
+def _check_rows(pool: PagedKVPool, tables, context, num_new) -> None:
+    if not (len(tables) == len(context) == len(num_new)) or not tables:
+        raise ValueError("tables, context and num_new must be non-empty and of equal length")
+    if any(n < 1 for n in num_new):
+        raise ValueError(f"every row must feed at least one token, got num_new={list(num_new)}")
+    singles = sum(1 for n in num_new if n == 1)
+    if any(n != 1 for n in num_new[:singles]):
+        raise ValueError("rows feeding one token (decode rows) must come first")
+    for b, (table, c, n) in enumerate(zip(tables, context, num_new)):
+        if len(table) * pool.block_size < c + n:
+            raise ValueError(f"row {b}: {len(table)} blocks cannot hold {c + n} tokens")
+
+
+def _kernel_args(pool: PagedKVPool, tables, lengths: list[int]) -> tuple[torch.Tensor, ...]:
+    """The decode rows' block table and lengths for `PagedDecodeKernel`, padded to >= 2 rows
+    and blocks: a padding row attends to one token, a padding block is masked."""
+    M = max(2, -(-max(lengths) // pool.block_size))
+    rows = [_read_index(pool, t, L, M, "blocks") for t, L in zip(tables, lengths)]
+    if len(lengths) == 1:
+        rows, lengths = rows + [rows[0]], lengths + [1]
+    return (torch.tensor(rows, dtype=torch.long, device=pool.device),
+            torch.tensor(lengths, dtype=torch.long, device=pool.device))
 
 
 def _group_rows(lengths: Sequence[int], unit: int, cost: int) -> list[list[int]]:
