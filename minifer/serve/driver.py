@@ -23,13 +23,9 @@ __all__ = ["drive"]
 
 def drive(engine: Any, take: Callable[[bool], bool], deliver: Callable[[list], None],
           fail: Callable[[Exception], None] | None = None) -> None:
-    """Step `engine` until `take` says stop.
-
-    `take(idle)` applies whatever arrived since the last step (``idle``: the engine has
-    nothing to do, so it may block until something comes) and returns False to end the loop.
-    Each step's `RequestOutput`s go to `deliver`. A step that raises goes to `fail`
-    (without one, it propagates).
-    """
+    """Step `engine` until `take(idle)` returns False; it applies what arrived (``idle``:
+    the engine has no work, so it may wait). Each step's outputs go to `deliver`; a step that
+    raises goes to `fail` (without one, it propagates)."""
     while take(not engine.has_unfinished()):
         if not engine.has_unfinished():
             continue

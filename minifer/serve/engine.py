@@ -109,14 +109,9 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None, *, logprobs: int | None = None,
                     min_tokens: int = 0) -> str:
-        """Queue one request (text with a tokenizer, or a list of token ids); returns its id.
-
-        Raises ValueError for a request that could never run (`options.prepare_request`: bad
-        input, beyond the context window; `Scheduler.check_fits`: more blocks than the whole
-        pool, or without chunked prefill a prompt larger than one step). `arrival_time`
-        (``time.perf_counter()`` seconds) defaults to now. Without `request_id` the engine
-        picks ``req-N``, skipping ids of requests in flight.
-        """
+        """Queue one request (text with a tokenizer, or token ids); returns its id (default
+        ``req-N``). A ValueError for a request that could never run: `options.prepare_request`
+        and `Scheduler.check_fits` say why. `arrival_time`: ``time.perf_counter()`` seconds."""
         req = self.new_request(prompt, params, request_id, priority, arrival_time,
                                logprobs=logprobs, min_tokens=min_tokens)
         self.requests[req.request_id] = req

@@ -218,16 +218,14 @@ class Scheduler:
 
     def postprocess(self, out: SchedulerOutput, tokens: Sequence[int | Exception],
                     now: float | None = None) -> list[RequestOutput]:
-        """Record a step's results: `tokens` holds one sampled token per chunk of ``out.due``.
+        """Record a step: `tokens` holds one sampled token (or the exception sampling it
+        raised) per chunk of ``out.due``; an output for each of those requests.
 
-        Every scheduled request now has K/V for the tokens it fed (`num_computed` moves on, and
-        full blocks are named for prefix caching); each due request gets its token, and one
-        that finishes leaves the running queue and frees its blocks. A request whose token is
-        an exception (its sampling failed), or whose `append` raises (detokenizing, stop
-        strings), finishes with reason "error" (`Request.error` says why) and harms no other.
-        Returns an output for every request that received a token or failed. `now` (default
-        ``time.perf_counter()``) stamps the tokens: the scheduler reads no other clock, so a
-        simulator can drive it on simulated time.
+        Scheduled requests' K/V now cover what they fed (`num_computed`; full blocks named for
+        prefix caching). A due request appends its token and leaves if that finishes it; one
+        whose token is an exception, or whose append raises, ends alone with reason "error".
+        `now` (default: ``time.perf_counter()``) stamps the tokens, so a simulator can drive
+        the scheduler on its own clock.
         """
         for c in out.chunks:
             req = c.request
