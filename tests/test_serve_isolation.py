@@ -126,11 +126,14 @@ async def _serve(aengine, jobs):
     return await asyncio.gather(*(finish(h) for h in handles))
 
 
-@pytest.mark.parametrize("where", ["thread", "process"])
+@pytest.mark.parametrize("where", ["thread", "process", "replicas"])
 def test_the_server_fronts_end_only_the_bad_request(small, where):
     from minifer.serve.engine_process import EngineProcess
+    from minifer.serve.replicas import EngineReplicas
 
-    front = (AsyncEngine if where == "thread" else EngineProcess)(LLMEngine(small, block_size=4))
+    engine = LLMEngine(small, block_size=4)
+    front = (AsyncEngine(engine) if where == "thread" else EngineProcess(engine)
+             if where == "process" else EngineReplicas(engine, 2))
     front.start()
     try:
         jobs = [(VICTIMS[0], GREEDY), (HOSTILE_PROMPT, hostile()), (VICTIMS[1], GREEDY)]
@@ -140,7 +143,8 @@ def test_the_server_fronts_end_only_the_bad_request(small, where):
         front.stop()
     assert first[0] == _alone(small, VICTIMS[0]) and first[2] == _alone(small, VICTIMS[1])
     err = first[1]
-    assert isinstance(err, APIError) and err.status == 500 and "srv-2" in str(err)
+    assert isinstance(err, APIError) and err.status == 500 and err.code == "request_failed"
+    assert "no token left to sample" in str(err) and ("srv-2" in str(err) or "srv-r" in str(err))
     assert again == [_alone(small, VICTIMS[2])]
     assert front.num_step_errors == 0 and front.stats["blocks_used"] == 0
 
