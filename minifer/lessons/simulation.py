@@ -18,6 +18,7 @@ from ..bench.reference import DECODE as REFERENCE
 from ..checks import check_int
 from ..sampling import SamplingParams
 from ..serve.block_manager import BlockManager
+from ..serve.config import EngineConfig
 from ..serve.request import Request as ServeRequest
 from ..serve.scheduler import POLICIES, Scheduler
 from ..serve.workload import Arrival
@@ -106,8 +107,8 @@ def simulate(requests: Sequence[Arrival], costs: StepCosts, policy: str = "conti
     block = 16
     bm = BlockManager(num_blocks=max(1, sum(-(-(r.prompt_len + r.max_new_tokens) // block)
                                             for r in arrivals)), block_size=block)
-    scheduler = Scheduler(bm, policy=policy, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max(1, sum(r.prompt_len for r in arrivals)))
+    scheduler = Scheduler(bm, EngineConfig(policy=policy, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max(1, sum(r.prompt_len for r in arrivals))))
     params: dict[int, SamplingParams] = {}  # one per output length
     cpu = torch.device("cpu")
     pending = []  # not arrived yet, in arrival order

@@ -81,10 +81,7 @@ class LLMEngine:
         self.block_manager = BlockManager(c.num_blocks, c.block_size,
                                           enable_prefix_caching=c.enable_prefix_caching,
                                           bytes_per_token=self.pool.bytes_per_token)
-        self.scheduler = Scheduler(self.block_manager, policy=c.policy,
-                                   max_num_seqs=c.max_num_seqs,
-                                   max_num_batched_tokens=c.max_num_batched_tokens,
-                                   enable_chunked_prefill=c.enable_chunked_prefill, aging=c.aging)
+        self.scheduler = Scheduler(self.block_manager, c)
         self.runner = ModelRunner(model, self.pool, self.device, read=c.kv_read)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._order = itertools.count()

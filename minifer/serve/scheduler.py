@@ -36,11 +36,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..checks import check_int, check_number
 from ..sequence import Sequence as SequenceState
 from .block_manager import BlockManager
 from .request import Request, RequestOutput, Status
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 __all__ = ["POLICIES", "PRIORITY_LIMIT", "Chunk", "SchedulerOutput", "Scheduler"]
 
@@ -81,19 +84,13 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues over a `BlockManager`; `schedule()` plans one step."""
 
-    def __init__(self, block_manager: BlockManager, *, policy: str = "continuous",
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
-                 enable_chunked_prefill: bool = False, aging: float = 0.0) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            check_int(name, value, 1)
-        check_number("aging", aging, ge=0,
-                     why=" (priority points per step waited; 0 = strict priority)")
-        self.bm, self.policy = block_manager, policy
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.chunked, self.aging = enable_chunked_prefill, float(aging)
+    def __init__(self, block_manager: BlockManager, config: EngineConfig) -> None:
+        """`config`: its policy, `max_num_seqs`, `max_num_batched_tokens`, chunked prefill and
+        aging, checked (`EngineConfig.resolved`)."""
+        self.bm, self.policy = block_manager, config.policy
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked, self.aging = config.enable_chunked_prefill, float(config.aging)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.group: set[str] = set()  # static policy: the ids of the group now being served
