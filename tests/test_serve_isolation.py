@@ -252,3 +252,30 @@ def test_the_disaggregated_processes_end_only_the_bad_request(small):
     assert outs[1].token_ids == []
     assert [outs[0].token_ids, outs[2].token_ids, again[0].token_ids] == [
         _alone(small, p) for p in VICTIMS]
+
+
+def test_over_http_the_bad_request_gets_an_error_naming_it(small):
+    """The HTTP server (engine in a thread): a 500 whose message names the request, or in a
+    stream an error event and ``[DONE]``; the next request is served as before."""
+    import json
+
+    import httpx
+
+    from minifer.serve.api import running_server
+
+    bad = {"model": "small", "prompt": HOSTILE_PROMPT, "max_tokens": 4, "temperature": 0,
+           "logit_bias": {str(i): -100 for i in range(V)}, "repetition_penalty": 1e38}
+    good = {"model": "small", "prompt": VICTIMS[0], "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True}
+    with running_server(small, None, model_name="small", engine_in="thread") as url:
+        r = httpx.post(f"{url}/v1/completions", json=bad, timeout=60)
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["code"] == "request_failed" and "request 'srv-1' failed" in err["message"]
+        with httpx.stream("POST", f"{url}/v1/completions", json={**bad, "stream": True},
+                          timeout=60) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert "no token left" in json.loads(events[0])["error"]["message"]
+        assert events[-1] == "[DONE]"
+        r = httpx.post(f"{url}/v1/completions", json=good, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10
