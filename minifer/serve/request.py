@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import make_generators
 from ..sequence import Sequence
 from .metrics import RequestMetrics
 
@@ -69,9 +70,8 @@ class Request:
         self.metrics = RequestMetrics(request_id=request_id, prompt_tokens=len(seq.prompt_ids),
                                       arrival_time=arrival_time)
         p = seq.params
-        self.generator = None  # one per request: its samples never depend on the batch
-        if p.seed is not None and not p.greedy:
-            self.generator = torch.Generator(device=device).manual_seed(p.seed)
+        gens = make_generators(p, 1, device)  # its own: its samples never depend on the batch
+        self.generator = gens[0] if gens else None
         self.seen = None  # tokens seen so far, for the repetition penalty
         if p.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab_size or vocab, dtype=torch.bool, device=device)
