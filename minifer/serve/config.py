@@ -9,9 +9,10 @@ import torch
 
 from ..checks import check_int, check_number
 from .kv_pool import check_read
-from .scheduler import POLICIES
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "POLICIES"]
+
+POLICIES = ("static", "continuous")  # the scheduler's (`serve.scheduler`)
 
 
 @dataclass(frozen=True)

@@ -36,18 +36,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..sequence import Sequence as SequenceState
 from .block_manager import BlockManager
+from .config import POLICIES, EngineConfig
 from .request import Request, RequestOutput, Status
-
-if TYPE_CHECKING:
-    from .config import EngineConfig
 
 __all__ = ["POLICIES", "PRIORITY_LIMIT", "Chunk", "SchedulerOutput", "Scheduler"]
 
-POLICIES = ("static", "continuous")
 PRIORITY_LIMIT = 2**53  # |priority| at most this: `rank`'s float arithmetic stays exact
 
 
