@@ -9,8 +9,9 @@ Batches of prompts of different lengths are *left padded*: every row writes at t
 (`pos`), and row ``b``'s real tokens start at slot ``start[b]``. Slots before ``start[b]`` hold
 padding that attention masks out, so each row computes what it would compute alone.
 
-`KVCache` writes down what the model asks of any cache (the serving engine's paged views keep
-the same contract), and `AttentionInputs` bundles what every layer needs for one forward call.
+`KVCache` writes down what the model asks of any cache (the serving engine's paged pool keeps
+its packed variant, `PackedKVCache`), and `AttentionInputs` bundles what every layer needs for
+one forward call.
 
 How exact: in fp32, cached and recomputed logits (and a row batched or alone) agree to float
 rounding (within 1e-5; kernels of different shapes add in different orders), so greedy tokens
@@ -37,9 +38,9 @@ SCALE_DTYPE = torch.float16  # the int8 cache's per-head-per-token scales
 class KVCache(Protocol):
     """What `GPT.forward` needs of a KV cache: the contract every cache here keeps.
 
-    `StaticKVCache` (one preallocated buffer per layer), `minifer.serve.kv_pool.PagedBatch` (a
-    forward call's view of a paged pool) and `minifer.serve.kv_pool.DecodeWorkspace` (the
-    serving engine's decode batch) implement it; the model never asks which one it has.
+    `StaticKVCache` (one preallocated buffer per layer) implements it; the serving engine's
+    paged pool keeps the packed contract below (`PackedKVCache`). The model never asks which
+    cache it has.
 
     - `batch_size` rows, all writing their new tokens at the same slot `pos` (a Python int);
       row b's real tokens start at slot ``start[b]`` (a ``[batch]`` long tensor: left padding);

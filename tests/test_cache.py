@@ -160,19 +160,17 @@ def test_constructor_validation(field):
 
 
 def test_every_cache_keeps_the_written_contract(tiny):
-    """`StaticKVCache`, the paged batch and the decode workspace are all `KVCache`s, and the
-    model's type hints say so."""
+    """`StaticKVCache` is a `KVCache`, the serving engine's packed view of its paged pool a
+    `PackedKVCache`, and the model's type hints say so."""
     import typing
 
-    from minifer.cache import KVCache
+    from minifer.cache import KVCache, PackedKVCache
     from minifer.model import GPT
-    from minifer.serve.kv_pool import DecodeWorkspace, PagedKVPool
+    from minifer.serve.kv_pool import PackedBatch, PagedKVPool
 
     pool = PagedKVPool.for_model(tiny, num_blocks=4, block_size=4)
-    caches = [StaticKVCache.for_model(tiny, 2, 8), pool.batch([[0], [1]], [2, 3], 1),
-              DecodeWorkspace(pool, ["a", "b"], [[0], [1]], [2, 3], room=4)]
-    for cache in caches:
-        assert isinstance(cache, KVCache), type(cache).__name__
+    assert isinstance(StaticKVCache.for_model(tiny, 2, 8), KVCache)
+    assert isinstance(PackedBatch(pool, [[0], [1]], [2, 3], [1, 1]), PackedKVCache)
     assert not isinstance(object(), KVCache)
     hints = typing.get_type_hints(GPT.forward)
     assert KVCache in typing.get_args(hints["cache"])

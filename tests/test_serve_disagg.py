@@ -19,7 +19,13 @@ import minifer as mf
 from minifer.parallel import WorkerError, running
 from minifer.serve.disagg import DisaggregatedEngine
 from minifer.serve.engine import LLMEngine
-from minifer.serve.handoff import Handoff, params_from_dict, params_to_dict
+from minifer.serve.handoff import (
+    Handoff,
+    add_prefilled,
+    export_prefilled,
+    params_from_dict,
+    params_to_dict,
+)
 from minifer.serve.kv_pool import PagedKVPool
 
 GREEDY = mf.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
@@ -45,11 +51,11 @@ def _hand_over(pre: LLMEngine, dec: LLMEngine) -> dict[str, list[int]]:
     while pre.has_unfinished() or pending or dec.has_unfinished():
         if pre.has_unfinished():
             for out in pre.step():
-                h = pre.export_prefilled(out.request_id)
+                h = export_prefilled(pre, out.request_id)
                 assert h.kv.numel() * h.kv.element_size() == \
                     pre.pool.bytes_per_token * h.num_prompt_tokens
                 pending.append(h)
-        while pending and not dec.scheduler.waiting and dec.add_prefilled(pending[0]):
+        while pending and not dec.scheduler.num_waiting and add_prefilled(dec, pending[0]):
             pending.pop(0)
         if dec.has_unfinished():
             for out in dec.step():
@@ -97,19 +103,19 @@ def test_add_prefilled_refuses_what_cannot_run(tiny):
     pre = LLMEngine(tiny, block_size=4)
     rid = pre.add_request(list(range(1, 11)), GREEDY)
     with pytest.raises(ValueError, match="not just prefilled"):
-        pre.export_prefilled(rid)  # nothing computed yet
+        export_prefilled(pre, rid)  # nothing computed yet
     pre.step()
-    h = pre.export_prefilled(rid)
+    h = export_prefilled(pre, rid)
     assert pre.num_unfinished == 0 and pre.block_manager.num_used_blocks == 0
     dec = LLMEngine(tiny, block_size=4, num_blocks=24, max_num_seqs=1)
     bad = Handoff(**{**h.__dict__, "kv": h.kv[:, :, :3]})
     with pytest.raises(ValueError, match="K/V has shape"):
-        dec.add_prefilled(bad)
+        add_prefilled(dec, bad)
     with pytest.raises(ValueError, match="nothing to decode"):
-        dec.add_prefilled(Handoff(**{**h.__dict__, "finish_reason": "eos"}))
-    assert dec.add_prefilled(h)
+        add_prefilled(dec, Handoff(**{**h.__dict__, "finish_reason": "eos"}))
+    assert add_prefilled(dec, h)
     h2 = Handoff(**{**h.__dict__, "request_id": "other"})
-    assert not dec.add_prefilled(h2)  # max_num_seqs=1 is taken: no room now, nothing changed
+    assert not add_prefilled(dec, h2)  # max_num_seqs=1 is taken: no room now, nothing changed
     assert dec.num_unfinished == 1 and "other" not in dec.requests
     assert params_from_dict(params_to_dict(GREEDY)) == GREEDY
 
@@ -120,6 +126,14 @@ def test_front_checks_requests_before_starting_processes(tiny):
         eng.add_request(list(range(1, 40)), GREEDY)
     with pytest.raises(ValueError, match="stop strings"):
         eng.add_request([1, 2, 3], mf.SamplingParams(stop=("x",)), )
+    for bad in ("high", float("inf"), 2**70, True):  # issue 45, item 5: the engine's own check
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            eng.add_request([1, 2, 3], GREEDY, priority=bad)
+    for bad in (float("nan"), float("inf"), "now"):
+        with pytest.raises(ValueError, match="arrival_time must be a finite number"):
+            eng.add_request([1, 2, 3], GREEDY, arrival_time=bad)
+    with pytest.raises(ValueError, match="request_id must be a non-empty string"):
+        eng.add_request([1, 2, 3], GREEDY, request_id="")
     assert eng.workers is None  # nothing started
     with pytest.raises(ValueError, match="fault must be"):
         DisaggregatedEngine(tiny, fault="both:1")

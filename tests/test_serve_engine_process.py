@@ -11,10 +11,10 @@ import time
 
 import httpx
 import pytest
-from conftest import lively_model
 from process_double import FileSteeredGPT
 
 import minifer as mf
+from conftest import lively_model
 from minifer.sampling import SamplingParams
 from minifer.serve.api import create_app, running_server
 from minifer.serve.engine import LLMEngine
@@ -163,14 +163,22 @@ def test_a_dead_engine_process_fails_requests_with_503_and_health_says_so(model,
         loop_engine.stop()
 
 
+class _Unrebuildable(LLMEngine):
+    """An engine whose options cannot build another: its engine process fails to start."""
+
+    @property
+    def options(self) -> dict:
+        return {**super().options, "block_size": 0}
+
+
 def test_an_engine_process_that_cannot_start_says_why(model):
-    engine = LLMEngine(model, mf.ByteTokenizer())
-    engine.options["block_size"] = 0
+    from types import SimpleNamespace
+
     with pytest.raises(RuntimeError, match="failed to start: ValueError: block_size"):
-        EngineProcess(engine, start_timeout_s=120).start()
-    del engine.options  # an engine the process cannot rebuild (a stand-in, say)
+        EngineProcess(_Unrebuildable(model, mf.ByteTokenizer()), start_timeout_s=120).start()
+    stand_in = SimpleNamespace(model=model, tokenizer=None)  # nothing to rebuild it from
     with pytest.raises(RuntimeError, match="has no `options` to rebuild it"):
-        EngineProcess(engine).start()
+        EngineProcess(stand_in).start()
 
 
 def test_engine_in_is_checked_and_on_the_command_line(model):
@@ -184,8 +192,7 @@ def test_engine_in_is_checked_and_on_the_command_line(model):
 
 
 def test_a_server_whose_engine_process_cannot_start_steps_in_a_thread(model, caplog):
-    engine = LLMEngine(model, mf.ByteTokenizer())
-    engine.options["block_size"] = 0  # the engine process fails; this engine still works
+    engine = _Unrebuildable(model, mf.ByteTokenizer())  # the process fails; this one works
     with caplog.at_level("WARNING", logger="minifer.serve"), \
             running_server(engine=engine, model_name="tiny", engine_in="process") as url:
         text, _ = _stream(url, "Hello")

@@ -23,7 +23,8 @@ def _setup(model, prompts, cached, block_size=4):
     for i, p in enumerate(prompts):
         bm.allocate(i, p)
         if cached[i]:
-            model(torch.tensor([p[:cached[i]]]), cache=pool.batch([bm.tables[i]], [0], cached[i]))
+            model(torch.tensor([p[:cached[i]]]),
+                  cache=PackedBatch(pool, [bm.tables[i]], [0], [cached[i]], read="slots"))
     return bm, pool
 
 
@@ -40,7 +41,7 @@ def test_a_packed_step_of_decode_rows_and_prompt_chunks_equals_separate_calls(mo
     feed = [p[c:] for p, c in zip(prompts, cached)]
     bm, pool = _setup(model, prompts, cached, block_size)
     tables = [bm.tables[i] for i in range(len(prompts))]
-    ref = [model(torch.tensor([f]), cache=pool.batch([t], [c], len(f)), last_only=True)[0, -1]
+    ref = [model(torch.tensor([f]), cache=PackedBatch(pool, [t], [c], [len(f)], read="slots"))[0]
            for t, c, f in zip(tables, cached, feed)]
     ref_kv = [x.clone() for x in pool.k + pool.v]
 

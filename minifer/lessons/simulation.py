@@ -18,6 +18,7 @@ from ..bench.reference import DECODE as REFERENCE
 from ..checks import check_int
 from ..sampling import SamplingParams
 from ..serve.block_manager import BlockManager
+from ..serve.config import EngineConfig
 from ..serve.request import Request as ServeRequest
 from ..serve.scheduler import POLICIES, Scheduler
 from ..serve.workload import Arrival
@@ -106,8 +107,8 @@ def simulate(requests: Sequence[Arrival], costs: StepCosts, policy: str = "conti
     block = 16
     bm = BlockManager(num_blocks=max(1, sum(-(-(r.prompt_len + r.max_new_tokens) // block)
                                             for r in arrivals)), block_size=block)
-    scheduler = Scheduler(bm, policy=policy, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max(1, sum(r.prompt_len for r in arrivals)))
+    scheduler = Scheduler(bm, EngineConfig(policy=policy, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max(1, sum(r.prompt_len for r in arrivals))))
     params: dict[int, SamplingParams] = {}  # one per output length
     cpu = torch.device("cpu")
     pending = []  # not arrived yet, in arrival order
@@ -126,7 +127,8 @@ def simulate(requests: Sequence[Arrival], costs: StepCosts, policy: str = "conti
         if not scheduler.has_unfinished():
             now = pending[0].metrics.arrival_time
             continue
-        chunks = scheduler.schedule().chunks
+        plan = scheduler.schedule()
+        chunks = plan.chunks
         decoding = [c for c in chunks if c.start > 0]  # one token after cached ones
         prefill_tokens = sum(c.num_new for c in chunks if c.start == 0)
         dt = costs.step(len(decoding), prefill_tokens)
@@ -139,13 +141,9 @@ def simulate(requests: Sequence[Arrival], costs: StepCosts, policy: str = "conti
         trace.steps.append(step)
         trace.step_s.append(dt)
         trace.prompt_tokens_computed += prefill_tokens
-        for c in chunks:  # every chunk completes its request's tokens: one more token each
-            req = c.request
-            req.num_computed = c.start + c.num_new
-            req.metrics.on_token(now)
-            if req.seq.append(0, now - req.metrics.arrival_time).finish_reason is not None:
-                req.metrics.on_finish(now, "length")
-                scheduler.finish(req)
+        # every chunk completes its request's tokens: one more token each (token 0: only the
+        # lengths matter), recorded by the engine's own bookkeeping at the simulated time
+        scheduler.postprocess(plan, [0] * len(plan.due), now=now)
     if policy == "static":
         mark_held(trace)
     trace.metrics = metrics

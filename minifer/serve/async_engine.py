@@ -3,7 +3,7 @@
 An `LLMEngine` is not thread-safe and its `step()` blocks for a whole forward pass, so a server
 must not call it from its event loop. Instead one background thread runs the engine loop:
 
-    while running:
+    while running:                          (`serve.driver.drive`, the loop of every front)
         take the new requests and aborts that handlers left in the inbox, apply them;
         if any request is unfinished: outputs = engine.step(); hand each to its request's queue;
         else: sleep until a handler brings work.
@@ -18,7 +18,8 @@ past that, `add` refuses with 429 at once (with ``Retry-After``, which OpenAI's 
 when they retry) instead of letting the queue (and everyone's TTFT) grow without bound. The
 default, `DEFAULT_MAX_WAITING`, is large enough that a burst of a few hundred requests is queued,
 as other servers do. An engine error in `step()` fails the requests in flight with a 500 and
-aborts them; the thread keeps serving the next ones.
+aborts them; the thread keeps serving the next ones. A request that failed alone inside a step
+(finish reason "error", `LLMEngine.step`) hears a 500 naming it; the others never notice.
 
 A request that asks for its prompt's logprobs (``echo`` with ``logprobs``) gets them here, in
 the engine thread, by one forward pass over the prompt (`minifer.serve.logprobs`), so the model
@@ -38,10 +39,12 @@ from typing import Any
 
 from ..checks import check_int
 from ..fast.threads import ThreadGovernor, apply_threads
+from .driver import drive
 from .errors import APIError
 
 __all__ = ["AsyncEngine", "RequestHandle", "engine_stats", "engine_max_model_len",
-           "check_loop_options", "add_request", "add_failure", "step_failure", "score_prompt",
+           "check_loop_options", "add_request", "add_failure", "step_failure", "request_failure",
+           "score_prompt",
            "quietly", "settle", "shutting_down", "DEFAULT_MAX_WAITING", "RETRY_AFTER_S"]
 
 log = logging.getLogger("minifer.serve")
@@ -217,30 +220,33 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        engine = self.engine
         if self.threads == "auto":  # set in this thread: torch's OpenMP count is per thread
             self.governor = ThreadGovernor()
             self.threads_in_force = apply_threads("auto")
         else:
             self.threads_in_force = apply_threads(self.threads)
-        while True:
-            with self._cv:
-                while not self._inbox and not self._stopping and not engine.has_unfinished():
-                    self._cv.wait()
-                if self._stopping:
-                    break
-                inbox, self._inbox = self._inbox, []
-            for cmd in inbox:
-                self._apply(cmd)
-            if engine.has_unfinished():
-                if self.governor is not None and (n := self.governor.maybe_adjust()):
-                    self.threads_in_force = n
-                self._step()
-            self.stats = engine_stats(engine)
+        drive(self.engine, self._take, self._stepped, self._step_failed)
         for rid in list(self._handles):  # shutting down: free everything still in flight
-            engine.abort(rid)
+            self.engine.abort(rid)
             self._deliver(rid, shutting_down())
-        self.stats = engine_stats(engine)
+        self.stats = engine_stats(self.engine)
+
+    def _take(self, idle: bool) -> bool:
+        """`drive`'s intake: apply what handlers left in the inbox, waiting for it while the
+        engine is idle; False once the loop is stopping."""
+        self.stats = engine_stats(self.engine)
+        with self._cv:
+            while idle and not self._inbox and not self._stopping:
+                self._cv.wait()
+            if self._stopping:
+                return False
+            inbox, self._inbox = self._inbox, []
+        for cmd in inbox:
+            self._apply(cmd)
+        if self.governor is not None and self.engine.has_unfinished() \
+                and (n := self.governor.maybe_adjust()):
+            self.threads_in_force = n
+        return True
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "abort":
@@ -260,19 +266,18 @@ class AsyncEngine:
         self._handles[rid] = (loop, handle)
         loop.call_soon_threadsafe(settle, accepted, None)
 
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as err:  # never let one bad step take the server down
-            self.num_step_errors += 1
-            log.error("engine step failed; aborting the requests in flight\n%s",
-                      traceback.format_exc())
-            for rid in list(self._handles):
-                self.engine.abort(rid)
-                self._deliver(rid, step_failure(err))
-            return
+    def _stepped(self, outputs) -> None:
         self.num_steps += 1
         self._deliver_step(outputs)
+
+    def _step_failed(self, err: Exception) -> None:
+        """A step raised (no one request's failure): end every request in flight with a 500."""
+        self.num_step_errors += 1
+        log.error("engine step failed; aborting the requests in flight\n%s",
+                  "".join(traceback.format_exception(err)))
+        for rid in list(self._handles):
+            self.engine.abort(rid)
+            self._deliver(rid, step_failure(err))
 
     def _deliver_step(self, outputs) -> None:
         """A step's outputs to their handles (and the metrics callbacks)."""
@@ -289,6 +294,8 @@ class AsyncEngine:
         entry = self._handles.get(rid)
         if entry is None:
             return  # aborted by its handler meanwhile
+        if not isinstance(item, BaseException) and item.finish_reason == "error":
+            item = request_failure(item)
         if isinstance(item, BaseException) or item.finished:
             self._handles.pop(rid, None)
         loop, handle = entry
@@ -324,6 +331,13 @@ def step_failure(err: Exception) -> APIError:
     """What the requests in flight hear when a step raised (they are aborted)."""
     return APIError(500, f"the engine failed: {type(err).__name__}: {err}", type="server_error",
                     code="engine_error")
+
+
+def request_failure(out) -> APIError:
+    """What a request hears when a step failed for it alone (finish reason "error"): a 500
+    whose message names the request and the cause; every other request goes on."""
+    return APIError(500, out.error or f"request {out.request_id!r} failed", type="server_error",
+                    code="request_failed")
 
 
 def shutting_down() -> APIError:

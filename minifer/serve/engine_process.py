@@ -12,7 +12,7 @@ The split, as in vLLM's engine-core process:
 
     server process                                 engine process
     handlers -> add / abort (AsyncEngine's API)    LLMEngine(model, tokenizer, **options)
-    forwarder thread: inbox -> pipe  ───────────>  loop: take commands; step; send outputs
+    forwarder thread: inbox -> pipe  ───────────>  `drive`: take commands; step; send outputs
     reader thread: pipe -> each handle's queue <──  ("accepted", ...), ("outputs", ...), ...
 
 The model's weights go to the engine process in shared memory (torch.multiprocessing), not as
@@ -42,6 +42,7 @@ from .async_engine import (
     shutting_down,
     step_failure,
 )
+from .driver import drive
 from .errors import APIError
 
 __all__ = ["EngineProcess", "ENGINES", "engine_main"]
@@ -261,33 +262,36 @@ def engine_main(conn, model, tokenizer, options: dict, threads) -> None:
     except BaseException as err:  # noqa: BLE001 - the server reports it and does not start
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return
-    steps = step_errors = 0
+    count = {"steps": 0, "errors": 0}
+
+    def take(idle: bool) -> bool:
+        commands = [conn.recv()] if idle else []
+        while conn.poll():
+            commands.append(conn.recv())
+        for cmd in commands:
+            if cmd[0] == "stop":
+                _abort_all(engine, conn, shutting_down(), count["errors"])
+                conn.send(("stopped",))
+                return False
+            _apply(engine, conn, cmd)
+        if not engine.has_unfinished():  # aborts freed blocks: the gauges should say so
+            conn.send(("stats", engine_stats(engine)))
+        elif governor is not None and (n := governor.maybe_adjust()):
+            conn.send(("threads", n))
+        return True
+
+    def deliver(outputs: list) -> None:
+        count["steps"] += 1
+        conn.send(("outputs", outputs, engine_stats(engine), count["steps"], count["errors"]))
+
+    def fail(err: Exception) -> None:  # a step raised: no one request's failure
+        count["errors"] += 1
+        log.error("engine step failed; aborting the requests in flight\n%s",
+                  "".join(traceback.format_exception(err)))
+        _abort_all(engine, conn, step_failure(err), count["errors"])
+
     try:
-        while True:
-            commands = [conn.recv()] if not engine.has_unfinished() else []
-            while conn.poll():
-                commands.append(conn.recv())
-            for cmd in commands:
-                if cmd[0] == "stop":
-                    _abort_all(engine, conn, shutting_down(), step_errors)
-                    conn.send(("stopped",))
-                    return
-                _apply(engine, conn, cmd)
-            if not engine.has_unfinished():  # aborts freed blocks: the gauges should say so
-                conn.send(("stats", engine_stats(engine)))
-                continue
-            if governor is not None and (n := governor.maybe_adjust()):
-                conn.send(("threads", n))
-            try:
-                outputs = engine.step()
-            except Exception as err:  # never let one bad step take the engine down
-                step_errors += 1
-                log.error("engine step failed; aborting the requests in flight\n%s",
-                          traceback.format_exc())
-                _abort_all(engine, conn, step_failure(err), step_errors)
-                continue
-            steps += 1
-            conn.send(("outputs", outputs, engine_stats(engine), steps, step_errors))
+        drive(engine, take, deliver, fail)
     except (EOFError, OSError):  # the server is gone
         pass
     finally:

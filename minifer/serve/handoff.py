@@ -2,12 +2,12 @@
 
 Disaggregated serving (claim PD-12, `minifer.serve.disagg`) runs a request's prompt on a
 *prefill* engine and its decode steps on a *decode* engine, each with its own paged KV pool.
-When the prefill engine has sampled a request's first token, :meth:`LLMEngine.export_prefilled`
-takes the request out of it as a :class:`Handoff`: the prompt, the first token, the sampling
-state, the timestamps so far and a copy of the prompt's K/V — exactly
-``bytes_per_token × prompt tokens`` bytes (the unfilled tail of the last block stays behind).
-:meth:`LLMEngine.add_prefilled` on the decode engine allocates blocks in its own pool, writes
-the K/V into them and lets the request continue as if it had been prefilled there.
+When the prefill engine has sampled a request's first token, :func:`export_prefilled` takes the
+request out of it as a :class:`Handoff`: the prompt, the first token, the sampling state, the
+timestamps so far and a copy of the prompt's K/V — exactly ``bytes_per_token × prompt tokens``
+bytes (the unfilled tail of the last block stays behind). :func:`add_prefilled` on the decode
+engine allocates blocks in its own pool, writes the K/V into them and lets the request continue
+as if it had been prefilled there. Both go through the engine's public methods only.
 
 On the wire (:func:`send_handoff` / :func:`recv_handoff`, point-to-point ``dist.send`` /
 ``dist.recv``, gloo on the CPU or NCCL on GPUs) a handoff is three messages:
@@ -39,7 +39,7 @@ import torch
 
 from ..sampling import SamplingParams
 
-__all__ = ["Handoff", "params_to_dict", "params_from_dict", "send_handoff", "send_done",
+__all__ = ["Handoff", "export_prefilled", "add_prefilled", "finished_handoff", "params_to_dict", "params_from_dict", "send_handoff", "send_done",
            "send_alive", "recv_handoff"]
 
 _REQUEST, _DONE, _ALIVE = 1, 0, 2
@@ -74,7 +74,7 @@ class Handoff:
 
     request_id: str
     prompt_ids: list[int]
-    first_token: int
+    first_token: int | None  # None: the request failed before its first token
     params: SamplingParams
     kv: torch.Tensor | None
     arrival_time: float
@@ -83,6 +83,7 @@ class Handoff:
     finish_reason: str | None = None
     priority: int = 0
     generator_state: torch.Tensor | None = field(default=None, repr=False)
+    error: str | None = None  # why it failed (finish_reason "error")
     # accounting, filled in by the wire functions
     kv_bytes: int = 0  # bytes of K/V sent or received
     transfer_s: float = 0.0  # seconds inside send (sender) or recv of the K/V (receiver)
@@ -98,7 +99,80 @@ class Handoff:
                 "arrival_time": self.arrival_time,
                 "first_scheduled_time": self.first_scheduled_time,
                 "first_token_time": self.first_token_time, "finish_reason": self.finish_reason,
-                "priority": self.priority}
+                "priority": self.priority, "error": self.error}
+
+
+def export_prefilled(engine, request_id: str) -> Handoff:
+    """Take a request whose prompt is computed and whose first token was just sampled out of
+    `engine` (an `LLMEngine`), with a copy of its prompt's K/V.
+
+    Call it right after the `step` that returned the request's first token. Its blocks are
+    freed there; it produces no more outputs in that engine. A request that the first token
+    finished has left already: build its handoff with :func:`finished_handoff`.
+    """
+    req = engine.get_request(request_id)
+    if req is None:
+        raise KeyError(f"no unfinished request {request_id!r} in this engine")
+    prompt = req.seq.prompt_ids
+    if len(req.seq.output_ids) != 1 or req.num_computed != len(prompt):
+        raise ValueError(f"request {request_id!r} is not just prefilled: {len(prompt)} prompt "
+                         f"tokens, {req.num_computed} computed, {len(req.seq.output_ids)} "
+                         f"sampled (export it right after the step of its first token)")
+    kv = engine.pool.read_tokens(engine.block_table(request_id), len(prompt))
+    m = req.metrics
+    state = req.generator.get_state() if req.generator is not None else None
+    engine.abort(request_id)  # frees its blocks
+    return Handoff(request_id, list(prompt), req.seq.output_ids[0], req.params, kv,
+                   m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                   priority=req.priority, generator_state=state)
+
+
+def finished_handoff(out, params: SamplingParams) -> Handoff:
+    """The handoff of a request that ended at its first token (or failed before it): no K/V,
+    nothing to decode; `out` is its last `RequestOutput`."""
+    m = out.metrics
+    return Handoff(out.request_id, list(out.prompt_token_ids),
+                   out.token_ids[0] if out.token_ids else None, params, None, m.arrival_time,
+                   m.first_scheduled_time, m.first_token_time, finish_reason=out.finish_reason,
+                   error=out.error)
+
+
+def add_prefilled(engine, handoff: Handoff) -> bool:
+    """Continue in `engine` (an `LLMEngine`) a request another engine prefilled: allocate
+    blocks in its pool, write the prompt's K/V into them, decode it from the next step.
+
+    Returns False, changing nothing, when it does not fit now (`max_num_seqs` running or too
+    few free blocks): try again after a step. Raises ValueError for a handoff that could never
+    run here (see `LLMEngine.add_request`), one already finished, or K/V of the wrong shape.
+    Its metrics keep the prefill engine's timestamps (arrival, first token).
+    """
+    h, pool = handoff, engine.pool
+    if h.finish_reason is not None or h.kv is None:
+        raise ValueError(f"request {h.request_id!r} finished at its first token "
+                         f"({h.finish_reason}); there is nothing to decode")
+    expect = (pool.n_layer, 2, len(h.prompt_ids), pool.n_kv_head, pool.head_dim)
+    if tuple(h.kv.shape) != expect:
+        raise ValueError(f"handoff K/V has shape {tuple(h.kv.shape)}, this engine's model "
+                         f"needs {expect}")
+    if not engine.scheduler.can_admit([*h.prompt_ids, h.first_token]):
+        return False  # checked first: a request waiting for room is not prepared again
+    req = engine.new_request(list(h.prompt_ids), h.params, h.request_id, h.priority,
+                             h.arrival_time)
+    if req.generator is not None and h.generator_state is not None:
+        req.generator.set_state(h.generator_state)
+    if req.seen is not None:
+        req.seen[h.first_token] = True
+    req.metrics.on_scheduled(h.first_scheduled_time)
+    got = engine.add_prefilled(req, h.first_token, h.first_token_time)
+    if got is None:
+        return False
+    cached, out = got
+    if out.finished:
+        raise ValueError(f"request {h.request_id!r}: its first token finishes it "
+                         f"({out.finish_reason}); there is nothing to decode")
+    if cached < len(h.prompt_ids):
+        pool.write_tokens(engine.block_table(h.request_id), h.kv[:, :, cached:], start=cached)
+    return True
 
 
 def _send(t: torch.Tensor, dst: int, group) -> None:
@@ -175,4 +249,4 @@ def recv_handoff(src: int, kv_shape: tuple[int, int, int], dtype: torch.dtype, *
     return Handoff(m["request_id"], m["prompt_ids"], m["first_token"],
                    params_from_dict(m["params"]), kv, m["arrival_time"],
                    m["first_scheduled_time"], m["first_token_time"], m["finish_reason"],
-                   m["priority"], state, kv_bytes=nbytes, transfer_s=seconds)
+                   m["priority"], state, m.get("error"), kv_bytes=nbytes, transfer_s=seconds)

@@ -1,16 +1,14 @@
-"""The paged KV cache's storage, and attention over it through the unchanged `GPT.forward`.
+"""The paged KV cache's storage, and attention over it for one packed forward call.
 
 `PagedKVPool` holds, per layer, one K and one V tensor of shape
-``(num_blocks, block_size, kv_heads, head_dim)``; a token's slot is chosen by the
-`BlockManager`. Attention needs each sequence's keys as one contiguous run, so for every forward
-call a `PagedBatch` *gathers* each row's cached K/V from its blocks into exactly the layout
-`StaticKVCache` uses — rows right-aligned (left padded), every row writing its new tokens at the
-same slot ``pos``, ``start[b]`` padding slots in front of row ``b`` — hands that to the model
-as its cache, and *scatters* the new tokens' K/V back into their blocks.
-
-Gathering copies the cached K/V once per layer per call, about as many bytes as attention then
-reads: a fused paged-attention kernel (vLLM's) reads the blocks in place instead. The copy keeps
-the model code unchanged and the result identical to the static cache (tested).
+``(num_blocks, block_size, kv_heads, head_dim)``; which slot a token uses is the
+`BlockManager`'s decision. A serving step feeds every scheduled token — one per decode row,
+many per prompt chunk — through the model as one sequence: `PackedBatch` is that call's cache
+(a `minifer.cache.PackedKVCache`). It writes each new token's K/V once, into its slot, and
+lets each row attend only to its own tokens, reading them where they lie in the pool: by slot
+(the readable reference), by whole block, or, for decode rows, through a paged-attention
+kernel that reads the blocks in place (`paged_attention`). Every way gives each row the
+attention it would get alone (tested against the static cache).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from ..checks import check_int
 from ..config import kv_token_bytes
 from .paged_attention import KERNEL
 
-__all__ = ["PagedKVPool", "PackedBatch", "PagedBatch", "DecodeWorkspace", "READS", "check_read"]
+__all__ = ["PagedKVPool", "PackedBatch", "READS", "check_read"]
 
 READS = ("blocks", "slots", "kernel")  # how PackedBatch reads K/V (see its docstring)
 GROUP_COST = 128  # padded tokens one more decode attention call is worth (see `_group_rows`)
@@ -61,10 +59,8 @@ class PagedKVPool:
         """A reused ``(rows, width)`` buffer for one attention call's K or V reads (`name`).
 
         Layers run one after another and each consumes its reads before the next, so one buffer
-        per name serves every layer and step; it only grows. Reading into it, not into a fresh
-        tensor, saves an allocation of megabytes per layer (on CPU a fresh large tensor costs
-        page faults, which took as long as the copy itself). It holds one layer's reads for
-        one call: not a second copy of the running K/V, nothing in it outlives the call.
+        per name serves every layer and step (it only grows): no fresh allocation of megabytes
+        per layer. Nothing in it outlives the call; it is no second copy of the K/V.
         """
         n = rows * width
         buf = self._scratch.get(name)
@@ -131,188 +127,30 @@ class PagedKVPool:
             k.view(flat)[idx] = kv[layer, 0]
             v.view(flat)[idx] = kv[layer, 1]
 
-    def packed(self, tables: Sequence[Sequence[int]], context: Sequence[int],
-               num_new: Sequence[int], logits_rows: Sequence[int] | None = None,
-               read: str = "blocks", group_cost: int = GROUP_COST) -> PackedBatch:
-        """A cache view for one packed forward call over rows of any lengths (`PackedBatch`)."""
-        return PackedBatch(self, tables, context, num_new, logits_rows, read, group_cost)
-
-    def batch(self, tables: Sequence[Sequence[int]], context: Sequence[int],
-              num_new: int) -> PagedBatch:
-        """A cache view for one forward call: row b has `context[b]` cached tokens in the
-        blocks `tables[b]` and feeds `num_new` new ones (the same count for every row)."""
-        return PagedBatch(self, tables, context, num_new)
-
     def __repr__(self) -> str:
         return (f"PagedKVPool(layers={self.n_layer}, blocks={self.num_blocks}, "
                 f"block_size={self.block_size}, kv_heads={self.n_kv_head}, "
                 f"head_dim={self.head_dim}, dtype={self.dtype}, nbytes={self.nbytes:,})")
 
 
-class PagedBatch:
-    """A `minifer.cache.KVCache` (what `GPT.forward` expects) backed by a paged pool.
-
-    Row ``b`` holds ``context[b]`` cached tokens; with ``S = max(context)`` they are placed at
-    slots ``S - context[b] .. S - 1`` (``start[b] = S - context[b]``, the padding), and the new
-    tokens at slots ``S .. S + T - 1`` for every row, so positions and masks come out exactly as
-    for a left-padded `StaticKVCache` batch.
-    """
-
-    def __init__(self, pool: PagedKVPool, tables: Sequence[Sequence[int]],
-                 context: Sequence[int], num_new: int) -> None:
-        if len(tables) != len(context) or not tables:
-            raise ValueError("tables and context must be non-empty and of equal length")
-        if num_new < 1:
-            raise ValueError(f"num_new must be >= 1, got {num_new}")
-        self.pool = pool
-        B, S, T = len(tables), max(context), num_new
-        for b, (table, c) in enumerate(zip(tables, context)):
-            if len(table) * pool.block_size < c + T:
-                raise ValueError(f"row {b}: {len(table)} blocks cannot hold {c + T} tokens")
-        dev = pool.device
-        self.batch_size, self.pos, self.max_len = B, S, S + T
-        self.start = torch.tensor([S - c for c in context], dtype=torch.long, device=dev)
-        self.padded = any(c != S for c in context)
-        # Where row b's slots S+T come from: padding (reads slot 0, masked anyway), its cached
-        # tokens, then its new ones (written to the pool first, so one gather fetches all).
-        rows = [[0] * (S - c) + pool.slots(t, 0, c + T) for t, c in zip(tables, context)]
-        self._gather = torch.tensor(rows, dtype=torch.long, device=dev).view(-1)  # (B*(S+T),)
-        self._scatter = torch.tensor([r[S:] for r in rows], dtype=torch.long,
-                                     device=dev).view(-1)  # (B*T,): the new tokens' slots
-        self._buffers: list[torch.Tensor] | None = None  # reused by every layer
-
-    def check_room(self, n: int) -> None:
-        if self.pos + n > self.max_len:
-            raise ValueError(f"paged batch holds {self.max_len - self.pos} new tokens per row, "
-                             f"got {n}")
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new ``k, v`` ``(B, kv_heads, T, head_dim)`` in their blocks; return every row's
-        cached plus new K/V ``(B, kv_heads, S + T, head_dim)``, right-aligned."""
-        B, nkv, T, hd = k.shape
-        S = self.pos
-        if self._buffers is None:
-            self._buffers = [torch.empty(B * (S + T), nkv, hd, dtype=k.dtype, device=k.device)
-                             for _ in range(2)]
-        out = []
-        for store, new, buf in zip((self.pool.k[layer], self.pool.v[layer]), (k, v), self._buffers):
-            flat = store.view(-1, nkv, hd)  # (num_blocks * block_size, nkv, hd)
-            flat.index_copy_(0, self._scatter, new.transpose(1, 2).reshape(B * T, nkv, hd))
-            torch.index_select(flat, 0, self._gather, out=buf)
-            out.append(buf.view(B, S + T, nkv, hd).transpose(1, 2))  # (B, nkv, S + T, hd)
-        return out[0], out[1]
-
-    def advance(self, n: int) -> None:
-        self.pos += n
-
-
-class DecodeWorkspace:
-    """The decode batch's K/V kept contiguous between steps (a `minifer.cache.KVCache`), so
-    they are gathered only when the batch changes.
-
-    While the same requests decode step after step, each step adds one token per row: the
-    workspace appends it in place (and writes it to the pool too, which stays the one source
-    of truth), exactly like `StaticKVCache`. A request joining, leaving or being preempted
-    changes the batch, and the workspace is rebuilt from the pool with one gather. The price is
-    a second, dense copy of the running requests' K/V (``room`` slots of headroom per row): a
-    fused paged-attention kernel would need neither the copy nor the gather. A rebuild may
-    reuse the previous workspace's `storage` (its contents are gathered afresh from the pool).
-    """
-
-    def __init__(self, pool: PagedKVPool, keys: Sequence, tables: Sequence[Sequence[int]],
-                 context: Sequence[int], room: int = 64,
-                 storage: list[torch.Tensor] | None = None) -> None:
-        B, S = len(tables), max(context)
-        nkv, hd, dev = pool.n_kv_head, pool.head_dim, pool.device
-        self.pool, self.keys = pool, tuple(keys)
-        self.batch_size, self.pos, self.max_len = B, S, S + room
-        self.lengths = list(context)
-        self.start = torch.tensor([S - c for c in context], dtype=torch.long, device=dev)
-        self.padded = any(c != S for c in context)
-        shape = (B, nkv, self.max_len, hd)  # slots past pos are written before being read
-        need = B * nkv * self.max_len * hd
-        if storage is None or storage[0].numel() < need:  # else reuse: no fresh pages to fault in
-            storage = [torch.empty(need + need // 4, dtype=pool.dtype, device=dev)
-                       for _ in range(2 * pool.n_layer)]
-        self.storage = storage  # flat buffers; pass them to the next workspace
-        views = [t[:need].view(shape) for t in storage]
-        self.k, self.v = views[:pool.n_layer], views[pool.n_layer:]
-        # padding slots copy slot 0 of the pool: finite values, masked out by attention
-        rows = [[0] * (S - c) + pool.slots(t, 0, c) for t, c in zip(tables, context)]
-        if S:
-            idx = torch.tensor(rows, dtype=torch.long, device=dev).view(-1)
-            for store, buf in ((pool.k, self.k), (pool.v, self.v)):
-                for layer in range(pool.n_layer):
-                    got = store[layer].view(-1, nkv, hd).index_select(0, idx)
-                    buf[layer][:, :, :S] = got.view(B, S, nkv, hd).transpose(1, 2)
-        self._scatter: torch.Tensor | None = None
-
-    def matches(self, keys: Sequence, context: Sequence[int]) -> bool:
-        """Whether this workspace holds exactly these rows at these lengths, with room for one
-        more token each."""
-        return (tuple(keys) == self.keys and list(context) == self.lengths
-                and self.pos < self.max_len)
-
-    def prepare(self, tables: Sequence[Sequence[int]]) -> DecodeWorkspace:
-        """Set the pool slots where this step's new tokens go; returns self (the cache)."""
-        bs = self.pool.block_size
-        slots = [t[c // bs] * bs + c % bs for t, c in zip(tables, self.lengths)]
-        self._scatter = torch.tensor(slots, dtype=torch.long, device=self.pool.device)
-        return self
-
-    def check_room(self, n: int) -> None:
-        if n != 1 or self.pos + n > self.max_len:
-            raise ValueError(f"the decode workspace takes one token per row per step with "
-                             f"{self.max_len - self.pos} slots left, got {n}")
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, nkv, T, hd = k.shape
-        end = self.pos + T
-        for store, buf, new in ((self.pool.k, self.k, k), (self.pool.v, self.v, v)):
-            buf[layer][:, :, self.pos:end] = new
-            store[layer].view(-1, nkv, hd).index_copy_(0, self._scatter, new[:, :, 0])
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def advance(self, n: int) -> None:
-        self.pos += n
-        self.lengths = [c + n for c in self.lengths]
-        self._scatter = None
-
-
 class PackedBatch:
     """One forward call over rows of any lengths, packed end to end (a `minifer.cache.PackedKVCache`).
 
     Row ``b`` has ``context[b]`` tokens cached in the blocks ``tables[b]`` and feeds
-    ``num_new[b]`` new ones: a decode row feeds one, a prompt chunk many. All rows' new tokens
-    go through the model as one sequence of ``N = sum(num_new)`` tokens (``idx`` of shape
-    ``(1, N)``), so the token-wise layers (embeddings, projections, MLP) run once for the whole
-    step, whatever mix of prefill and decode it holds: vLLM v1's and nano-vllm's packing.
-    Attention is the only layer that must keep rows apart: `attend` writes the new K/V into
-    the pool at their slots (`slot_mapping`, each token written once) and lets each row attend
-    only to its own tokens, at its own positions (`positions`).
+    ``num_new[b]`` new ones: a decode row one, a prompt chunk many. All new tokens go through
+    the model as one ``(1, N)`` sequence, so the token-wise layers run once for the whole step
+    (vLLM's and nano-vllm's packing). Attention alone keeps rows apart: `attend` writes the new
+    K/V at their slots (`slot_mapping`) and lets each row attend to its own tokens only, at its
+    own positions (`positions`). Decode rows come first and share attention calls over
+    right-padded batches; each prompt chunk gets its own causal call.
 
-    Attention reads each row's K/V where they lie in the pool, in one of two ways (`read`):
-
-    - ``"slots"``, the readable reference: one index per cached token (`PagedKVPool.slots`),
-      gathered into a dense buffer per layer for `torch.nn.functional.scaled_dot_product_attention`;
-    - ``"blocks"`` (the default), block-table indexed: one index per *block* of the row's table,
-      so the read moves whole blocks (``block_size`` tokens at a time) and the index tensors are
-      ``block_size`` times smaller; the unused tail of a row's last block is masked out;
-    - ``"kernel"``: the decode rows attend through `paged_attention.PagedDecodeKernel`, a
-      compiled kernel that reads each cached key and value in place (no copy); prompt chunks
-      read whole blocks as above.
-
-    All three build the index tensors once per step (not per layer) and give the same attention up
-    to float rounding (tested). The block path also splits the decode rows into a few attention
-    calls by length, so that a short row is not padded to the longest one in the step: each
-    call beyond the first must save more than `group_cost` padded tokens (`_group_rows`). Neither keeps a second copy of the running K/V between steps:
-    each token's K/V is written once, into the pool. Rows feeding one token each (the decode
-    rows) must come first; they share one attention call over a right-padded batch, and every
-    longer row (a prompt chunk) gets its own call, causal over its new tokens on top of its
-    cached ones.
-
-    `logits_index` holds, for each row in `logits_rows` (default: all), the packed index of its
-    last token: the only positions whose next-token logits are needed.
+    `read` says how attention reads a row's K/V from the pool (`READS`): ``"slots"``, one
+    index per token (the readable reference); ``"blocks"``, one per block (block-sized copies;
+    decode rows split by length into a few calls when that saves more than `group_cost`
+    padded tokens a call, `_group_rows`); ``"kernel"``, decode rows through
+    `paged_attention.KERNEL`, which reads the blocks in place. The same attention every way,
+    to float rounding (tested). `logits_index`: the packed index of the last token of each
+    row in `logits_rows` (default: all), the only positions whose logits are needed.
     """
 
     packed = True  # GPT.forward: run the packed path (see `minifer.cache.PackedKVCache`)
@@ -322,20 +160,10 @@ class PackedBatch:
                  logits_rows: Sequence[int] | None = None, read: str = "blocks",
                  group_cost: int = GROUP_COST) -> None:
         check_read(read)
-        if not (len(tables) == len(context) == len(num_new)) or not tables:
-            raise ValueError("tables, context and num_new must be non-empty and of equal length")
-        if any(n < 1 for n in num_new):
-            raise ValueError(f"every row must feed at least one token, got num_new={list(num_new)}")
-        singles = sum(1 for n in num_new if n == 1)
-        if any(n != 1 for n in num_new[:singles]):
-            raise ValueError("rows feeding one token (decode rows) must come first")
-        bs, dev = pool.block_size, pool.device
-        for b, (table, c, n) in enumerate(zip(tables, context, num_new)):
-            if len(table) * bs < c + n:
-                raise ValueError(f"row {b}: {len(table)} blocks cannot hold {c + n} tokens")
-        self.pool = pool
+        _check_rows(pool, tables, context, num_new)
+        dev = pool.device
+        self.pool, self.read = pool, read
         self.num_rows, self.num_tokens = len(tables), sum(num_new)
-        self.context, self.num_new = list(context), list(num_new)
         pos: list[int] = []
         slots: list[int] = []
         for table, c, n in zip(tables, context, num_new):
@@ -346,56 +174,57 @@ class PackedBatch:
         ends = list(itertools.accumulate(num_new))
         rows = range(len(tables)) if logits_rows is None else logits_rows
         self.logits_index = torch.tensor([ends[b] - 1 for b in rows], dtype=torch.long, device=dev)
-        # decode rows: attention calls over right-padded batches (padding masked out); rows of
-        # very different lengths go to different calls, so short rows are not padded to the
-        # longest (`_group_rows`)
-        self.read, self.num_single = read, singles
-        self._groups = []  # (its rows, None: all; how many; gather; padded length; mask)
-        self._kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
-        unit = 1 if read == "slots" else bs  # tokens per index
-        lengths = [c + 1 for c in context[:singles]]  # each decode row's tokens, its new one too
-        if singles and read == "kernel":
-            # the block table and lengths of the decode rows, padded to >= 2 rows and blocks
-            # (`PagedDecodeKernel`): a padding row attends to one token, a padding block is masked
-            M = max(2, -(-max(lengths) // bs))
-            rows_t = [_read_index(pool, t, L, M, "blocks") for t, L in zip(tables, lengths)]
-            if singles == 1:
-                rows_t, lengths = rows_t + [rows_t[0]], lengths + [1]
-            self._kernel_args = (torch.tensor(rows_t, dtype=torch.long, device=dev),
-                                 torch.tensor(lengths, dtype=torch.long, device=dev))
-        elif singles:
-            groups = _group_rows(lengths, unit, group_cost) if read == "blocks" else [
-                list(range(singles))]
-            for rows_g in groups:
-                lens = [lengths[i] for i in rows_g]
-                S = -(-max(lens) // unit) * unit
-                idx = [_read_index(pool, tables[i], L, S // unit, read)
-                       for i, L in zip(rows_g, lens)]
-                gather = torch.tensor(idx, dtype=torch.long, device=dev).view(-1)
-                mask = None
-                if any(L != S for L in lens):
-                    allowed = (torch.arange(S, device=dev)[None, :]
-                               < torch.tensor(lens, device=dev)[:, None])  # (G, S)
-                    mask = torch.zeros(allowed.shape, dtype=pool.dtype, device=dev)
-                    mask = mask.masked_fill(~allowed, float("-inf"))[:, None, None, :]
-                which = None if len(groups) == 1 else torch.tensor(rows_g, device=dev)
-                self._groups.append((which, len(rows_g), gather, S, mask))
-        # prompt chunks: one causal attention call each, over cached + new tokens
-        self._chunks = []
-        offset = singles
-        for table, c, n in list(zip(tables, context, num_new))[singles:]:
-            L = -(-(c + n) // unit) * unit  # tokens read: c + n, rounded up to whole blocks
-            gather = torch.tensor(_read_index(pool, table, c + n, L // unit,
-                                              "slots" if read == "slots" else "blocks"),
-                                  dtype=torch.long, device=dev)
+        self.num_single = sum(1 for n in num_new if n == 1)  # the decode rows, first
+        lengths = [c + 1 for c in context[:self.num_single]]  # their tokens, the new one too
+        self._kernel_args = None
+        self._groups = []  # decode attention calls: (rows or None: all, count, gather, S, mask)
+        if self.num_single and read == "kernel":
+            self._kernel_args = _kernel_args(pool, tables, lengths)
+        elif self.num_single:
+            self._groups = self._plan_decode(tables, lengths, group_cost)
+        self._chunks = self._plan_chunks(tables[self.num_single:], context[self.num_single:],
+                                         num_new[self.num_single:])
+
+    def _plan_decode(self, tables, lengths: list[int], group_cost: int) -> list[tuple]:
+        """The decode rows' attention calls: each reads its rows' K/V padded to its longest
+        row (in whole blocks, or tokens for ``"slots"``) and masks the padding."""
+        pool, dev = self.pool, self.pool.device
+        unit = 1 if self.read == "slots" else pool.block_size  # tokens per index
+        groups = (_group_rows(lengths, unit, group_cost) if self.read == "blocks"
+                  else [list(range(len(lengths)))])
+        calls = []
+        for rows in groups:
+            lens = [lengths[i] for i in rows]
+            S = -(-max(lens) // unit) * unit
+            idx = [_read_index(pool, tables[i], L, S // unit, self.read)
+                   for i, L in zip(rows, lens)]
+            gather = torch.tensor(idx, dtype=torch.long, device=dev).view(-1)
             mask = None
-            # new token i (at position c + i) sees keys 0..c + i; without cached tokens that is
-            # SDPA's is_causal (top-left aligned: a block's unused tail is never seen)
-            if c:
+            if any(L != S for L in lens):
+                allowed = (torch.arange(S, device=dev)[None, :]
+                           < torch.tensor(lens, device=dev)[:, None])  # (G, S)
+                mask = torch.zeros(allowed.shape, dtype=pool.dtype, device=dev)
+                mask = mask.masked_fill(~allowed, float("-inf"))[:, None, None, :]
+            which = None if len(groups) == 1 else torch.tensor(rows, device=dev)
+            calls.append((which, len(rows), gather, S, mask))
+        return calls
+
+    def _plan_chunks(self, tables, context, num_new) -> list[tuple]:
+        """One causal attention call per prompt chunk, over its cached and new tokens."""
+        dev, unit = self.pool.device, 1 if self.read == "slots" else self.pool.block_size
+        chunks, offset = [], self.num_single
+        for table, c, n in zip(tables, context, num_new):
+            L = -(-(c + n) // unit) * unit  # tokens read: c + n, rounded up to whole blocks
+            how = "slots" if self.read == "slots" else "blocks"
+            gather = torch.tensor(_read_index(self.pool, table, c + n, L // unit, how),
+                                  dtype=torch.long, device=dev)
+            mask = None  # no cached tokens: SDPA's is_causal (a block's unused tail unseen)
+            if c:  # new token i (at position c + i) sees keys 0 .. c + i
                 q = torch.arange(c, c + n, device=dev)
                 mask = torch.arange(L, device=dev)[None, :] <= q[:, None]  # (n, L)
-            self._chunks.append((offset, n, L, gather, mask))
+            chunks.append((offset, n, L, gather, mask))
             offset += n
+        return chunks
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -410,28 +239,35 @@ class PackedBatch:
         kf, vf = pk.view(-1, width), pv.view(-1, width)  # 2-D: index_select copies whole rows
         outs = []
         if self._kernel_args is not None:
-            D = self.num_single
-            qd = q[0, :, :D].transpose(0, 1)  # (D, nh, hd)
-            if D == 1:
-                qd = torch.cat([qd, qd])
-            y = KERNEL(qd.contiguous(), pk, pv, *self._kernel_args, hd ** -0.5)  # (D', nh, hd)
-            outs.append(y[:D].transpose(0, 1).unsqueeze(0))  # (1, nh, D, hd)
+            outs.append(self._attend_kernel(q, pk, pv))
         elif self.num_single:
-            D = self.num_single
-            qd = q[0, :, :D].transpose(0, 1).unsqueeze(2)  # (D, nh, 1, hd)
-            y = None if len(self._groups) == 1 else qd.new_empty(qd.shape)
-            for which, G, gather, S, mask in self._groups:
-                kd, vd = self._read(kf, vf, gather)
-                kd, vd = (x.view(G, S, nkv, hd).transpose(1, 2) for x in (kd, vd))  # (G,nkv,S,hd)
-                qg = qd if which is None else qd.index_select(0, which)
-                yg = _sdpa(qg, kd, vd, mask, False)  # (G, nh, 1, hd)
-                y = yg if which is None else y.index_copy_(0, which, yg)
-            outs.append(y.transpose(0, 2))  # (1, nh, D, hd)
+            outs.append(self._attend_decode(q, kf, vf, nkv, hd))
         for offset, n, L, gather, mask in self._chunks:
             kc, vc = self._read(kf, vf, gather)
             kc, vc = (x.view(1, L, nkv, hd).transpose(1, 2) for x in (kc, vc))  # (1, nkv, L, hd)
             outs.append(_sdpa(q[:, :, offset:offset + n], kc, vc, mask, mask is None))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _attend_decode(self, q, kf, vf, nkv: int, hd: int) -> torch.Tensor:
+        """The decode rows' attention ``(1, nh, D, hd)``, one SDPA call per group of rows."""
+        qd = q[0, :, :self.num_single].transpose(0, 1).unsqueeze(2)  # (D, nh, 1, hd)
+        y = None if len(self._groups) == 1 else qd.new_empty(qd.shape)
+        for which, G, gather, S, mask in self._groups:
+            kd, vd = self._read(kf, vf, gather)
+            kd, vd = (x.view(G, S, nkv, hd).transpose(1, 2) for x in (kd, vd))  # (G,nkv,S,hd)
+            qg = qd if which is None else qd.index_select(0, which)
+            yg = _sdpa(qg, kd, vd, mask, False)  # (G, nh, 1, hd)
+            y = yg if which is None else y.index_copy_(0, which, yg)
+        return y.transpose(0, 2)  # (1, nh, D, hd)
+
+    def _attend_kernel(self, q, pk, pv) -> torch.Tensor:
+        """The decode rows' attention ``(1, nh, D, hd)`` through the paged kernel."""
+        D, hd = self.num_single, q.shape[-1]
+        qd = q[0, :, :D].transpose(0, 1)  # (D, nh, hd)
+        if D == 1:
+            qd = torch.cat([qd, qd])
+        y = KERNEL(qd.contiguous(), pk, pv, *self._kernel_args, hd ** -0.5)  # (D', nh, hd)
+        return y[:D].transpose(0, 1).unsqueeze(0)
 
     def _read(self, kf: torch.Tensor, vf: torch.Tensor, index: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -440,6 +276,30 @@ class PackedBatch:
         k = torch.index_select(kf, 0, index, out=self.pool.scratch("k", n, w))
         v = torch.index_select(vf, 0, index, out=self.pool.scratch("v", n, w))
         return k, v
+
+
+def _check_rows(pool: PagedKVPool, tables, context, num_new) -> None:
+    if not (len(tables) == len(context) == len(num_new)) or not tables:
+        raise ValueError("tables, context and num_new must be non-empty and of equal length")
+    if any(n < 1 for n in num_new):
+        raise ValueError(f"every row must feed at least one token, got num_new={list(num_new)}")
+    singles = sum(1 for n in num_new if n == 1)
+    if any(n != 1 for n in num_new[:singles]):
+        raise ValueError("rows feeding one token (decode rows) must come first")
+    for b, (table, c, n) in enumerate(zip(tables, context, num_new)):
+        if len(table) * pool.block_size < c + n:
+            raise ValueError(f"row {b}: {len(table)} blocks cannot hold {c + n} tokens")
+
+
+def _kernel_args(pool: PagedKVPool, tables, lengths: list[int]) -> tuple[torch.Tensor, ...]:
+    """The decode rows' block table and lengths for `PagedDecodeKernel`, padded to >= 2 rows
+    and blocks: a padding row attends to one token, a padding block is masked."""
+    M = max(2, -(-max(lengths) // pool.block_size))
+    rows = [_read_index(pool, t, L, M, "blocks") for t, L in zip(tables, lengths)]
+    if len(lengths) == 1:
+        rows, lengths = rows + [rows[0]], lengths + [1]
+    return (torch.tensor(rows, dtype=torch.long, device=pool.device),
+            torch.tensor(lengths, dtype=torch.long, device=pool.device))
 
 
 def _group_rows(lengths: Sequence[int], unit: int, cost: int) -> list[list[int]]:

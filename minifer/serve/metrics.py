@@ -34,7 +34,7 @@ from ..checks import check_number
 __all__ = ["RequestMetrics", "summarize", "percentile", "STATS", "LATENCIES", "SLO_KEYS",
            "FINISH_REASONS"]
 
-FINISH_REASONS = ("eos", "stop", "length", "abort")
+FINISH_REASONS = ("eos", "stop", "length", "abort", "error")
 LATENCIES = ("queue_time", "ttft", "tpot", "itl", "e2el")
 """The per-request latencies :func:`summarize` reports (seconds)."""
 STATS = ("mean", "median", "p99")

@@ -54,9 +54,10 @@ class ModelRunner:
         self.num_decode_tokens = 0
         self.num_decode_calls = 0
 
-    def execute(self, chunks: list[Chunk]) -> list[int]:
+    def execute(self, chunks: list[Chunk]) -> list[int | Exception]:
         """One forward call over every chunk; the sampled token of each chunk that completes
-        its request's tokens (in the order of `chunks`)."""
+        its request's tokens (in the order of `chunks`), or the exception that sampling it
+        raised (`sample`)."""
         if not chunks:
             return []
         # one-token rows first (PackedBatch batches their attention); order kept otherwise
@@ -83,31 +84,49 @@ class ModelRunner:
         pos = {i: j for j, i in enumerate(order)}  # chunk index -> packed row
         return [by_row[pos[i]] for i, c in enumerate(chunks) if c.completes]
 
-    def sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
+    def sample(self, requests: list[Request], logits: torch.Tensor) -> list[int | Exception]:
         """One token per request from its logits row; requests sharing a `SamplingParams`
-        object are sampled together, each with its own generator. ``min_tokens`` bans the
-        end-of-sequence token early; requests that asked for logprobs get them recorded from
-        the raw (vocabulary-masked) logits."""
+        object are sampled together, each with its own generator.
+
+        What fails for one request (a row with no token left, a broken logits processor) comes
+        back as that request's exception in place of its token: a group that raises is sampled
+        again row by row, so the other rows get exactly the tokens they get without it."""
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(id(r.params), []).append(i)
-        tokens = [0] * len(requests)
+        tokens: list[int | Exception] = [0] * len(requests)
         for rows in groups.values():
-            reqs = [requests[i] for i in rows]
-            lg = logits[rows[0]:rows[0] + 1] if len(rows) == 1 else logits[rows]
-            lg = mask_padded_vocab(lg.clone(), reqs[0].vocab)
-            raw = lg.clone() if any(r.logprobs is not None for r in reqs) else None
-            ban_early_eos(lg, [r.seq for r in reqs])  # min_tokens
-            seen = torch.stack([r.seen for r in reqs]) if reqs[0].seen is not None else None
-            gens = [r.generator for r in reqs] if reqs[0].generator is not None else None
-            picked = sample(lg, reqs[0].params, seen, gens).tolist()
-            for i, r, t in zip(rows, reqs, picked):
+            for i, t in zip(rows, self._sample_rows(requests, logits, rows)):
                 tokens[i] = t
-                if r.seen is not None:
-                    r.seen[t] = True
-            if raw is not None:
-                record_logprobs(raw, reqs, picked)
         return tokens
+
+    def _sample_rows(self, requests: list[Request], logits: torch.Tensor,
+                     rows: list[int]) -> list[int | Exception]:
+        try:
+            return self._sample_group([requests[i] for i in rows], logits, rows)
+        except Exception as err:  # noqa: BLE001 - it belongs to one of these rows: find which
+            if len(rows) == 1:
+                return [err]
+            return [t for i in rows for t in self._sample_rows(requests, logits, [i])]
+
+    @staticmethod
+    def _sample_group(reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> list[int]:
+        """Rows `rows` of `logits`, one per request of `reqs` (one `SamplingParams`):
+        ``min_tokens`` bans the end-of-sequence token early, and requests that asked for
+        logprobs get them from the raw (vocabulary-masked) logits."""
+        lg = logits[rows[0]:rows[0] + 1] if len(rows) == 1 else logits[rows]
+        lg = mask_padded_vocab(lg.clone(), reqs[0].vocab)
+        raw = lg.clone() if any(r.logprobs is not None for r in reqs) else None
+        ban_early_eos(lg, [r.seq for r in reqs])  # min_tokens
+        seen = torch.stack([r.seen for r in reqs]) if reqs[0].seen is not None else None
+        gens = [r.generator for r in reqs] if reqs[0].generator is not None else None
+        picked = sample(lg, reqs[0].params, seen, gens).tolist()
+        if raw is not None:
+            record_logprobs(raw, reqs, picked)
+        for r, t in zip(reqs, picked):
+            if r.seen is not None:
+                r.seen[t] = True
+        return picked
 
     def _count(self, rows: list[Chunk]) -> None:
         decode = 0

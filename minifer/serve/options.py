@@ -18,11 +18,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ..checks import check_int, check_number
 from ..sampling import SamplingParams
+from ..sequence import prepare
 from .logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from .scheduler import PRIORITY_LIMIT
 
-__all__ = ["check_request", "check_options", "ban_early_eos", "record_logprobs",
+__all__ = ["prepare_request", "check_request", "check_options", "ban_early_eos", "record_logprobs",
            "generate_arguments"]
 
 
@@ -45,12 +47,28 @@ def generate_arguments(prompts, params) -> tuple[list, list]:
     return list(prompts), list(params)
 
 
+def prepare_request(model, tokenizer, prompt, params: SamplingParams | None, *,
+                    priority: int = 0, arrival_time: float | None = None,
+                    request_id: str | None = None, logprobs: int | None = None,
+                    min_tokens: int = 0, device=None):
+    """The one check of a request, for every front (`LLMEngine`, `DisaggregatedEngine`): its
+    `Sequence` and the vocabulary it may sample from, or a ValueError naming what is wrong."""
+    check_request(prompt, priority)
+    if arrival_time is not None:
+        check_number("arrival_time", arrival_time, finite=True,
+                     why=" (time.perf_counter() seconds)")
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise ValueError(f"request_id must be a non-empty string, got {request_id!r:.60}")
+    prep = prepare(model, [prompt], params, tokenizer, device=device)
+    seq = prep.sequences[0]
+    check_options(seq, logprobs, min_tokens)
+    return seq, prep.vocab
+
+
 def check_request(prompt, priority) -> None:
     """ValueErrors naming `priority` or `prompt` (before the prompt is encoded)."""
-    if isinstance(priority, bool) or not isinstance(priority, int) \
-            or abs(priority) > PRIORITY_LIMIT:
-        raise ValueError(f"priority must be an integer in [-2**53, 2**53] (lower = served "
-                         f"first), got {priority!r:.40}")
+    check_int("priority", priority, -PRIORITY_LIMIT, PRIORITY_LIMIT,
+              allowed="be an integer in [-2**53, 2**53]", why=" (lower = served first)")
     if isinstance(prompt, (list, tuple)) and prompt and not all(
             isinstance(p, int) or hasattr(p, "__index__") for p in prompt):
         raise ValueError("add_request takes one prompt (text or a flat list of token ids); "
@@ -63,15 +81,11 @@ def check_request(prompt, priority) -> None:
 
 def check_options(seq, logprobs: int | None, min_tokens: int) -> None:
     """Check ``logprobs`` and ``min_tokens`` for a prepared `Sequence`; set its `min_tokens`."""
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
-        raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
-                         f"got {logprobs!r}")
+    if logprobs is not None:
+        check_int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS,
+                  allowed=f"be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
     n = seq.params.max_new_tokens
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) \
-            or not 0 <= min_tokens <= n:
-        raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens={n}], "
-                         f"got {min_tokens!r}")
+    check_int("min_tokens", min_tokens, 0, n, allowed=f"be an integer in [0, max_new_tokens={n}]")
     if min_tokens and seq.eos_id is not None \
             and seq.params.logit_bias.get(seq.eos_id) == float("inf"):
         raise ValueError("min_tokens bans the end-of-sequence token that logit_bias forces")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import make_generators
 from ..sequence import Sequence
 from .metrics import RequestMetrics
 
@@ -42,6 +43,7 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     logprobs: list | None = None  # a `serve.logprobs.TokenLogprob` per token, if asked for
+    error: str | None = None  # why it failed (finish_reason "error"), naming the request id
 
 
 class Request:
@@ -55,6 +57,7 @@ class Request:
 
     num_logprobs: int | None = None  # alternatives to report per token (None: no logprobs)
     logprobs: list | None = None  # the TokenLogprob of each generated token so far
+    error: str | None = None  # set when something in a step failed for this request alone
 
     def __init__(self, request_id: str, seq: Sequence, vocab: int, priority: int,
                  arrival_time: float, order: int, device: torch.device,
@@ -67,9 +70,8 @@ class Request:
         self.metrics = RequestMetrics(request_id=request_id, prompt_tokens=len(seq.prompt_ids),
                                       arrival_time=arrival_time)
         p = seq.params
-        self.generator = None  # one per request: its samples never depend on the batch
-        if p.seed is not None and not p.greedy:
-            self.generator = torch.Generator(device=device).manual_seed(p.seed)
+        gens = make_generators(p, 1, device)  # its own: its samples never depend on the batch
+        self.generator = gens[0] if gens else None
         self.seen = None  # tokens seen so far, for the repetition penalty
         if p.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab_size or vocab, dtype=torch.bool, device=device)
@@ -103,7 +105,7 @@ class Request:
         return RequestOutput(self.request_id, s.prompt_ids, list(s.output_ids),
                              self.text if s.stopper is not None else None, delta,
                              self.finished, self.metrics.finish_reason, self.metrics,
-                             None if self.logprobs is None else list(self.logprobs))
+                             None if self.logprobs is None else list(self.logprobs), self.error)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, priority={self.priority}, {self.status.value}, "

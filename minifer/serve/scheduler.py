@@ -37,14 +37,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..checks import check_int, check_number
 from ..sequence import Sequence as SequenceState
 from .block_manager import BlockManager
+from .config import POLICIES, EngineConfig
 from .request import Request, RequestOutput, Status
 
 __all__ = ["POLICIES", "PRIORITY_LIMIT", "Chunk", "SchedulerOutput", "Scheduler"]
 
-POLICIES = ("static", "continuous")
 PRIORITY_LIMIT = 2**53  # |priority| at most this: `rank`'s float arithmetic stays exact
 
 
@@ -81,19 +80,13 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues over a `BlockManager`; `schedule()` plans one step."""
 
-    def __init__(self, block_manager: BlockManager, *, policy: str = "continuous",
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
-                 enable_chunked_prefill: bool = False, aging: float = 0.0) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        for name, value in (("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
-            check_int(name, value, 1)
-        check_number("aging", aging, ge=0,
-                     why=" (priority points per step waited; 0 = strict priority)")
-        self.bm, self.policy = block_manager, policy
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.chunked, self.aging = enable_chunked_prefill, float(aging)
+    def __init__(self, block_manager: BlockManager, config: EngineConfig) -> None:
+        """`config`: its policy, `max_num_seqs`, `max_num_batched_tokens`, chunked prefill and
+        aging, checked (`EngineConfig.resolved`)."""
+        self.bm, self.policy = block_manager, config.policy
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked, self.aging = config.enable_chunked_prefill, float(config.aging)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.group: set[str] = set()  # static policy: the ids of the group now being served
@@ -108,33 +101,37 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add_prefilled(self, req: Request, num_computed: int) -> int | None:
-        """Admit `req` straight into `running` with the K/V of its first `num_computed` tokens
-        computed elsewhere (disaggregated serving: the prefill engine's, `serve.handoff`).
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
-        Allocates blocks for all of ``req.tokens`` (prompt + the first sampled token) and
-        returns how many leading tokens were already in this pool's prefix cache (their K/V
-        need not be written; 0 without prefix caching), or None, changing nothing, when the
-        request does not fit now: `max_num_seqs` requests already run, or too few blocks are
-        free. The caller writes the K/V of tokens ``cached .. num_computed - 1`` into the
-        block table. The next step feeds the remaining token(s) as a decode step. Preempted
-        later, the request recomputes here like any other (`preempt`).
+    def can_admit(self, tokens: Sequence[int]) -> bool:
+        """Whether a request holding `tokens` could start running now (a seat and blocks)."""
+        return len(self.running) < self.max_num_seqs and self.bm.can_allocate(tokens)
+
+    def add_prefilled(self, req: Request, first_token: int, now: float
+                      ) -> tuple[int, RequestOutput] | None:
+        """Admit `req` straight into `running`: its prompt's K/V were computed elsewhere and
+        `first_token` was sampled there at `now` (disaggregated serving, `serve.handoff`).
+
+        Allocates blocks for the prompt and the first token, records the token as `postprocess`
+        records any, and returns how many leading prompt tokens were already in this pool's
+        prefix cache (their K/V need not be written) with the request's output; or None,
+        changing nothing, when the request does not fit now (`can_admit`). The caller writes
+        the K/V of the other prompt tokens into the block table before the next step, which
+        feeds the first token as a decode step. Preempted later, the request recomputes here.
         """
-        check_int("num_computed", num_computed, 1, req.num_tokens - 1,
-                  why=" (at least one token must be left to feed)")
         if self.policy != "continuous":
             raise ValueError("add_prefilled needs the continuous policy (a static group would "
                              "not admit a request mid-group)")
-        tokens = req.tokens
-        if len(self.running) >= self.max_num_seqs or not self.bm.can_allocate(tokens):
+        prompt = req.tokens
+        if not self.can_admit([*prompt, first_token]):
             return None
-        cached = min(self.bm.allocate(req.request_id, tokens), num_computed)
-        req.num_computed = num_computed
+        cached = min(self.bm.allocate(req.request_id, [*prompt, first_token]), len(prompt))
         req.status = Status.RUNNING
         self.running.append(req)
-        if self.bm.enable_prefix_caching:
-            self.bm.commit(req.request_id, tokens, num_computed)
-        return cached
+        out = self.postprocess(SchedulerOutput([Chunk(req, 0, len(prompt))]), [first_token], now)
+        return cached, out[0]
 
     def check_fits(self, seq: SequenceState) -> None:
         """Raise ValueError for a request (its prepared `minifer.sequence.Sequence`) this
@@ -212,16 +209,16 @@ class Scheduler:
             c.block_table = self.bm.block_table(c.request.request_id)
         return out
 
-    def postprocess(self, out: SchedulerOutput, tokens: Sequence[int],
+    def postprocess(self, out: SchedulerOutput, tokens: Sequence[int | Exception],
                     now: float | None = None) -> list[RequestOutput]:
-        """Record a step's results: `tokens` holds one sampled token per chunk of ``out.due``.
+        """Record a step: `tokens` holds one sampled token (or the exception sampling it
+        raised) per chunk of ``out.due``; an output for each of those requests.
 
-        Every scheduled request now has K/V for the tokens it fed (`num_computed` moves on, and
-        full blocks are named for prefix caching); each due request gets its token, and one
-        that finishes leaves the running queue and frees its blocks. Returns an output for
-        every request that received a token. `now` (default ``time.perf_counter()``) stamps
-        the tokens: the scheduler never reads a clock of its own otherwise, so a simulator can
-        drive it on simulated time.
+        Scheduled requests' K/V now cover what they fed (`num_computed`; full blocks named for
+        prefix caching). A due request appends its token and leaves if that finishes it; one
+        whose token is an exception, or whose append raises, ends alone with reason "error".
+        `now` (default: ``time.perf_counter()``) stamps the tokens, so a simulator can drive
+        the scheduler on its own clock.
         """
         for c in out.chunks:
             req = c.request
@@ -232,21 +229,33 @@ class Scheduler:
         if len(tokens) != len(due):
             raise ValueError(f"postprocess needs one token per due chunk ({len(due)}), got "
                              f"{len(tokens)}")
-        if now is None:
-            now = time.perf_counter()
+        now = time.perf_counter() if now is None else now
         outputs = []
         for c, token in zip(due, tokens):
-            req, m = c.request, c.request.metrics
-            if req.status is not Status.RUNNING:
-                continue
-            event = req.seq.append(token, now - m.arrival_time)
-            req.text += event.text
-            m.on_token(now)
-            if event.finish_reason is not None:
-                m.on_finish(now, event.finish_reason)
-                self.finish(req)
-            outputs.append(req.output(event.text))
+            req = c.request
+            if req.status is Status.RUNNING:
+                outputs.append(self._record(req, token, now))
         return outputs
+
+    def _record(self, req: Request, token: int | Exception, now: float) -> RequestOutput:
+        """Append `token` to `req` (finishing it if it stops), or end it with the error."""
+        m, err = req.metrics, token if isinstance(token, Exception) else None
+        if err is None:
+            try:
+                event = req.seq.append(token, now - m.arrival_time)
+            except Exception as e:  # noqa: BLE001 - this request's failure, no one else's
+                err = e
+        if err is not None:
+            req.error = f"request {req.request_id!r} failed: {type(err).__name__}: {err}"
+            m.on_finish(now, "error")
+            self.finish(req)
+            return req.output("")
+        req.text += event.text
+        m.on_token(now)
+        if event.finish_reason is not None:
+            m.on_finish(now, event.finish_reason)
+            self.finish(req)
+        return req.output(event.text)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         candidates = sorted(self.waiting, key=self.rank)

@@ -32,11 +32,10 @@ from ...config import GPTConfig, kv_token_bytes
 from ...parallel.launch import WorkerError, Workers
 from ...pretrained import PRETRAINED, model_files, save_checkpoint
 from ...sampling import SamplingParams
-from ...sequence import prepare
 from ...tokenizer import Tokenizer
 from ..handoff import params_to_dict
 from ..metrics import RequestMetrics
-from ..options import generate_arguments
+from ..options import generate_arguments, prepare_request
 from .worker import FAULT_ENV
 
 __all__ = ["DisaggOutput", "DisaggReport", "DisaggregatedEngine", "FAULT_ENV"]
@@ -58,6 +57,7 @@ class DisaggOutput:
     recv_s: float  # seconds inside the decode worker's recv of those bytes
     preemptions: int  # times the decode worker preempted it (it recomputed there)
     text: str | None = None
+    error: str | None = None  # why it failed (finish_reason "error"), naming the request
 
     @property
     def finished(self) -> bool:
@@ -236,18 +236,20 @@ class DisaggregatedEngine:
                     priority: int = 0) -> str:
         """Send one request (text with a tokenizer, or token ids) to the prefill worker.
 
-        Checked here first, as `LLMEngine.add_request` checks it: a ValueError for a request
-        that could never run (bad input, beyond the context, more blocks than the decode
-        pool, stop strings). `arrival_time` (``time.perf_counter()``) defaults to now.
+        Checked here first by `LLMEngine.add_request`'s own check (`options.prepare_request`:
+        prompt, params, priority, arrival_time, request_id), then against the decode pool: a
+        ValueError for a request that could never run (also stop strings, which the workers
+        cannot match). A request that fails inside a step ends alone, finish reason "error". `arrival_time` (``time.perf_counter()``) defaults to now.
         """
         if self.report is not None or self._closed:
             raise RuntimeError("the engine is closed; no more requests")
         params = params or SamplingParams()
-        prep = prepare(self.model, [prompt], params, self.tokenizer, device="cpu")
+        seq, _ = prepare_request(self.model, self.tokenizer, prompt, params, priority=priority,
+                                 arrival_time=arrival_time, request_id=request_id,
+                                 device="cpu")
         if params.stop:
             raise ValueError("stop strings are not supported by the disaggregated engine (the "
                              "workers have no tokenizer); stop on max_new_tokens or eos")
-        seq = prep.sequences[0]
         need = -(-seq.max_len // self.block_size)
         if need > self.decode_blocks:
             raise ValueError(f"request needs {need} blocks of {self.block_size} tokens but the "
@@ -257,8 +259,6 @@ class DisaggregatedEngine:
                 self._ids += 1
             request_id = f"req-{self._ids}"
             self._ids += 1
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._unfinished or request_id in self._done:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.start()
@@ -324,21 +324,21 @@ class DisaggregatedEngine:
     def _output(self, ev: dict) -> DisaggOutput:
         m = RequestMetrics(ev["request_id"], len(ev["prompt_ids"]), ev["arrival_time"],
                            first_scheduled_time=ev["first_scheduled_time"],
-                           first_token_time=ev["token_times"][0],
+                           first_token_time=(ev["token_times"] or [None])[0],
                            token_times=list(ev["token_times"]),
                            finished_time=ev["finished_time"],
                            finish_reason=ev["finish_reason"], preemptions=ev["preemptions"])
         text = self.tokenizer.decode(ev["token_ids"]) if self.tokenizer is not None else None
         return DisaggOutput(ev["request_id"], ev["prompt_ids"], ev["token_ids"],
                             ev["finish_reason"], m, ev["kv_bytes"], ev["recv_s"],
-                            ev["preemptions"], text)
+                            ev["preemptions"], text, ev.get("error"))
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[DisaggOutput]:
         """Run `prompts` (texts or token-id lists) to completion; outputs in order."""
         prompts, params = generate_arguments(prompts, params)
         for p, sp in zip(prompts, params):  # check all before sending any
-            prepare(self.model, [p], sp, self.tokenizer, device="cpu")
+            prepare_request(self.model, self.tokenizer, p, sp, device="cpu")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         self.wait(ids)
         return [self._done[i] for i in ids]

@@ -6,10 +6,10 @@ Both are `LLMEngine`s over paged pools of their own, in separate processes joine
 - **prefill** (rank 0) takes requests (JSON lines on stdin from the front, or prompts given on
   the command line under `torchrun`), runs their prompts with chunked prefill — several prompts
   batched in one step, long ones split across steps — samples each first token, takes the
-  request out of its engine (`LLMEngine.export_prefilled`) and sends the prompt's K/V, first
+  request out of its engine (`serve.handoff.export_prefilled`) and sends the prompt's K/V, first
   token and sampling state to rank 1 (`serve.handoff.send_handoff`). It never decodes.
 - **decode** (rank 1) receives handoffs on a thread (`dist.recv` blocks, the decode steps must
-  not), inserts each into its engine when it fits (`LLMEngine.add_prefilled`: blocks allocated
+  not), inserts each into its engine when it fits (`serve.handoff.add_prefilled`: blocks allocated
   in its own pool, K/V written) and decodes everything with continuous batching. A request
   preempted here recomputes its tokens here (the engine's recompute mode), never going back to
   rank 0; requests it preempted are admitted again before new handoffs. Finished requests
@@ -32,8 +32,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ...sampling import SamplingParams
+from ..driver import drive
 from ..handoff import (
     Handoff,
+    add_prefilled,
+    export_prefilled,
+    finished_handoff,
     params_from_dict,
     recv_handoff,
     send_alive,
@@ -90,18 +95,14 @@ def _drain(q: queue.Queue, block: bool) -> list:
     return items
 
 
-def _timed_step(engine, role: str, steps: int, crash_at: int | None) -> tuple[list, Span]:
-    """Step `engine` once (its `steps`-th step) and the span it took on the timeline: kind
-    "prefill" on the prefill rank, "decode" or "recompute" (a preempted request's prompt fed
-    again) on the decode rank. With fault injection (`crash_at`), raise at that step."""
-    if crash_at is not None and steps >= crash_at:
-        raise RuntimeError(f"fault injection: the {role} worker fails at step {steps}")
-    t0 = time.perf_counter()
-    outs = engine.step()
+def _span(engine, role: str) -> Span:
+    """The last step's span on the timeline: kind "prefill" on the prefill rank, "decode" or
+    "recompute" (a preempted request's prompt fed again) on the decode rank."""
     st = engine.last_step
+    end = time.perf_counter()
     kind = "prefill" if role == "prefill" else "recompute" if st.prefill else "decode"
-    return outs, Span(t0, time.perf_counter(), kind, st.num_tokens,
-                      requests=list(st.decode) + [r for r, _ in st.prefill])
+    return Span(end - st.duration_s, end, kind, st.num_tokens,
+                requests=list(st.decode) + [r for r, _ in st.prefill])
 
 
 def _fault(role: str) -> int | None:
@@ -146,71 +147,83 @@ class ListRequests:
         return msgs
 
 
-def _finished_handoff(out) -> Handoff:
-    """The handoff of a request whose first token finished it: no K/V, nothing to decode."""
-    m = out.metrics
-    return Handoff(out.request_id, list(out.prompt_token_ids), out.token_ids[0], None, None,
-                   m.arrival_time, m.first_scheduled_time, m.first_token_time,
-                   finish_reason=out.finish_reason)
-
-
 def run_prefill(engine, source, lines: Lines, device, *, dst: int = DECODE,
                 keepalive_s: float = 10.0) -> dict:
-    """Rank 0's loop: admit requests, step, hand every prefilled request to rank `dst`.
+    """Rank 0's loop (`serve.driver.drive`): admit requests, step, hand every prefilled
+    request to rank `dst`.
 
     While idle it sends rank `dst` a keep-alive every `keepalive_s` seconds, so a front that
     stays open without requests for longer than the group's timeout does not fail the decode
-    worker's waiting ``recv``."""
-    last_sent = time.monotonic()
+    worker's waiting ``recv``. A request the engine refuses, or one that fails in a step,
+    goes to rank `dst` as a finished handoff with reason "error"."""
     timeline: list[Span] = []
     transfers: list[dict] = []
-    params_of: dict[str, dict] = {}
+    params_of: dict[str, SamplingParams] = {}
     crash_at = _fault("prefill")
-    closing, steps = False, 0
-    while True:
-        for msg in source.poll(block=not engine.has_unfinished() and not closing):
-            if msg["op"] == "add":
-                rid = engine.add_request(msg["prompt_ids"], params_from_dict(msg["params"]),
-                                         request_id=msg["request_id"],
-                                         arrival_time=msg.get("arrival_time"),
-                                         priority=msg.get("priority", 0))
-                params_of[rid] = msg["params"]
-            elif msg["op"] == "close":
-                closing = True
-        if engine.has_unfinished():
-            steps += 1
-            outs, span = _timed_step(engine, "prefill", steps, crash_at)
-            timeline.append(span)
-            for out in outs:
-                if out.finished:
-                    h = _finished_handoff(out)
-                    h.params = params_from_dict(params_of[out.request_id])
-                else:
-                    h = engine.export_prefilled(out.request_id)
-                params_of.pop(out.request_id, None)
-                t0 = time.perf_counter()
-                send_handoff(h, dst, device=device)
-                bpt = engine.pool.bytes_per_token
-                if h.kv is not None:
-                    assert h.kv_bytes == bpt * h.num_prompt_tokens, (h.kv_bytes, bpt)
-                timeline.append(Span(t0, time.perf_counter(), "send", h.num_prompt_tokens
-                                     if h.kv is not None else 0, h.kv_bytes, [h.request_id]))
-                transfers.append({"request_id": h.request_id, "prompt_tokens": h.num_prompt_tokens,
-                                  "kv_bytes": h.kv_bytes, "send_s": h.transfer_s})
-                last_sent = time.monotonic()
-        elif closing:
-            break
-        elif time.monotonic() - last_sent > keepalive_s:
+    state = {"closing": False, "steps": 0, "last_sent": time.monotonic()}
+
+    def send(h: Handoff) -> None:
+        t0 = time.perf_counter()
+        send_handoff(h, dst, device=device)
+        tokens = h.num_prompt_tokens if h.kv is not None else 0
+        timeline.append(Span(t0, time.perf_counter(), "send", tokens, h.kv_bytes,
+                             [h.request_id]))
+        transfers.append({"request_id": h.request_id, "prompt_tokens": h.num_prompt_tokens,
+                          "kv_bytes": h.kv_bytes, "send_s": h.transfer_s})
+        state["last_sent"] = time.monotonic()
+
+    def take(idle: bool) -> bool:
+        for msg in source.poll(block=idle and not state["closing"]):
+            if msg["op"] == "close":
+                state["closing"] = True
+            elif msg["op"] == "add":
+                params = params_from_dict(msg["params"])
+                try:
+                    rid = engine.add_request(msg["prompt_ids"], params,
+                                             request_id=msg["request_id"],
+                                             arrival_time=msg.get("arrival_time"),
+                                             priority=msg.get("priority", 0))
+                    params_of[rid] = params
+                except (ValueError, TypeError) as err:  # the front checks first: a safety net
+                    send(_refused(msg, params, err))
+        idle = not engine.has_unfinished()
+        if idle and state["closing"]:
+            return False
+        if idle and time.monotonic() - state["last_sent"] > keepalive_s:
             send_alive(dst, device=device)
-            last_sent = time.monotonic()
+            state["last_sent"] = time.monotonic()
+        if not idle:
+            state["steps"] += 1
+            if crash_at is not None and state["steps"] >= crash_at:
+                raise RuntimeError(f"fault injection: the prefill worker fails at step "
+                                   f"{state['steps']}")
+        return True
+
+    def deliver(outputs: list) -> None:
+        timeline.append(_span(engine, "prefill"))
+        for out in outputs:
+            params = params_of.pop(out.request_id)
+            send(finished_handoff(out, params) if out.finished
+                 else export_prefilled(engine, out.request_id))
+
+    drive(engine, take, deliver)
     send_done(dst, device=device)
     return {"role": "prefill", "timeline": [s.to_dict() for s in timeline],
             "transfers": transfers, "bytes_per_token": engine.pool.bytes_per_token,
-            "steps": steps, "prefill_tokens": engine.num_prefill_tokens}
+            "steps": state["steps"], "prefill_tokens": engine.num_prefill_tokens}
+
+
+def _refused(msg: dict, params: SamplingParams, err: Exception) -> Handoff:
+    now = time.perf_counter()
+    arrival = msg.get("arrival_time") or now
+    return Handoff(msg["request_id"], list(msg["prompt_ids"]), None, params, None, arrival, now,
+                   now, finish_reason="error",
+                   error=f"request {msg['request_id']!r} refused: {type(err).__name__}: {err}")
 
 
 def run_decode(engine, lines: Lines, device, *, src: int = PREFILL, text=None) -> dict:
-    """Rank 1's loop: insert received handoffs when they fit, decode, emit finished requests."""
+    """Rank 1's loop (`serve.driver.drive`): insert received handoffs when they fit, decode,
+    emit finished requests (a request that fails here alone ends with reason "error")."""
     pool = engine.pool
     # The receiver thread needs the interpreter lock between its recv calls; Python's default
     # 5 ms switch interval would add up to that much to every message while a step runs.
@@ -237,13 +250,14 @@ def run_decode(engine, lines: Lines, device, *, src: int = PREFILL, text=None) -
 
     threading.Thread(target=receive, daemon=True).start()
     pending: list[Handoff] = []
-    producer_done, steps = False, 0
     crash_at = _fault("decode")
+    state = {"producer_done": False, "steps": 0}
 
-    def emit(rid: str, prompt_ids, token_ids, reason, metrics, preemptions: int) -> None:
+    def emit(rid: str, prompt_ids, token_ids, reason, metrics, preemptions: int,
+             error: str | None = None) -> None:
         t = transfers.get(rid, {})
         lines.write({"event": "finished", "request_id": rid, "prompt_ids": list(prompt_ids),
-                     "token_ids": list(token_ids), "finish_reason": reason,
+                     "token_ids": list(token_ids), "finish_reason": reason, "error": error,
                      "arrival_time": metrics["arrival_time"],
                      "first_scheduled_time": metrics["first_scheduled_time"],
                      "token_times": metrics["token_times"],
@@ -251,53 +265,68 @@ def run_decode(engine, lines: Lines, device, *, src: int = PREFILL, text=None) -
                      "kv_bytes": t.get("kv_bytes", 0), "recv_s": t.get("recv_s", 0.0),
                      "received_time": t.get("received_time")})
 
-    while True:
-        idle = not engine.has_unfinished() and not pending and not producer_done
-        for item in _drain(inbox, idle):
+    def admit(h: Handoff) -> bool:
+        """Start decoding `h` here (or emit it, finished at its first token); False: no room."""
+        if h.finish_reason is not None:
+            tokens = [] if h.first_token is None else [h.first_token]
+            times = [h.first_token_time] if tokens else []
+            emit(h.request_id, h.prompt_ids, tokens, h.finish_reason,
+                 {"arrival_time": h.arrival_time, "first_scheduled_time":
+                  h.first_scheduled_time, "token_times": times,
+                  "finished_time": h.first_token_time}, 0, h.error)
+            return True
+        try:
+            if not add_prefilled(engine, h):
+                if not engine.has_unfinished():
+                    raise RuntimeError(f"request {h.request_id!r} does not fit the decode "
+                                       f"worker's empty pool ({engine!r})")
+                return False
+        except ValueError as err:  # it can never run here: it alone fails
+            now = time.perf_counter()
+            emit(h.request_id, h.prompt_ids, [h.first_token], "error",
+                 {"arrival_time": h.arrival_time, "first_scheduled_time":
+                  h.first_scheduled_time, "token_times": [h.first_token_time],
+                  "finished_time": now}, 0, f"request {h.request_id!r} failed: {err}")
+        return True
+
+    def take(idle: bool) -> bool:
+        for item in _drain(inbox, idle and not pending and not state["producer_done"]):
             if item is None:
-                producer_done = True
+                state["producer_done"] = True
             elif isinstance(item, BaseException):
                 raise RuntimeError("the decode worker's receiver failed") from item
             else:
-                bpt = pool.bytes_per_token
-                if item.kv is not None:
-                    assert item.kv_bytes == bpt * item.num_prompt_tokens, (item.kv_bytes, bpt)
                 transfers[item.request_id] = {"kv_bytes": item.kv_bytes,
                                               "recv_s": item.transfer_s,
                                               "received_time": time.perf_counter()}
                 pending.append(item)
         # Preempted requests (waiting here) go first; new handoffs join in arrival order.
-        while pending and not engine.scheduler.waiting:
-            h = pending[0]
-            if h.finish_reason is not None:
-                emit(h.request_id, h.prompt_ids, [h.first_token], h.finish_reason,
-                     {"arrival_time": h.arrival_time, "first_scheduled_time":
-                      h.first_scheduled_time, "token_times": [h.first_token_time],
-                      "finished_time": h.first_token_time}, 0)
-            elif not engine.add_prefilled(h):
-                if not engine.has_unfinished():
-                    raise RuntimeError(f"request {h.request_id!r} does not fit the decode "
-                                       f"worker's empty pool ({engine.block_manager})")
-                break
+        while pending and not engine.scheduler.num_waiting and admit(pending[0]):
             pending.pop(0)
         if engine.has_unfinished():
-            steps += 1
-            outs, span = _timed_step(engine, "decode", steps, crash_at)
-            timeline.append(span)
-            for out in outs:
-                if out.finished:
-                    m = out.metrics
-                    emit(out.request_id, out.prompt_token_ids, out.token_ids, out.finish_reason,
-                         {"arrival_time": m.arrival_time,
-                          "first_scheduled_time": m.first_scheduled_time,
-                          "token_times": m.token_times, "finished_time": m.finished_time},
-                         m.preemptions)
-                    if text is not None:
-                        text(out)
-        elif producer_done and not pending and inbox.empty():
-            break
+            state["steps"] += 1
+            if crash_at is not None and state["steps"] >= crash_at:
+                raise RuntimeError(f"fault injection: the decode worker fails at step "
+                                   f"{state['steps']}")
+            return True
+        return not (state["producer_done"] and not pending and inbox.empty())
+
+    def deliver(outputs: list) -> None:
+        timeline.append(_span(engine, "decode"))
+        for out in outputs:
+            if out.finished:
+                m = out.metrics
+                emit(out.request_id, out.prompt_token_ids, out.token_ids, out.finish_reason,
+                     {"arrival_time": m.arrival_time,
+                      "first_scheduled_time": m.first_scheduled_time,
+                      "token_times": m.token_times, "finished_time": m.finished_time},
+                     m.preemptions, out.error)
+                if text is not None:
+                    text(out)
+
+    drive(engine, take, deliver)
     return {"role": "decode", "timeline": [s.to_dict() for s in timeline],
             "recv": [s.to_dict() for s in recv_spans], "bytes_per_token": pool.bytes_per_token,
-            "steps": steps, "preemptions": engine.scheduler.num_preemptions,
+            "steps": state["steps"], "preemptions": engine.scheduler.num_preemptions,
             "recompute_tokens": engine.num_prefill_tokens,
-            "num_blocks": engine.block_manager.num_blocks}
+            "num_blocks": pool.num_blocks}
