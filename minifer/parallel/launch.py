@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..checks import check_int, check_number
+from ..checks import check_int, check_number, max_threads
 from ..config import GPTConfig
 from ..pretrained import PRETRAINED, model_files, save_checkpoint
 from ..sampling import SamplingParams
@@ -100,7 +100,7 @@ class Workers:
         world = len(argv_per_rank)
         if world < 1:
             raise ValueError("argv_per_rank must hold one argument list per rank (at least one)")
-        check_int("threads", threads, 1)
+        check_int("threads", threads, 1, max_threads())
         self.what = what
         self.procs: list[subprocess.Popen] = []
         self.logs = []
@@ -197,7 +197,7 @@ def launch(args_per_rank: list[list[str]], *, threads: int = 1, timeout_s: float
     """
     if len(args_per_rank) < 1:
         raise ValueError("args_per_rank must hold one argument list per rank (at least one)")
-    check_int("threads", threads, 1)
+    check_int("threads", threads, 1, max_threads())
     check_number("timeout_s", timeout_s, gt=0)
     with tempfile.TemporaryDirectory(prefix="minifer-tp-") as tmp:
         argv = [["--device", "cpu", "--threads", str(threads), *args] for args in args_per_rank]

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checks import check_int
+from ..checks import check_threads
 from ..fast.threads import ThreadGovernor, apply_threads
 from .driver import drive
 from .errors import APIError
@@ -310,7 +310,7 @@ def check_loop_options(max_waiting: int, threads: int | str | None) -> None:
     if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
         raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
     if threads not in (None, "auto"):
-        check_int("threads", threads, 1)
+        check_threads(threads)
 
 
 def add_request(engine: Any, rid: str, prompt, params, priority: int, options: dict,
