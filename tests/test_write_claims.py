@@ -58,11 +58,22 @@ def test_a_changed_stored_number_fails_the_check(tmp_path, capsys):
     lesson, run = sorted(wc.recorded(root / "notebooks").items())[0]
     name, value = sorted(run["figures"].items())[0]
     path = root / "notebooks" / run["notebook"]
-    text = path.read_text(encoding="utf-8")
-    old = json.dumps(name) + ": " + json.dumps(value)
-    assert old in text, old
-    path.write_text(text.replace(old, json.dumps(name) + ": " + json.dumps(value + "7")),
-                    encoding="utf-8")
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    changed = 0
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []):
+            lines = wc._text(out.get("text", "")).splitlines(keepends=True)
+            for i, line in enumerate(lines):
+                if line.startswith(wc.TAG):
+                    row = json.loads(line[len(wc.TAG):])
+                    if name in row["figures"]:
+                        row["figures"][name] = value + "7"
+                        lines[i] = wc.TAG + json.dumps(row, ensure_ascii=False) + "\n"
+                        changed += 1
+            if changed:
+                out["text"] = lines
+    assert changed
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     assert wc.main(["--check", "--root", str(root)]) == 1
     assert "CLAIMS.md disagrees" in capsys.readouterr().err
     # the script repairs it, and then the check passes
