@@ -13,8 +13,9 @@
   figure between them.
 - **CLAIMS.md's machine line** (between ``<!--machine-->`` and ``<!--/-->``): the CPU model,
   its timing-relevant features, cores, threads, torch and date that those record lines carry.
-- **The README's runtime column** (the course table's last column): from
-  notebooks/RUNTIMES.json, which tools/run_notebooks.py writes when it runs the lessons.
+- **The README's runtime column** (the course table's last column) and the note under the
+  table saying where and when they were measured (between ``<!--runtimes-->`` and ``<!--/-->``):
+  from notebooks/RUNTIMES.json, which tools/run_notebooks.py writes when it runs the lessons.
 
 It reads only stored files (no notebook runs) and is idempotent: a second run changes nothing.
 """
@@ -37,6 +38,7 @@ TAG = "minifer-measured "  # minifer.lessons.common.MEASURED_TAG (not imported: 
 END = "<!--/-->"
 FIGURE_RE = re.compile(r"<!--(\d\d)\.(\w+)-->(.*?)" + re.escape(END))
 MACHINE_RE = re.compile(r"(<!--machine-->)(.*?)(" + re.escape(END) + ")", re.DOTALL)
+RUNTIMES_RE = re.compile(r"(<!--runtimes-->)(.*?)(" + re.escape(END) + ")", re.DOTALL)
 COURSE_ROW_RE = re.compile(r"^\| \[(\d\d) · [^\n]*$", re.MULTILINE)
 
 FLAG_NAMES = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX-512 BF16",
@@ -132,7 +134,24 @@ def write_readme(text: str, runtimes: dict) -> tuple[str, list[str]]:
         cells[-1] = runtime_cell(rows[lesson])
         return " | ".join(cells) + " |"
 
-    return COURSE_ROW_RE.sub(course_row, text), problems
+    text = COURSE_ROW_RE.sub(course_row, text)
+    if not RUNTIMES_RE.search(text):
+        problems.append("README has no <!--runtimes-->…<!--/--> note (where the runtimes were measured)")
+    return RUNTIMES_RE.sub(lambda m: m.group(1) + runtimes_note(list(rows.values())) + m.group(3),
+                           text), problems
+
+
+def runtimes_note(rows: list[dict]) -> str:
+    """Where and when the lessons' runtimes were measured, and how busy the machine was."""
+    def lessons(m: str) -> str:
+        mine = [r for r in rows if r["machine"] == m]
+        dates = ", ".join(sorted({r["date"] for r in mine}))
+        return f"lessons {', '.join(sorted(r['notebook'][:2] for r in mine))} on {m} ({dates})"
+
+    where = "; ".join(lessons(m) for m in sorted({r["machine"] for r in rows}))
+    loads = [r["load_1min"] for r in rows]
+    return (f"{where}; 1-minute load average {min(loads):.1f}–{max(loads):.1f} when each lesson "
+            f"finished (above the core count other work inflated the times)")
 
 
 def main(argv: list[str] | None = None) -> int:
