@@ -103,9 +103,12 @@ test-matrix:
 
 # Re-execute every lesson in place (the outputs the tests compare), add a static PNG beside each
 # figure for GitHub/nbviewer (kaleido + Debian's chromium), and write each notebook's time, peak
-# memory and size to notebooks/RUNTIMES.md (and .json).
+# memory and size to notebooks/RUNTIMES.md (and .json). Then write the measured (‡) numbers and
+# the machine line of notebooks/CLAIMS.md and the README's runtime column from what the run
+# stored (tools/write_claims.py; tests/test_write_claims.py checks they agree).
 notebooks: $(STAMP)
 	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py --report RUNTIMES.md $(notdir $(NOTEBOOKS)) $(SOLUTIONS:notebooks/%=%)
+	$(BIN)/python tools/write_claims.py
 
 # Every lesson in JupyterLab, driven by headless Chromium (Debian's `chromium`; playwright never
 # downloads a browser): Run All, no error output, figures drawn, every slider and dropdown of

@@ -5,8 +5,12 @@ controls). The figure style lives in :mod:`minifer.lessons.figures` and is re-ex
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
+import json
+import os
+import platform
 from collections.abc import Callable, Iterable
 
 import ipywidgets as widgets
@@ -190,3 +194,44 @@ def table(rows: list[dict], floatfmt: str = "{:,.2f}") -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+# ---- the run's measured figures, for notebooks/CLAIMS.md and the README -------------------------
+MEASURED_TAG = "minifer-measured "
+# CPU features a timing depends on (named as /proc/cpuinfo names them)
+TIMING_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",
+                "amx_bf16", "amx_int8", "asimddp", "sve")
+
+
+def machine() -> dict:
+    """Where this run happened: CPU model and the features timings depend on, cores, torch's
+    threads and version, the date and the load average (from the run itself)."""
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and cpu in ("", platform.machine()):
+                    cpu = line.split(":", 1)[1].strip()
+                elif line.startswith(("flags", "Features")) and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    try:
+        load = round(os.getloadavg()[0], 1)
+    except (OSError, AttributeError):
+        load = None
+    return {"cpu": cpu, "flags": [f for f in TIMING_FLAGS if f in flags], "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+            "load_1min": load}
+
+
+def record(lesson: str, **figures: str | int | float) -> None:
+    """Print this run's measured figures as one tagged JSON line, with the machine they were
+    measured on. ``tools/write_claims.py`` reads these lines from the stored outputs and writes
+    them into notebooks/CLAIMS.md (the numbers marked ‡), so that file quotes the run the
+    notebooks show. Pass each figure as the claims file prints it (a formatted string). Call it
+    in a cell marked ``# NBVAL_IGNORE_OUTPUT``: the figures differ from machine to machine."""
+    row = {"lesson": lesson, "figures": {k: v if isinstance(v, str) else repr(v)
+                                         for k, v in figures.items()}, "machine": machine()}
+    print(MEASURED_TAG + json.dumps(row, ensure_ascii=False))
