@@ -84,5 +84,6 @@ def check_threads(threads: Any) -> int | str | None:
     """A `threads=` argument: None, ``"auto"``, or an integer in [1, `max_threads`]."""
     if threads is None or threads == "auto":
         return threads
-    return check_int("threads", threads, 1, max_threads(),
-                     allowed=f"be 'auto' or an integer in [1, {max_threads()}] (4 per core)")
+    hi = max_threads()
+    return check_int("threads", threads, 1, hi,
+                     allowed=f"be 'auto' or an integer in [1, {hi}] (4 per core)")

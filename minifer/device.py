@@ -6,6 +6,10 @@ clock must first `sync` the device, or it times the launch instead of the work.
 
 from __future__ import annotations
 
+import functools
+import re
+from pathlib import Path
+
 import torch
 
 
@@ -66,3 +70,15 @@ def sync(device: str | torch.device = "cpu") -> None:
         torch.cuda.synchronize(dev)
     elif dev.type == "mps":
         torch.mps.synchronize()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this CPU as Linux lists them (x86's ``flags``, Arm's
+    ``Features``; empty where it does not)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    match = re.search(r"^(?:flags|Features)\s*:(.*)$", text, re.MULTILINE)
+    return frozenset(match.group(1).split()) if match else frozenset()

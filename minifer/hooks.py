@@ -2,9 +2,9 @@
 
 The core calls the functions below at the few places where a faster way exists: the greedy
 argmax, the decode step, the thread count around a generation call, a W8A8 layer's product,
-and the layout of a new model's weights. Here each is the plain reference. `minifer.fast.install()`, which ``import
-minifer`` runs, puts the speed-up package's versions in their place; each is tested equal to
-the one it replaces. `minifer.fast.disabled()` puts these back. The results are the same either
+and the layout of a new model's weights. Here each is the plain reference.
+`minifer.fast.install()`, which ``import minifer`` runs, puts the speed-up package's versions in
+their place; each is tested equal to the one it replaces. `minifer.fast.disabled()` puts these back. The results are the same either
 way (greedy tokens identical, tested): only the speed differs.
 
 The arrows run one way: `minifer.fast` imports the core and fills this seam; no core module
@@ -44,7 +44,7 @@ def generation_threads(threads: int | str | None, device: torch.device | str
     Plain: an integer fixes torch's count for the call (restored after it); None or ``"auto"``
     leave it as it is. (`minifer.fast` lowers the count while other programs hold cores.)
     """
-    check_threads(threads)
+    threads = check_threads(threads)  # a NumPy integer comes back as an int
     restore = None
     if isinstance(threads, int):
         restore = torch.get_num_threads()

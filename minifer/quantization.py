@@ -60,6 +60,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import hooks
+from .device import cpu_flags
 
 __all__ = ["PRECISIONS", "FLOAT_DTYPES", "KERNEL_GROUP_SIZES", "QuantizedLinear", "quantize",
            "quantize_int8", "quantize_int4", "default_group_size", "pack_int4", "unpack_int4",
@@ -289,13 +290,7 @@ def integer_problem(out_features: int = 64, in_features: int = 256,
 def int8_dot_products() -> str | None:
     """The CPU's instructions that multiply int8 pairs and add them in int32 (x86 AVX-512 VNNI,
     AVX-VNNI, AMX; Arm's dot product), named as /proc/cpuinfo names them; None without."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith(("flags", "Features"))),
-                             "").split())
-    except OSError:
-        return None
-    found = sorted(flags & {"avx512_vnni", "avx_vnni", "amx_int8", "asimddp"})
+    found = sorted(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8", "asimddp"})
     return ", ".join(found) or None
 
 

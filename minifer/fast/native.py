@@ -23,19 +23,10 @@ from typing import ClassVar
 
 import torch
 
+from ..device import cpu_flags
+
 __all__ = ["cpu_flags", "vector_isa", "build", "build_name", "build_tools_problem", "reason",
            "NativeKernel"]
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags of this CPU as Linux lists them (empty where it does not)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
-    return frozenset(match.group(1).split()) if match else frozenset()
 
 
 def vector_isa() -> tuple[str, list[str]]:
