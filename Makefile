@@ -30,7 +30,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/
 
 lint: $(STAMP)
-	$(BIN)/ruff check .
+	$(BIN)/ruff check --no-cache .
 
 # pytest exits 5 when it collected no test: say so instead of a bare failure.
 PYTEST = pytest --nbval $(PYTEST_ARGS) || { rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests" >&2; exit $$rc; }

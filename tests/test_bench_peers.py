@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from conftest import lively_model
 
+from conftest import lively_model
 from minifer.bench import peers
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import lively_model
 
 import minifer as mf
+from conftest import lively_model
 
 GREEDY = mf.SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
 PROMPTS = [[5, 6, 7], list(range(10, 30))]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import lively_model
 
 import minifer as mf
+from conftest import lively_model
 
 pytest.importorskip("minifer.serve.workload")
 pytest.importorskip("minifer.serve.engine")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import lively_model
 
+from conftest import lively_model
 from minifer import SamplingParams
 from minifer.bench.spec import SpecPoint, measure
 from minifer.bench.timing import round_robin

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import lively_model
 
 import minifer as mf
+from conftest import lively_model
 from minifer import SamplingParams, generate, speculative_generate, stream
 from minifer.sequence import Sequence, prepare
 

@@ -11,9 +11,9 @@ import time
 
 import httpx
 import pytest
-from conftest import lively_model
 
 import minifer as mf
+from conftest import lively_model
 from minifer.serve.api import running_server
 
 pytest.importorskip("minifer.serve.workload")

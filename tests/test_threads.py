@@ -245,9 +245,8 @@ def test_the_server_takes_threads_from_its_command_line():
 
 
 def test_the_engine_loop_sets_its_threads_and_auto_keeps_a_governor():
-    from conftest import lively_model
-
     import minifer as mf
+    from conftest import lively_model
     from minifer.serve.async_engine import AsyncEngine
     from minifer.serve.engine import LLMEngine
 
