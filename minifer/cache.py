@@ -144,33 +144,21 @@ class StaticKVCache:
     one-element tensor the decode step sets to `pos`) are allocated once here, not every step.
     """
 
-    def __init__(
-        self,
-        n_layer: int,
-        batch_size: int,
-        n_kv_head: int,
-        head_dim: int,
-        max_len: int,
-        *,
-        dtype: torch.dtype | str = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, head_dim: int,
+                 max_len: int, *, dtype: torch.dtype | str = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         for name, value in (("n_layer", n_layer), ("batch_size", batch_size),
                             ("n_kv_head", n_kv_head), ("head_dim", head_dim), ("max_len", max_len)):
             check_int(f"StaticKVCache {name}", value, 1)
         device = device if isinstance(device, torch.device) else as_device(device)
-        shape = (batch_size, n_kv_head, max_len, head_dim)
         self.quantized = _is_int8(dtype)
         if self.quantized:  # int8 values + one scale per (row, head, token): K ≈ k_q * k_scale
             dtype = torch.int8
-            scale_shape = (batch_size, n_kv_head, max_len, 1)
-            self.k_scale = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device)
-                            for _ in range(n_layer)]
-            self.v_scale = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device)
-                            for _ in range(n_layer)]
+            self._allocate_scales(n_layer, (batch_size, n_kv_head, max_len, 1), device)
         elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"StaticKVCache dtype must be a float torch dtype or 'int8', "
                              f"got {dtype!r}")
+        shape = (batch_size, n_kv_head, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.batch_size, self.max_len = batch_size, max_len
@@ -182,21 +170,16 @@ class StaticKVCache:
         self.slots = torch.arange(max_len, device=device)  # key slot numbers, for the decode mask
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the decode step's write slot
 
-    @classmethod
-    def for_model(
-        cls,
-        model: torch.nn.Module,
-        batch_size: int,
-        max_len: int | None = None,
-        *,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str | None = None,
-    ) -> StaticKVCache:
-        """A cache shaped for `model` (its layers, KV heads, head dim; dtype/device of its weights).
+    def _allocate_scales(self, n_layer: int, shape: tuple[int, ...], device) -> None:
+        self.k_scale = [torch.zeros(shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
+        self.v_scale = [torch.zeros(shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
 
-        ``dtype="int8"`` stores K/V as int8 with one scale per head per token (half the bytes of
-        a 16-bit cache); attention still gets float K/V in the model's dtype.
-        """
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, batch_size: int, max_len: int | None = None, *,
+                  dtype: torch.dtype | str | None = None,
+                  device: torch.device | str | None = None) -> StaticKVCache:
+        """A cache shaped for `model` (its layers, KV heads, head dim; dtype/device of its
+        weights). ``dtype="int8"`` stores K/V as int8 with one scale per head per token."""
         cfg = model.config
         p = next(model.parameters())
         max_len = cfg.context_length if max_len is None else max_len
@@ -226,11 +209,8 @@ class StaticKVCache:
             )
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new ``k, v`` ``[B, kv_heads, T, head_dim]`` at slots ``pos..pos+T-1`` of `layer`.
-
-        Returns views of everything cached so far in that layer (slots ``0..pos+T-1``).
-        `pos` itself moves only in `advance`, once all layers have written.
-        """
+        """Write new ``k, v`` ``[B, kv_heads, T, head_dim]`` at slots ``pos..pos+T-1`` of `layer`;
+        return views of all its cached slots ``0..pos+T-1``. `pos` moves only in `advance`."""
         t = k.shape[2]
         end = self.pos + t
         if self.quantized:
@@ -242,13 +222,9 @@ class StaticKVCache:
     def write_at(self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new ``k, v`` ``[B, kv_heads, T, head_dim]`` at the slots in the long tensor `slot`
-        ``(T,)`` of `layer`; returns the first `length` slots of the buffers, by default all of
-        them: ``[B, kv_heads, max_len, head_dim]``.
-
-        With ``length=None`` nothing here depends on a Python number that changes, so every call
-        has the same shapes (the caller masks the slots not yet written): the fixed-shape step.
-        `pos` moves only in `advance`.
-        """
+        ``(T,)`` of `layer`; return the first `length` slots of the buffers, by default all of
+        them, so that every call has the same shapes (the fixed-shape step masks the slots not
+        yet written). `pos` moves only in `advance`."""
         if self.quantized:
             return self._write_int8(layer, slot, k, v, end=self.max_len if length is None else length)
         self.k[layer].index_copy_(2, slot, k)

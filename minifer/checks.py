@@ -13,7 +13,8 @@ import operator
 import os
 from typing import Any
 
-__all__ = ["check_int", "check_number", "check_threads", "int_range_text", "max_threads"]
+__all__ = ["check_int", "check_number", "check_threads", "int_range_text", "max_threads",
+           "number_range_text"]
 
 
 def int_range_text(lo: int | None = 1, hi: int | None = None) -> str:
@@ -34,13 +35,9 @@ def _is_int(value: Any) -> bool:
 
 def check_int(name: str, value: Any, lo: int | None = 1, hi: int | None = None, *,
               why: str = "", allowed: str | None = None) -> int:
-    """`value` as a Python int if it is an integer (Python or NumPy, not a bool) with
-    ``lo <= value <= hi`` (None: unbounded), else a ValueError saying
-    ``"{name} must be {allowed}{why}, got {value!r}"``.
-
-    `allowed` (what follows "must ") defaults to "be " and the range in words
-    (`int_range_text`); `why` follows it, e.g. ``" (the model's context)"``.
-    """
+    """`value` as a Python int if it is an integer (Python or NumPy, not a bool) in [lo, hi]
+    (None: unbounded), else ``ValueError("{name} must {allowed}{why}, got {value!r}")``;
+    `allowed` defaults to "be " and the range in words, `why` explains, e.g. " (0 = off)"."""
     ok = _is_int(value)
     if ok:
         v = operator.index(value)
@@ -54,23 +51,40 @@ def check_int(name: str, value: Any, lo: int | None = 1, hi: int | None = None, 
 def check_number(name: str, value: Any, *, gt: float | None = None, ge: float | None = None,
                  lt: float | None = None, le: float | None = None, finite: bool = False,
                  why: str = "") -> float:
-    """`value` if it is a real number (int or float, not a bool, not NaN) within the given bounds
-    (``gt``/``lt`` exclusive, ``ge``/``le`` inclusive; `finite`: not ±inf), else a ValueError
-    naming `name`, the bounds and the value."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and not math.isnan(value)
+    """`value` if it is a real number (Python or NumPy, not a bool, not NaN) within the given
+    bounds (``gt``/``lt`` exclusive, ``ge``/``le`` inclusive; `finite`: not ±inf), else a
+    ValueError naming `name`, the bounds and the value. A NumPy scalar comes back as a float."""
+    try:
+        ok = _is_real(value) and not math.isnan(float(value))
+    except OverflowError:  # an int too large for a float
+        ok = False
     if ok:
         ok = ((gt is None or value > gt) and (ge is None or value >= ge)
               and (lt is None or value < lt) and (le is None or value <= le)
               and (not finite or math.isfinite(value)))
     if not ok:
-        bounds = [f"{op} {b:g}" for op, b in ((">", gt), (">=", ge), ("<", lt), ("<=", le))
-                  if b is not None and not (op == ">" and b == 0)]
-        what = ("a positive " if gt == 0 else "a ") + ("finite number" if finite else "number")
-        what += " (> 0)" if gt == 0 else ""
-        text = " and ".join(bounds)
-        raise ValueError(f"{name} must be {what}{' ' + text if text else ''}{why}, "
+        raise ValueError(f"{name} must be {number_range_text(gt, ge, lt, le, finite)}{why}, "
                          f"got {value!r}")
-    return value
+    return value if type(value) in (int, float) else float(value)
+
+
+def number_range_text(gt: float | None = None, ge: float | None = None, lt: float | None = None,
+                      le: float | None = None, finite: bool = False) -> str:
+    """How allowed numbers read in an error message: "a positive number (> 0)", "a number >= 0
+    and <= 100", "a positive finite number (> 0)"."""
+    bounds = [f"{op} {b:g}" for op, b in ((">", gt), (">=", ge), ("<", lt), ("<=", le))
+              if b is not None and not (op == ">" and b == 0)]
+    what = ("a positive " if gt == 0 else "a ") + ("finite number" if finite else "number")
+    what += " (> 0)" if gt == 0 else ""
+    if not bounds:
+        return what
+    return what + (" and " if gt == 0 else " ") + " and ".join(bounds)
+
+
+def _is_real(value: Any) -> bool:
+    """A Python or NumPy real number, not a bool (nor NumPy's bool)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and type(value).__name__ != "bool_")
 
 
 def max_threads() -> int:

@@ -45,17 +45,13 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
             )
-        kv = self.kv_heads
-        if (isinstance(kv, bool) or not isinstance(kv, int)
-                or not 1 <= kv <= self.n_head or self.n_head % kv):
-            raise ValueError(
-                f"GPTConfig.n_kv_head must divide n_head={self.n_head} and lie in [1, {self.n_head}],"
-                f" got {self.n_kv_head}"
-            )
-        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
-            raise ValueError(
-                f"GPTConfig.eos_token_id must lie in [0, {self.vocab_size}), got {self.eos_token_id}"
-            )
+        kv = check_int("GPTConfig.n_kv_head", self.kv_heads, 1, self.n_head,
+                       why=f" (a divisor of n_head={self.n_head})")
+        if self.n_head % kv:
+            raise ValueError(f"GPTConfig.n_kv_head must divide n_head={self.n_head}, got {kv}")
+        if self.eos_token_id is not None:
+            check_int("GPTConfig.eos_token_id", self.eos_token_id, 0, self.vocab_size - 1,
+                      why=" (a token id)")
 
     @property
     def head_dim(self) -> int:

@@ -14,11 +14,8 @@ import torch
 
 
 def as_device(device: str | torch.device | int) -> torch.device:
-    """`device` as a `torch.device`, checked to exist here.
-
-    A name torch does not know, or an accelerator this machine (or this build of torch) does not
-    have, is a ValueError naming `device` — not torch's AssertionError on first use.
-    """
+    """`device` as a `torch.device`, checked to exist here: a name torch does not know, or an
+    accelerator this machine (or this torch) lacks, is a ValueError naming `device`."""
     if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
         raise ValueError(f"device must be a torch device such as 'cpu', 'cuda', 'cuda:0' or "
                          f"'mps', got {device!r}")
@@ -30,6 +27,13 @@ def as_device(device: str | torch.device | int) -> torch.device:
                              f"accelerator, and this machine has none; use 'cpu'") from None
         raise ValueError(f"device must be a torch device such as 'cpu', 'cuda', 'cuda:0' or "
                          f"'mps', got {device!r}") from None
+    if dev.type not in ("cpu", "meta"):
+        _check_available(dev, device)
+    return dev
+
+
+def _check_available(dev: torch.device, device) -> None:
+    """A ValueError naming `device` unless this machine has the accelerator `dev`."""
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             why = ("this torch is built without CUDA" if torch.version.cuda is None
@@ -45,12 +49,11 @@ def as_device(device: str | torch.device | int) -> torch.device:
         if mps is None or not mps.is_available():
             raise ValueError(f"device={device!r} is not available: Apple's MPS backend is not "
                              f"available here; use 'cpu' (or minifer.default_device())")
-    elif dev.type not in ("cpu", "meta"):
+    else:
         backend = getattr(torch, dev.type, None)  # e.g. torch.xpu
         available = getattr(backend, "is_available", None)
         if available is not None and not available():
             raise ValueError(f"device={device!r} is not available on this machine; use 'cpu'")
-    return dev
 
 
 def default_device() -> torch.device:

@@ -82,14 +82,10 @@ Step = Callable[[], list[list[int]]]
 
 
 def advance(seqs: list[Sequence], step: Step, t0: float) -> Iterator[TokenEvent]:
-    """Append each step's tokens to their rows until every row has finished: the one place a
-    batch of `Sequence`s advances (`stream`, tensor parallelism and speculative decoding all
-    come through here; only their `step` differs).
-
-    A row takes a step's tokens in order and stops at the first that finishes it (EOS, a stop
-    string, `max_new_tokens`); tokens after that, and the tokens of finished rows, are dropped.
-    Each token is stamped with the seconds since `t0` at which its step returned.
-    """
+    """Append each step's tokens to their rows until every row has finished: the one loop of
+    `stream`, tensor parallelism and speculative decoding (only their `step` differs). A row
+    stops at the first token that finishes it; later tokens are dropped. Each token is stamped
+    with the seconds since `t0` at which its step returned."""
     while not all(s.finished for s in seqs):
         new = step()
         now = time.perf_counter() - t0
@@ -143,12 +139,8 @@ def run_batch(model: torch.nn.Module, req: Prepared, *, use_cache: bool = True,
               cache: StaticKVCache | None = None, sampler: Callable[[Sampler], Sampler] | None = None,
               threads: int | str | None = None) -> Iterator[TokenEvent]:
     """Generate for checked request input (`sequence.prepare`): prefill → (sample → append →
-    decode step)* → stop, one `TokenEvent` per token; `stream` is this plus the checks.
-
-    `cache`: the KV cache to fill (default: one sized for the request; tensor parallelism
-    passes one holding its rank's heads). `sampler`: given the default sampler (logits →
-    tokens), returns the one to use (tensor parallelism samples on rank 0 and broadcasts).
-    """
+    decode step)* → stop, one `TokenEvent` per token. Tensor parallelism passes a `cache` of
+    its rank's heads and a `sampler` that wraps the plain one (logits → tokens)."""
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True")
     check_threads(threads)
@@ -207,11 +199,9 @@ def stream(model: torch.nn.Module, prompts, params: SamplingParams | None = None
     - `completions`: a list to fill with the final `Completion`s.
     - `use_cache=False` recomputes the whole sequence at every step: the reference path.
     - `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
-    - `compile`: run the decode step compiled (True, or a `torch.compile` mode); the first call
-      for a batch size and cache length pays for compiling (`minifer.fast.compiled`).
-    - `threads`, on a CPU: None keeps torch's count as a ceiling, lowered between steps while
-      other programs hold cores (`minifer.fast.threads`); an integer fixes it for this call;
-      ``"auto"`` lets the governor use every idle core.
+    - `compile`: a compiled decode step (True, or a `torch.compile` mode; `minifer.fast`).
+    - `threads` (CPU): an integer fixes torch's count for this call; None keeps it as a ceiling
+      and ``"auto"`` uses every idle core, lowered while other programs hold cores.
     """
     req = prepare(model, prompts, params, tokenizer, device=device)
     if completions is not None:  # the caller's list may already hold earlier results

@@ -220,13 +220,9 @@ class GPT(nn.Module):
         kv_len: int | None = None,
     ) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` for token ids `idx` ``(B, T)`` (``(B, 1, vocab)`` with
-        `last_only`, all a prefill needs).
-
-        `cache`: write the new K/V at slots ``cache.pos..`` and attend over every cached slot
-        (left padding from ``cache.start``). `start`: without a cache, each row's count of
-        left-padding tokens. `slot` runs the lean `decode` step instead; a packed cache runs
-        `forward_packed`. Going through ``model(...)`` keeps forward hooks working.
-        """
+        `last_only`, all a prefill needs). `cache`: write the new K/V at slots ``cache.pos..``
+        and attend over every cached slot. `start` (no cache): each row's count of left-padding
+        tokens. `slot` runs the lean `decode` step, a packed cache `forward_packed`."""
         if slot is not None:
             return self.decode(idx, cache, slot, kv_len)
         if getattr(cache, "packed", False):
@@ -291,12 +287,9 @@ class GPT(nn.Module):
     def decode(self, tokens: torch.Tensor, cache: StaticKVCache, slot: torch.Tensor,
                kv_len: int | None = None) -> torch.Tensor:
         """The lean decode step: logits ``(B, vocab)`` for one new token per row ``(B, 1)``.
-
-        Each layer writes the new K/V at `slot` (a one-element tensor holding ``cache.pos``)
-        and attends over the first `kv_len` cache slots, or over all of them through a mask
-        when `kv_len` is None (the fixed-shape step). It checks nothing and does not move
-        ``cache.pos``: call it through `minifer.decode_step`, which does both.
-        """
+        Each layer writes the new K/V at `slot` (a one-element tensor holding ``cache.pos``) and
+        attends over the first `kv_len` slots, or over all through a mask (`kv_len` None: the
+        fixed-shape step). No checks, `cache.pos` unmoved: `minifer.decode_step` does both."""
         x = self.blocks(tokens, _decode_inputs(cache, slot, kv_len, self.transformer.wte.weight))
         return self.lm_head(self.transformer.ln_f(x))[:, 0]  # (B, vocab)
 
@@ -345,10 +338,9 @@ def _inputs(device, B: int, T: int, offset: int, start: torch.Tensor | None,
             cache: KVCache | None) -> AttentionInputs:
     """Position ids, attention mask and causal flag for T new tokens at slots offset..offset+T-1.
 
-    Without padding the fast paths need no mask: a fresh prefill is plain causal attention and a
-    one-token step may see every cached slot. With left padding, query slot i sees key slot j
-    when ``start[b] <= j <= i`` — and always itself, so padding rows never attend to nothing
-    (that would give NaNs that leak through 0 × NaN).
+    Without padding a fresh prefill is plain causal attention and a one-token step sees every
+    cached slot: no mask. With left padding, query slot i sees key slot j when
+    ``start[b] <= j <= i``, and always itself (a padding row attending to nothing gives NaNs).
     """
     q_slots = torch.arange(offset, offset + T, device=device)  # (T,)
     if start is None:
@@ -372,12 +364,9 @@ def _inputs(device, B: int, T: int, offset: int, start: torch.Tensor | None,
 
 def _decode_inputs(cache: StaticKVCache, slot: torch.Tensor, kv_len: int | None,
                    like: torch.Tensor) -> AttentionInputs:
-    """The decode step's inputs: one new token per row, written at `slot`.
-
-    Row b sees slots ``start[b]..slot``. The mask is additive, in the embeddings' dtype (that of
-    `like`): converted once here, not once per layer by SDPA. An eager step without padding
-    (`kv_len` given, no row padded) may see every slot it reads and needs no mask at all.
-    """
+    """The decode step's inputs: one new token per row, written at `slot`. Row b sees slots
+    ``start[b]..slot``: an additive mask in `like`'s dtype (converted once here, not per layer),
+    or none for an eager step without padding, which may see every slot it reads."""
     start = cache.start
     pos = (slot - start)[:, None]  # (B, 1) each row's own position
     mask = None

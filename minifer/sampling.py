@@ -23,14 +23,13 @@ with NaN logits is a ValueError from `sample`.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from . import hooks
-from .checks import check_int
+from .checks import check_int, check_number
 
 INF = float("inf")
 SEED_RANGE = (0, 2**64)  # what torch.Generator.manual_seed takes (as an unsigned 64-bit seed)
@@ -63,10 +62,11 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
         put("stop", _as_stop(self.stop))
-        put("temperature", _check_number("temperature", self.temperature, "≥ 0", lambda t: t >= 0))
-        put("top_p", _check_number("top_p", self.top_p, "in (0, 1]", lambda p: 0 < p <= 1))
-        put("repetition_penalty", _check_number("repetition_penalty", self.repetition_penalty,
-                                                "> 0", lambda r: r > 0))
+        put("temperature", check_number("temperature", self.temperature, ge=0,
+                                        why=" (0: greedy)"))
+        put("top_p", check_number("top_p", self.top_p, gt=0, le=1, why=" (1 = off)"))
+        put("repetition_penalty", check_number("repetition_penalty", self.repetition_penalty,
+                                               gt=0, why=" (1 = off)"))
         put("top_k", check_int("top_k", self.top_k, 0, why=" (0 = off)"))
         put("max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1))
         if self.seed is not None:
@@ -92,22 +92,6 @@ class SamplingParams:
         return self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) \
-        and type(value).__name__ != "bool_"
-
-
-def _check_number(name: str, value, allowed: str, ok) -> float | int:
-    """A real number (Python or NumPy) satisfying `ok`; NumPy scalars come back as float."""
-    try:
-        valid = _is_number(value) and not math.isnan(float(value)) and ok(value)
-    except OverflowError:  # an int too large for a float
-        valid = False
-    if not valid:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-    return value if type(value) in (int, float) else float(value)
-
-
 def _as_stop(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -128,8 +112,7 @@ def _as_logit_bias(bias) -> dict[int, float]:
     out = {}
     for tok, b in bias.items():
         tok = check_int("logit_bias keys", tok, 0, allowed="be token ids (integers >= 0)")
-        out[tok] = float(_check_number(f"logit_bias[{tok}]", b, "a number (±inf allowed)",
-                                       lambda _: True))
+        out[tok] = float(check_number(f"logit_bias[{tok}]", b, why=" (±inf allowed)"))
     return out
 
 
@@ -156,12 +139,9 @@ def apply_forced(logits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``logits / T`` for T > 0, never making NaN (use after `apply_forced`: no +inf).
-
-    T that is inf in float32 leaves every finite logit 0 (uniform over the tokens not banned).
-    Where ``max / T`` overflows (a tiny T), the row uses the shift-invariant ``(logits - max) /
-    T``, which overflows only towards -inf: all mass on the argmax, as T → 0.
-    """
+    """``logits / T`` for T > 0, never making NaN (use after `apply_forced`: no +inf). An
+    infinite T is uniform over the tokens not banned; a T so tiny that ``max / T`` overflows
+    uses the shift-invariant ``(logits - max) / T``: all mass on the argmax, as T → 0."""
     if temperature > _F32_MAX:
         return logits.masked_fill(torch.isfinite(logits), 0.0)
     scaled = logits / temperature
@@ -204,10 +184,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
     """Bias → penalty → temperature → top-k → top-p on ``(B, V)`` logits, in float32: their
     softmax is the distribution the next token is drawn from (greedy: their argmax).
 
-    A ±inf bias *sets* a logit (a +inf one forces its token, `apply_forced`). A row that cannot
-    be sampled (NaN, or every token at -inf) is a ValueError; finding one reads the row maxima
-    on the host, free on the CPU; on an accelerator only when ``logit_bias`` holds ±inf.
-    """
+    A ±inf bias *sets* a logit (+inf forces its token). A row that cannot be sampled (NaN, or
+    all -inf) is a ValueError, found from the row maxima: read on the host on the CPU, where it
+    is free, and on an accelerator only when ``logit_bias`` holds ±inf."""
     _check_shapes(logits, seen)
     logits = logits.float()
     bias = params.logit_bias
@@ -217,7 +196,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if logits.device.type == "cpu" or any(math.isinf(b) for b in bias.values()):
         top = logits.amax(dim=-1).tolist()  # per row: NaN, +inf (forced) or -inf (empty)?
-        _check_rows(top, bias)
+        if any(math.isnan(t) or t == -INF for t in top):
+            _refuse_rows(top, bias)
         if INF in top:
             logits = apply_forced(logits)
     else:
@@ -264,8 +244,9 @@ def _add_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
     return logits
 
 
-def _check_rows(top: list[float], bias: dict[int, float]) -> None:
-    """ValueError for a row with NaN logits or nothing left to draw (row maxima `top`)."""
+def _refuse_rows(top: list[float], bias: dict[int, float]) -> None:
+    """The ValueError for the first row with NaN logits or nothing left to draw (row maxima
+    `top`)."""
     for row, t in enumerate(top):
         if math.isnan(t):
             raise ValueError(f"logits of row {row} contain NaN: the model's output is broken "
@@ -301,10 +282,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     """One index per row of ``(..., V)`` non-negative weights, drawn in proportion to them.
 
     Inverse CDF on one uniform number per row: the first index whose cumulative weight exceeds
-    ``u × total``. Unlike ``torch.multinomial``, whose algorithm (and so the token a seed gives)
-    changed between torch releases, this gives the same token for the same seed on every torch
-    version (``torch.rand``'s stream is stable) and every CPU (the sums are in float64, so only a
-    draw within ~1e-16 of a boundary could land differently). Zero weights are never drawn.
+    ``u × total``. Unlike ``torch.multinomial``, whose algorithm changed between torch releases,
+    a seed gives the same token on every torch version and CPU (the sums are in float64).
+    Zero weights are never drawn.
     """
     dtype = torch.float32 if probs.device.type == "mps" else torch.float64  # MPS has no float64
     cdf = probs.to(dtype).cumsum(-1)

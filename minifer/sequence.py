@@ -215,23 +215,15 @@ def prepare(model: torch.nn.Module, prompts, params: SamplingParams | None,
             context_lengths: abc.Mapping[str, int] | None = None) -> Prepared:
     """Check everything about a request before any tensor is touched; build its Sequences.
     `context_lengths`: every context window the request must fit (default: the model's)."""
-    from .device import as_device
-
     params = SamplingParams() if params is None else params
     check_types(model, params, tokenizer)
     cfg = model.config
-    if params.stop and tokenizer is None:
-        raise ValueError("stop strings are matched on text: pass tokenizer= to use stop")
     ids_list = encode_prompts(prompts, tokenizer, cfg.vocab_size)
     vocab = usable_vocab(cfg, tokenizer, params)
     for i, ids in enumerate(ids_list):
         check_context(i, len(ids), params.max_new_tokens,
                       context_lengths or {"model": cfg.context_length})
-    check_weights(model)
-    dev = as_device(device) if device is not None else next(model.parameters()).device
-    if dev.type == "meta":
-        raise ValueError("device='meta' holds shapes, no values: generation needs a real "
-                         "device such as 'cpu' or 'cuda'")
+    dev = generation_device(model, device)
     eos = eos_id(cfg, tokenizer)
     seqs = [Sequence(i, ids, params, tokenizer, eos) for i, ids in enumerate(ids_list)]
     return Prepared(seqs, vocab, dev)
@@ -245,6 +237,8 @@ def check_types(model: torch.nn.Module, params, tokenizer) -> None:
     if tokenizer is not None and not all(hasattr(tokenizer, a) for a in ("encode", "detokenizer")):
         raise TypeError(f"tokenizer must be a minifer tokenizer (ByteTokenizer, Tokenizer), "
                         f"got {type(tokenizer).__name__} {tokenizer!r}")
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings are matched on text: pass tokenizer= to use stop")
     cfg = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or not all(
             isinstance(getattr(cfg, a, None), int) for a in ("vocab_size", "context_length")):
@@ -266,6 +260,18 @@ def check_context(i: int, prompt_tokens: int, max_new_tokens: int,
                 f"allowed: prompt tokens + max_new_tokens - 1 <= {context}")
 
 
+def generation_device(model: torch.nn.Module, device=None) -> torch.device:
+    """Where a request runs: `device` (checked to exist), else where the model's weights are."""
+    from .device import as_device
+
+    check_weights(model)
+    dev = as_device(device) if device is not None else next(model.parameters()).device
+    if dev.type == "meta":
+        raise ValueError("device='meta' holds shapes, no values: generation needs a real "
+                         "device such as 'cpu' or 'cuda'")
+    return dev
+
+
 def check_weights(model: torch.nn.Module) -> None:
     """A ValueError naming `model` if its weights are on the meta device (shapes only)."""
     if any(p.device.type == "meta" for p in model.parameters()):
@@ -273,26 +279,47 @@ def check_weights(model: torch.nn.Module) -> None:
                          "before generating, e.g. model.to_empty(device='cpu') then a checkpoint")
 
 
+# ---- prompts: text or token ids ------------------------------------------------------------
+def encode_prompts(prompts, tokenizer: TokenizerLike | None, vocab_size: int) -> list[list[int]]:
+    """Token ids for each prompt, with clear errors for anything the model cannot take."""
+    out = []
+    for i, p in enumerate(_as_prompt_list(prompts)):
+        ids = _text_ids(i, p, tokenizer) if isinstance(p, str) else _token_ids(i, p)
+        if not ids:
+            raise ValueError(f"prompt {i} is empty: give at least one token")
+        if not 0 <= min(ids) <= max(ids) < vocab_size:
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise ValueError(f"prompt {i}: token id {bad} outside the vocabulary [0, {vocab_size})")
+        out.append(ids)
+    return out
+
+
 def _as_prompt_list(prompts) -> list:
+    """One prompt (a string, a flat list of ids, a 1-D tensor) or many, as a list of prompts."""
     if isinstance(prompts, torch.Tensor):
-        if prompts.dim() == 1:
-            prompts = prompts.unsqueeze(0)
-        if prompts.dim() != 2:
-            raise ValueError(f"a prompt tensor must be 1-D or 2-D, got shape {tuple(prompts.shape)}")
-        if prompts.is_floating_point() or prompts.dtype == torch.bool:
-            raise ValueError(f"prompt token ids must be integers, got dtype {prompts.dtype}")
-        return prompts.tolist()
+        return _tensor_prompts(prompts)
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, abc.Sequence) or len(prompts) == 0:
         raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of "
                          f"those, got {type(prompts).__name__} {prompts!r:.80}")
-    if all(_is_scalar(p) for p in prompts):
+    scalars = [_is_scalar(p) for p in prompts]
+    if all(scalars):
         return [list(prompts)]  # one prompt given as a flat list of ids
-    if any(_is_scalar(p) for p in prompts):
+    if any(scalars):
         raise ValueError("prompts mixes token ids and nested prompts: give one flat list of ids, "
                          "or a list of prompts (each a string or a list of ids)")
     return list(prompts)
+
+
+def _tensor_prompts(prompts: torch.Tensor) -> list[list[int]]:
+    if prompts.dim() == 1:
+        prompts = prompts.unsqueeze(0)
+    if prompts.dim() != 2:
+        raise ValueError(f"a prompt tensor must be 1-D or 2-D, got shape {tuple(prompts.shape)}")
+    if prompts.is_floating_point() or prompts.dtype == torch.bool:
+        raise ValueError(f"prompt token ids must be integers, got dtype {prompts.dtype}")
+    return prompts.tolist()
 
 
 def _is_scalar(x) -> bool:
@@ -300,6 +327,32 @@ def _is_scalar(x) -> bool:
     if isinstance(x, torch.Tensor):
         return x.dim() == 0
     return not isinstance(x, (str, abc.Sequence))
+
+
+def _text_ids(i: int, text: str, tokenizer: TokenizerLike | None) -> list[int]:
+    if tokenizer is None:
+        raise ValueError(f"prompt {i} is text but no tokenizer was given; pass tokenizer=")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"prompt {i} is not valid Unicode text (a lone surrogate at "
+                         f"character {err.start}); pass well-formed text") from None
+    return tokenizer.encode(text)
+
+
+def _token_ids(i: int, p) -> list[int]:
+    if isinstance(p, torch.Tensor):
+        if p.is_floating_point():
+            raise ValueError(f"prompt {i}: token ids must be integers, got dtype {p.dtype}")
+        p = p.tolist()
+    if not isinstance(p, abc.Sequence):
+        raise ValueError(f"prompt {i} must be a string or a list of token ids, "
+                         f"got {type(p).__name__} {p!r:.80}")
+    for t in p:
+        if not _is_token_id(t):
+            raise ValueError(f"prompt {i}: token ids must be integers, got "
+                             f"{type(t).__name__} {t!r:.80}")
+    return [int(t) for t in p]
 
 
 def _is_token_id(x) -> bool:
@@ -311,49 +364,10 @@ def _is_token_id(x) -> bool:
     return hasattr(x, "__index__")
 
 
-def encode_prompts(prompts, tokenizer: TokenizerLike | None, vocab_size: int) -> list[list[int]]:
-    """Token ids for each prompt, with clear errors for anything the model cannot take."""
-    out = []
-    for i, p in enumerate(_as_prompt_list(prompts)):
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise ValueError(f"prompt {i} is text but no tokenizer was given; pass tokenizer=")
-            try:
-                p.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise ValueError(f"prompt {i} is not valid Unicode text (a lone surrogate at "
-                                 f"character {err.start}); pass well-formed text") from None
-            ids = tokenizer.encode(p)
-        else:
-            if isinstance(p, torch.Tensor):
-                if p.is_floating_point():
-                    raise ValueError(f"prompt {i}: token ids must be integers, got dtype {p.dtype}")
-                p = p.tolist()
-            if not isinstance(p, abc.Sequence):
-                raise ValueError(f"prompt {i} must be a string or a list of token ids, "
-                                 f"got {type(p).__name__} {p!r:.80}")
-            ids = list(p)
-            for t in ids:
-                if not _is_token_id(t):
-                    raise ValueError(f"prompt {i}: token ids must be integers, got "
-                                     f"{type(t).__name__} {t!r:.80}")
-            ids = [int(t) for t in ids]
-        if not ids:
-            raise ValueError(f"prompt {i} is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {vocab_size})")
-        out.append(ids)
-    return out
-
-
+# ---- the vocabulary ------------------------------------------------------------------------
 def usable_vocab(cfg, tokenizer: TokenizerLike | None, params: SamplingParams) -> int:
-    """How many leading vocabulary entries may be sampled.
-
-    Models often pad their vocabulary (to a multiple of 64, or here the reference model's 1,024
-    entries with a 257-token byte tokenizer); tokens past the tokenizer's vocabulary mean nothing,
-    so they are never sampled.
-    """
+    """How many leading vocabulary entries may be sampled: the tokenizer's, where the model
+    pads its vocabulary past it (tokens there mean nothing, so they are never sampled)."""
     vocab = cfg.vocab_size
     if tokenizer is not None:
         if tokenizer.vocab_size > cfg.vocab_size:
@@ -361,13 +375,20 @@ def usable_vocab(cfg, tokenizer: TokenizerLike | None, params: SamplingParams) -
                 f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size}"
             )
         vocab = tokenizer.vocab_size
-    bad = [t for t in params.logit_bias if t >= cfg.vocab_size]
+    if params.logit_bias:
+        check_logit_bias(params.logit_bias, vocab, cfg.vocab_size)
+    return vocab
+
+
+def check_logit_bias(bias: dict[int, float], vocab: int, vocab_size: int) -> None:
+    """A ValueError for a biased token outside the model's vocabulary, or a bias that bans
+    (-inf) every token of the first `vocab`, leaving nothing to sample."""
+    bad = [t for t in bias if t >= vocab_size]
     if bad:
-        raise ValueError(f"logit_bias token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
-    if params.logit_bias and all(params.logit_bias.get(t, 0.0) == -math.inf for t in range(vocab)):
+        raise ValueError(f"logit_bias token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    if all(bias.get(t, 0.0) == -math.inf for t in range(vocab)):
         raise ValueError("logit_bias bans every token of the vocabulary (-inf on all of them): "
                          "leave at least one token that can be sampled")
-    return vocab
 
 
 def eos_id(cfg, tokenizer: TokenizerLike | None) -> int | None:

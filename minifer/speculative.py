@@ -274,8 +274,8 @@ class PromptLookupDrafter(Drafter):
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        min_ngram = check_int("min_ngram", min_ngram, 1)
+        max_ngram = check_int("max_ngram", max_ngram, min_ngram, why=" (at least min_ngram)")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.name = f"prompt lookup (n-grams {min_ngram}..{max_ngram})"
 

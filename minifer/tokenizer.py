@@ -145,21 +145,22 @@ class Tokenizer:
 
     def encode(self, text: str, *, special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; with `special_tokens`, special tokens' text is their id.
-
-        The library's batch call releases Python's GIL while it tokenizes (``encode`` holds it:
-        a 1 MB prompt held every other thread of a server for most of a second)."""
+        (The library's batch call releases Python's GIL while it tokenizes; ``encode`` holds it.)"""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        hf = self.hf
-        if special_tokens:
-            if self._hf_special is None:  # a copy: the flag is the tokenizer's, not the call's
-                from tokenizers import Tokenizer as HFTokenizer
-
-                self._hf_special = HFTokenizer.from_str(self.hf.to_str())
-                self._hf_special.encode_special_tokens = False
-            hf = self._hf_special
+        hf = self._special_tokenizer() if special_tokens else self.hf
         batch = getattr(hf, "encode_batch_fast", hf.encode_batch)  # fast: no offsets
         return batch([text], add_special_tokens=False)[0].ids
+
+    def _special_tokenizer(self):
+        """A copy of the library's tokenizer that reads special tokens' text as their ids (the
+        flag is the tokenizer's, not the call's)."""
+        if self._hf_special is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self._hf_special = HFTokenizer.from_str(self.hf.to_str())
+            self._hf_special.encode_special_tokens = False
+        return self._hf_special
 
     def decode(self, ids: Iterable[int], *, special_tokens: bool = False) -> str:
         """Text of `ids`; special tokens print nothing unless `special_tokens`."""

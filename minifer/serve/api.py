@@ -56,7 +56,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..checks import check_int
+from ..checks import check_int, check_number
 from .async_engine import DEFAULT_MAX_WAITING, AsyncEngine, engine_max_model_len
 from .engine_process import ENGINES, EngineProcess
 from .guard import (
@@ -167,11 +167,8 @@ def check_server_options(engine: Any, *, max_model_len, engine_in, replicas, sch
                          api_key, read_timeout_s, max_body_bytes, max_header_bytes) -> None:
     """ValueError naming the first of `create_app`'s options that is out of range."""
     ceiling = engine_max_model_len(engine)
-    if max_model_len is not None and (isinstance(max_model_len, bool)
-                                      or not isinstance(max_model_len, int)
-                                      or not 1 <= max_model_len <= ceiling):
-        raise ValueError(f"max_model_len must be an integer in [1, {ceiling}] (the most this "
-                         f"engine can hold), got {max_model_len!r}")
+    if max_model_len is not None:
+        check_int("max_model_len", max_model_len, 1, ceiling, why=" (the most this engine can hold)")
     if engine_in not in ENGINES:
         raise ValueError(f"engine_in must be one of {ENGINES}, got {engine_in!r}")
     check_int("replicas", replicas, 1)
@@ -185,8 +182,7 @@ def check_server_options(engine: Any, *, max_model_len, engine_in, replicas, sch
         raise ValueError("api_key must be a non-empty string (or None for no key)")
     for name, v in (("read_timeout_s", read_timeout_s), ("max_body_bytes", max_body_bytes),
                     ("max_header_bytes", max_header_bytes)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-            raise ValueError(f"{name} must be a positive number, got {v!r}")
+        check_number(name, v, gt=0, finite=True)
 
 
 def _hosts(allowed_hosts: Sequence[str] | str | None) -> frozenset[str] | None:
@@ -266,12 +262,8 @@ def server_config(app, *, max_connections: int = MAX_CONNECTIONS, log_level: str
     (see `make_server`). `kwargs`: more uvicorn options (``host``, ``port``, ...)."""
     import uvicorn
 
-    if isinstance(max_connections, bool) or not isinstance(max_connections, int) \
-            or max_connections < 1:
-        raise ValueError(f"max_connections must be a positive integer, got {max_connections!r}")
-    if isinstance(shutdown_grace_s, bool) or not isinstance(shutdown_grace_s, (int, float)) \
-            or not 0 < shutdown_grace_s < float("inf"):
-        raise ValueError(f"shutdown_grace_s must be a positive number, got {shutdown_grace_s!r}")
+    check_int("max_connections", max_connections, 1)
+    check_number("shutdown_grace_s", shutdown_grace_s, gt=0, finite=True)
     limit = app.state.max_header_bytes
     return uvicorn.Config(app, http=h11_protocol(app.state.read_timeout_s, limit),
                           log_level=log_level, h11_max_incomplete_event_size=limit,

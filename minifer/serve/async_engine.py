@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checks import check_threads
+from ..checks import check_int, check_threads
 from ..fast.threads import ThreadGovernor, apply_threads
 from .driver import drive
 from .errors import APIError
@@ -307,8 +307,7 @@ class AsyncEngine:
 
 def check_loop_options(max_waiting: int, threads: int | str | None) -> None:
     """`max_waiting` a positive integer; `threads` None, ``"auto"`` or a positive integer."""
-    if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 1:
-        raise ValueError(f"max_waiting must be a positive integer, got {max_waiting!r}")
+    check_int("max_waiting", max_waiting, 1)
     if threads not in (None, "auto"):
         check_threads(threads)
 

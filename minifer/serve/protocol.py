@@ -32,7 +32,6 @@ Needs pydantic (the ``serve`` extra, with FastAPI); nothing here knows about HTT
 from __future__ import annotations
 
 import inspect
-import math
 import time
 import typing
 import uuid
@@ -42,6 +41,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from ..checks import check_int, check_number
 from ..sampling import SEED_RANGE, SamplingParams
 from ..sequence import encode_prompts
 from .chat import END_OF_TURN, render_chat
@@ -73,12 +73,8 @@ class Limits:
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        t = self.request_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
-            raise ValueError(f"request_timeout_s must be a positive number, got {t!r}")
+            check_int(name, getattr(self, name), 1)
+        check_number("request_timeout_s", self.request_timeout_s, gt=0, finite=True)
 
 
 @dataclass
