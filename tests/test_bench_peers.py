@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import math
+import sys
 
 import pytest
 import torch
@@ -76,7 +78,7 @@ def test_openvino_left_pads_prompts_of_different_lengths():
 
 def test_a_missing_peer_is_skipped_with_a_message(monkeypatch, capsys):
     problems = {"ctranslate2": None, "openvino": "needs openvino_genai (the optional peers extra)"}
-    monkeypatch.setattr(peers, "peer_problems", lambda: problems)
+    monkeypatch.setattr(peers, "peer_problems", lambda pythons=None: problems)
     monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen, compiled=False, **kw:
                         [peers.MiniferEngine(model)] + [_Echo(p) for p in chosen])
     [row] = peers.run(precisions=("fp32",), batches=(1,), prompt_len=4, new_tokens=3, rounds=1,
@@ -149,8 +151,8 @@ def test_the_timed_rounds_can_run_beside_busy_cores(monkeypatch):
     import minifer.bench.common as common
 
     monkeypatch.setattr(common, "background_load", fake_load)
-    monkeypatch.setattr(peers, "peer_problems", lambda: {"ctranslate2": None, "openvino": None})
-    monkeypatch.setattr(peers, "peers_problem", lambda: None)
+    monkeypatch.setattr(peers, "peer_problems", lambda pythons=None: {"ctranslate2": None, "openvino": None})
+    monkeypatch.setattr(peers, "peers_problem", lambda pythons=None: None)
     monkeypatch.setattr(peers, "_engines", lambda model, precision, threads, folder, chosen, compiled=False, **kw:
                         [peers.MiniferEngine(model), _Echo("ctranslate2")])
     rows = peers.run(precisions=("fp32",), batches=(1, 2), prompt_len=4, new_tokens=3,
@@ -207,3 +209,78 @@ def test_auto_threads_adds_each_minifer_engine_with_the_governor():
     auto = [s for s in specs if s.threads == "auto"]
     assert auto and all(s.kind == "minifer" and s.name.endswith(" threads=auto") for s in auto)
     assert len(auto) == sum(s.kind == "minifer" for s in specs) // 2
+
+
+def _script(path, body: str) -> str:
+    """An executable shell script at `path` (a stand-in interpreter)."""
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("value, error", [
+    ("openvino", "expected PEER=PATH"), ("openvino=", "expected PEER=PATH"),
+    (f"onnx={sys.executable}", "unknown peer 'onnx'"),
+    ("openvino=/nonexistent/bin/python", "is not an executable file"),
+])
+def test_peer_python_option_says_what_is_wrong(capsys, value, error):
+    from minifer.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["peers", "--peer-python", value])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --peer-python" in err and error in err
+
+
+def test_peer_python_option_refuses_a_peer_twice_and_the_shared_process(tmp_path):
+    from minifer.bench.__main__ import main
+
+    ov = f"openvino={sys.executable}"
+    with pytest.raises(SystemExit, match="--peer-python names a peer twice"):
+        main(["peers", "--peer-python", ov, "--peer-python", ov])
+    with pytest.raises(SystemExit, match="cannot be combined with --same-process"):
+        main(["peers", "--peer-python", ov, "--same-process"])
+    with pytest.raises(ValueError, match="not an executable file"):  # run's keyword, checked too
+        peers.run("tiny", peer_python={"openvino": str(tmp_path)})
+    with pytest.raises(ValueError, match="isolate"):
+        peers.run("tiny", peer_python={"openvino": sys.executable}, isolate=False)
+
+
+def test_a_peer_is_judged_by_the_interpreter_given_for_it(tmp_path):
+    answer = {"path": [], "versions": {"openvino": "openvino-genai 9.9"},
+              "problems": {"ctranslate2": "needs ctranslate2", "openvino": None}}
+    fine = _script(tmp_path / "fine", f"echo '{json.dumps(answer)}'\n")
+    here = peers.peer_problems()
+    there = peers.peer_problems({"openvino": fine})
+    assert there["openvino"] is None and there["ctranslate2"] == here["ctranslate2"]
+    assert peers.available_peers({"openvino": fine})[-1] == "openvino"
+    assert peers.peer_versions({"openvino": fine})["openvino"] == f"openvino-genai 9.9 (in {fine})"
+    answer["problems"]["openvino"] = "needs openvino_genai"
+    lacking = _script(tmp_path / "lacking", f"echo '{json.dumps(answer)}'\n")
+    assert peers.peer_problems({"openvino": lacking})["openvino"] == (
+        f"needs openvino_genai (in {lacking})")
+    broken = _script(tmp_path / "broken", "echo \"No module named 'tokenizers'\" >&2; exit 1\n")
+    problem = peers.peer_problems({"openvino": broken})["openvino"]
+    assert "cannot import minifer" in problem and "No module named 'tokenizers'" in problem
+    with pytest.raises(RuntimeError, match="cannot import minifer"):
+        peers.ProcessEngine(peers.EngineSpec("minifer", "minifer", "fp32"),
+                            lively_model("tiny"), 1, tmp_path, python=broken)
+
+
+def test_an_engine_process_can_run_another_interpreter(tmp_path):
+    from multiprocessing import spawn
+
+    log = tmp_path / "used"
+    wrapper = _script(tmp_path / "python", f'echo "$@" >> {log}\nexec {sys.executable} "$@"\n')
+    model = lively_model("tiny")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    executable, path = spawn.get_executable(), sys.path[:]
+    alone = peers.ProcessEngine(peers.EngineSpec("minifer", "minifer", "fp32"), model, 1,
+                                tmp_path, python=wrapper)
+    try:
+        assert alone.generate(prompts, 5) == peers.MiniferEngine(model).generate(prompts, 5)
+    finally:
+        alone.close()
+    assert "--multiprocessing-fork" in log.read_text()  # the child was started by the wrapper
+    assert spawn.get_executable() == executable and sys.path == path  # both restored

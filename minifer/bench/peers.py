@@ -23,6 +23,17 @@ size:
   runs one engine: in one shared process, CTranslate2's OpenMP runtime beside torch's slowed
   minifer's fp32 decode by 30% once CTranslate2 had run (``--same-process`` shows it).
 
+A peer's process can run another interpreter (``--peer-python PEER=PATH``, `run`'s
+``peer_python``): OpenVINO GenAI's exporter cannot be installed beside minifer's torch, so it
+lives in a virtual environment of its own, with the same torch and minifer's runtime
+dependencies (minifer itself is imported from this checkout)::
+
+    python3 -m venv /work/ov-venv
+    /work/ov-venv/bin/pip install torch==2.13.0 openvino-genai 'optimum-intel[openvino]' \
+        numpy safetensors tokenizers tqdm
+    /work/ov-venv/bin/pip uninstall -y torchvision  # PyPI's build breaks beside a +cpu torch
+    python -m minifer.bench peers --peers openvino --peer-python openvino=/work/ov-venv/bin/python
+
 Precisions:
 
 minifer runs as it is and, where oneDNN is present, with its linear weights prepacked
@@ -50,9 +61,12 @@ import dataclasses
 import functools
 import importlib.util
 import io
+import json
 import logging
 import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,7 +79,8 @@ import torch
 from ..model import GPT
 
 __all__ = ["PEERS_EXTRA", "PEERS", "PRECISIONS", "peer_problems", "available_peers",
-           "peers_problem", "MiniferEngine", "CTranslate2Engine", "OpenVINOEngine", "EngineSpec",
+           "peers_problem", "peer_versions", "check_interpreter", "MiniferEngine",
+           "CTranslate2Engine", "OpenVINOEngine", "EngineSpec",
            "engine_specs", "build_engine", "ProcessEngine", "PeerRow",
            "agreement", "timed", "decode_rate", "run", "format_report"]
 
@@ -105,24 +120,84 @@ def _torchvision_problem() -> str | None:
     return None
 
 
-def peer_problems() -> dict[str, str | None]:
-    """Each peer engine -> why it cannot run here (None: it can)."""
+# the packages whose versions a report names for each peer
+_PEER_PACKAGES = {"ctranslate2": ("ctranslate2",), "openvino": ("openvino-genai", "optimum-intel")}
+_ROOT = str(Path(__file__).resolve().parents[2])  # this checkout: the children import minifer here
+# what another interpreter is asked (`_ask`), printed as JSON on its last line
+_PROBE = ("import json, sys; sys.path.insert(0, {root!r}); "
+          "from minifer.bench.peers import peer_problems, peer_versions; "
+          "print(json.dumps({{'path': [p for p in sys.path if p], 'problems': peer_problems(), "
+          "'versions': peer_versions()}}))")
+
+
+def check_interpreter(peer: str, python: str) -> str:
+    """`python` as the interpreter for `peer`'s process, its path made absolute (symlinks kept:
+    a virtual environment's ``bin/python`` is one); ValueError for an unknown peer or a path
+    that is not an executable file."""
+    if peer not in PEERS:
+        raise ValueError(f"unknown peer {peer!r}; choose from {PEERS}")
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ValueError(f"{peer}'s interpreter {python!r} is not an executable file")
+    return os.path.abspath(python)
+
+
+@functools.cache
+def _ask(python: str) -> dict:
+    """What the interpreter `python` says, importing minifer from this checkout: its
+    `peer_problems`, its `peer_versions` and its sys.path (this checkout first), or
+    ``{"error": why}`` where it cannot import minifer."""
+    done = subprocess.run([python, "-c", _PROBE.format(root=_ROOT)], capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        return {"error": f"cannot import minifer from {_ROOT} in {python} ({last})"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def peer_problems(pythons: dict[str, str] | None = None) -> dict[str, str | None]:
+    """Each peer engine -> why it cannot run here (None: it can). A peer in `pythons` (peer ->
+    interpreter) is judged by that interpreter, asked in a subprocess."""
     out: dict[str, str | None] = {}
     for peer, modules in _PEER_MODULES.items():
+        if pythons and peer in pythons:
+            answer = _ask(pythons[peer])
+            problem = answer.get("error") or answer["problems"][peer]
+            out[peer] = problem and f"{problem} (in {pythons[peer]})"
+            continue
         missing = _missing(modules)
         out[peer] = (f"needs {', '.join(missing)} (the optional peers extra: {PEERS_EXTRA})"
                      if missing else _torchvision_problem())
     return out
 
 
-def available_peers() -> tuple[str, ...]:
-    """The peer engines that can run here, in `PEERS` order."""
-    return tuple(p for p, problem in peer_problems().items() if problem is None)
+def peer_versions(pythons: dict[str, str] | None = None) -> dict[str, str]:
+    """Each peer engine -> the versions of the packages it runs on (a peer in `pythons`: those
+    in its interpreter, named), or why it cannot run."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for peer, problem in peer_problems(pythons).items():
+        if problem is not None:
+            out[peer] = f"{peer} not run: {problem}"
+            continue
+        if pythons and peer in pythons:
+            out[peer] = f"{_ask(pythons[peer])['versions'][peer]} (in {pythons[peer]})"
+            continue
+        try:
+            out[peer] = " + ".join(f"{p} {version(p)}" for p in _PEER_PACKAGES[peer])
+        except PackageNotFoundError:
+            out[peer] = f"{peer} (version unknown)"
+    return out
 
 
-def peers_problem() -> str | None:
+def available_peers(pythons: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The peer engines that can run here (`pythons`: as in `peer_problems`), in `PEERS` order."""
+    return tuple(p for p, problem in peer_problems(pythons).items() if problem is None)
+
+
+def peers_problem(pythons: dict[str, str] | None = None) -> str | None:
     """Why no peer engine can run here (None: at least one can; `peer_problems` says which)."""
-    problems = peer_problems()
+    problems = peer_problems(pythons)
     if any(p is None for p in problems.values()):
         return None
     return "; ".join(f"{peer} {why}" for peer, why in problems.items())
@@ -467,23 +542,49 @@ def _serve_engine(conn, spec: EngineSpec, model, threads: int | None, folder: st
             conn.send(("error", type(e).__name__, str(e)))
 
 
+@contextlib.contextmanager
+def _interpreter(python: str):
+    """Processes that multiprocessing spawns meanwhile run `python`, with that interpreter's
+    own sys.path and this checkout first on it (`_ask`). A spawned child takes its sys.path
+    from the parent's (the "preparation data" it is sent at its start), so ours is swapped for
+    the start, as is the executable: both are process-global, and both are restored."""
+    from multiprocessing import resource_tracker, spawn
+
+    answer = _ask(python)
+    if "error" in answer:
+        raise RuntimeError(answer["error"])
+    resource_tracker.ensure_running()  # with this interpreter, before the switch
+    executable, path = spawn.get_executable(), sys.path[:]
+    spawn.set_executable(python)
+    sys.path[:] = answer["path"]
+    try:
+        yield
+    finally:
+        spawn.set_executable(executable)
+        sys.path[:] = path
+
+
 class ProcessEngine:
     """An engine built and run in a process of its own, so that no two engines share a process.
 
     Engines in one process share its global state: measured on a 2-core Xeon, running a
     CTranslate2 generator once (it brings its own OpenMP runtime beside torch's) left minifer's
     fp32 decode in that process 30% slower from then on (35 against 49-51 tok/s). Each call is
-    timed inside the child, around the engine's own ``generate``."""
+    timed inside the child, around the engine's own ``generate``.
+
+    `python`: the interpreter the process runs (default: this one), e.g. a virtual
+    environment's with a peer that cannot be installed beside minifer (see `_interpreter`)."""
 
     def __init__(self, spec: EngineSpec, model: torch.nn.Module, threads: int | None,
-                 folder: Path) -> None:
+                 folder: Path, python: str | None = None) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing inherited
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve_engine, daemon=True,
                                  args=(child, spec, model, threads, str(folder)))
-        self._proc.start()
+        with _interpreter(python) if python else contextlib.nullcontext():
+            self._proc.start()
         child.close()
         self.name, self.last_seconds = spec.name, float("nan")
         self._reply()
@@ -519,14 +620,16 @@ class ProcessEngine:
 
 def _engines(model: torch.nn.Module, precision: str, threads: int | None, folder: Path,
              peers: tuple[str, ...], compiled: bool = False, isolate: bool = False,
-             auto_threads: bool = False) -> list:
-    """The engines of `engine_specs`, built here or each in its own process (`isolate`); a
-    peer that does not offer `precision` on this CPU is skipped with a message on stderr."""
+             auto_threads: bool = False, pythons: dict[str, str] | None = None) -> list:
+    """The engines of `engine_specs`, built here or each in its own process (`isolate`; a peer
+    in `pythons` runs that interpreter); a peer that does not offer `precision` on this CPU is
+    skipped with a message on stderr."""
     out, models = [], {}
     try:
         for spec in engine_specs(precision, peers, compiled, auto_threads):
+            python = (pythons or {}).get(spec.kind)
             try:
-                out.append(ProcessEngine(spec, model, threads, folder) if isolate
+                out.append(ProcessEngine(spec, model, threads, folder, python) if isolate
                            else build_engine(spec, model, threads, folder, models))
             except ValueError as e:  # the precision not offered on this CPU, a shape not exported
                 if spec.kind == "minifer":
@@ -549,7 +652,7 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
         rounds: int = 3, threads: int | None = None, seed: int = 0,
         model: GPT | None = None, peers: tuple[str, ...] | None = None,
         busy_cores: int = 0, compiled: bool = False, isolate: bool = True,
-        auto_threads: bool = False) -> list[PeerRow]:
+        auto_threads: bool = False, peer_python: dict[str, str] | None = None) -> list[PeerRow]:
     """Every precision × batch: agreement with minifer's greedy tokens and decode tokens/s of
     each engine, the engines alternating within every round (one warm-up call each first).
     The model is `preset` with random weights (timings do not depend on them), or `model`.
@@ -562,10 +665,16 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
     first call for each batch size compiles, in the warm-up).
     `isolate`: build and run every engine in a process of its own (`ProcessEngine`), each
     with `threads` threads; False runs them all in this process, as before 2026-12-05.
-    `auto_threads`: also run each minifer engine with ``generate(..., threads="auto")``."""
-    if problem := peers_problem():
+    `auto_threads`: also run each minifer engine with ``generate(..., threads="auto")``.
+    `peer_python`: peer -> the interpreter its process runs (`check_interpreter`; with
+    `isolate` only), e.g. ``{"openvino": "/work/ov-venv/bin/python"}``: that peer is judged,
+    built and run there."""
+    pythons = {k: check_interpreter(k, v) for k, v in (peer_python or {}).items()}
+    if pythons and not isolate:
+        raise ValueError("peer_python needs each engine in a process of its own (isolate=True)")
+    if problem := peers_problem(pythons):
         raise RuntimeError(f"python -m minifer.bench peers: {problem}")
-    problems = peer_problems()
+    problems = peer_problems(pythons)
     unknown = set(peers or ()) - set(PEERS)
     if unknown:
         raise ValueError(f"unknown peers {sorted(unknown)}; choose from {PEERS}")
@@ -581,7 +690,7 @@ def run(preset: str = "gpt2", precisions: tuple[str, ...] = ("fp32", "int8"),
     with tempfile.TemporaryDirectory(prefix="minifer-peers-") as tmp:
         for precision in precisions:
             engines = _engines(model, precision, threads, Path(tmp), chosen, compiled,
-                               isolate=isolate, auto_threads=auto_threads)
+                               isolate=isolate, auto_threads=auto_threads, pythons=pythons)
             try:
                 if any(not e.name.startswith("minifer") for e in engines):
                     rows += _time_engines(engines, model, precision, batches, prompt_len,

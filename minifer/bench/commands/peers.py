@@ -12,7 +12,16 @@ import sys
 import torch
 
 from ..common import loadavg, machine_info
-from ..peers import PEERS, PRECISIONS, format_report, peer_problems, peers_problem, run
+from ..peers import (
+    PEERS,
+    PRECISIONS,
+    check_interpreter,
+    format_report,
+    peer_problems,
+    peer_versions,
+    peers_problem,
+    run,
+)
 from . import add_machine_options, set_up_machine
 
 
@@ -49,21 +58,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run every engine in this one process (default: each in a process "
                              "of its own; engines sharing a process share its OpenMP runtimes "
                              "and can slow each other)")
+    parser.add_argument("--peer-python", type=_peer_python, action="append", default=[],
+                        metavar="PEER=PATH",
+                        help="run PEER's process with the interpreter PATH, e.g. "
+                             "openvino=/work/ov-venv/bin/python: a virtual environment holding "
+                             "a peer that cannot be installed beside minifer (repeatable; "
+                             "minifer.bench.peers's docstring says how to set one up)")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help="also write the rows as JSON to PATH")
 
 
+def _peer_python(text: str) -> tuple[str, str]:
+    """``--peer-python PEER=PATH`` -> (peer, absolute path), checked (`check_interpreter`)."""
+    peer, sep, path = text.partition("=")
+    if not sep or not path:
+        raise argparse.ArgumentTypeError(f"expected PEER=PATH (PEER one of {', '.join(PEERS)}), "
+                                         f"got {text!r}")
+    try:
+        return peer, check_interpreter(peer, path)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def run_command(args: argparse.Namespace) -> int:
-    if problem := peers_problem():
+    pythons = dict(args.peer_python)
+    if len(pythons) < len(args.peer_python):
+        sys.exit("python -m minifer.bench peers: error: --peer-python names a peer twice")
+    if pythons and args.same_process:
+        sys.exit("python -m minifer.bench peers: error: --peer-python runs a peer in a process "
+                 "of its own; it cannot be combined with --same-process")
+    if problem := peers_problem(pythons):
         print(f"python -m minifer.bench peers: skipped: {problem}", file=sys.stderr)
         return 0
-    problems = peer_problems()
+    problems = peer_problems(pythons)
     if args.peers and all(problems[p] is not None for p in args.peers):
         print("python -m minifer.bench peers: skipped: "
               + "; ".join(f"{p} {problems[p]}" for p in args.peers), file=sys.stderr)
         return 0
     set_up_machine(args)
-    versions = _peer_versions()
+    versions = peer_versions(pythons)
     load = loadavg()
     print(f"{args.preset} (random weights), prompt {args.prompt_len} + {args.new_tokens} new "
           f"tokens, greedy, {torch.get_num_threads()} threads, torch {torch.__version__}, "
@@ -79,13 +112,14 @@ def run_command(args: argparse.Namespace) -> int:
                args.new_tokens, rounds, threads=torch.get_num_threads(),
                peers=tuple(args.peers) if args.peers else None, busy_cores=args.busy_cores,
                compiled=args.compiled, isolate=not args.same_process,
-               auto_threads=args.auto_threads)
+               auto_threads=args.auto_threads, peer_python=pythons)
     print(format_report(rows))
     print(f"load average after: {loadavg()}")
     if args.json:
         out = {"command": "python -m minifer.bench " + " ".join(sys.argv[1:]),
                "machine": machine_info(), "peers": versions, "loadavg_before": load, "loadavg_after": loadavg(),
                "busy_cores": args.busy_cores, "same_process": args.same_process,
+               "peer_python": pythons,
                "rows": [{"precision": r.precision, "batch": r.batch,
                          "tokens_per_s": r.tokens_per_s, "spread": r.spread,
                          "agreement": r.agreement,
@@ -95,19 +129,3 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     return 0
 
-
-def _peer_versions() -> dict[str, str]:
-    """Each peer engine -> the versions of the packages it runs on, or why it cannot run here."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    packages = {"ctranslate2": ("ctranslate2",), "openvino": ("openvino-genai", "optimum-intel")}
-    out = {}
-    for peer, problem in peer_problems().items():
-        if problem is not None:
-            out[peer] = f"{peer} not run: {problem}"
-            continue
-        try:
-            out[peer] = " + ".join(f"{p} {version(p)}" for p in packages[peer])
-        except PackageNotFoundError:
-            out[peer] = f"{peer} (version unknown)"
-    return out
