@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..sampling import mask_padded_vocab, sample
-from .kv_pool import GROUP_COST, PackedBatch, PagedKVPool, check_read
+from .kv_pool import PackedBatch, PagedKVPool, check_read
 from .options import ban_early_eos, record_logprobs
 from .paged_attention import KERNEL
 from .request import Request
@@ -47,7 +47,6 @@ class ModelRunner:
             read = "blocks"  # KERNEL has warned, naming why
         self.model, self.pool, self.device = model, pool, device
         self.read = read  # how attention reads the pool (`PackedBatch`)
-        self.group_cost = GROUP_COST  # padded tokens worth one more decode attention call
         self.num_forward_calls = 0
         self.forward_time_s = 0.0
         self.num_prefill_tokens = 0
@@ -60,7 +59,7 @@ class ModelRunner:
         raised (`sample`)."""
         if not chunks:
             return []
-        # one-token rows first (PackedBatch batches their attention); order kept otherwise
+        # one-token rows first (`minifer.fast.paged` batches their attention); order kept otherwise
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new != 1)
         rows = [chunks[i] for i in order]
         due = [j for j, c in enumerate(rows) if c.completes]
@@ -68,8 +67,7 @@ class ModelRunner:
         for c in rows:
             ids.extend(_tokens(c.request, c.start, c.num_new))
         batch = PackedBatch(self.pool, [c.block_table for c in rows], [c.start for c in rows],
-                            [c.num_new for c in rows], logits_rows=due, read=self.read,
-                            group_cost=self.group_cost)
+                            [c.num_new for c in rows], logits_rows=due, read=self.read)
         self._count(rows)
         t0 = time.perf_counter()
         with torch.inference_mode():
