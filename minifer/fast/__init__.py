@@ -11,6 +11,7 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 | `argmax`: the greedy argmax in chunks | ``logits.argmax(-1)`` | `hooks.argmax` |
 | `layout`: column-major linear weights | torch's row-major layout | `hooks.lay_out_weights` |
 | `prepack`: linear weights prepacked for oneDNN | `F.linear` | `minifer.prepack(model)` |
+| `paged`: the serving step's attention planned once per step, decode rows batched | `PackedBatch.attend_rows` | `hooks.packed_attention` |
 | `int8_gemv`: minifer's AVX512-VNNI kernel for one int8 row | `int8_gemv.w8a8_reference` | `hooks.int8_matmul` (W8A8 layers) |
 | `bf16_gemv`: minifer's AVX512-BF16 kernel for one bf16 row | `bf16_gemv.bf16_reference` | prepacked bf16 layers |
 | `native`: the C++ build of those kernels | | |
@@ -31,15 +32,17 @@ from .argmax import first_argmax
 from .compiled import decode_function
 from .int8_gemv import int8_matmul
 from .layout import column_major_linears
+from .paged import packed_attention
 from .threads import generation_threads
 
 __all__ = ["install", "disabled", "installed"]
 
-SEAM = ("argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights")
+SEAM = ("argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights",
+        "packed_attention")
 _PLAIN = {name: getattr(hooks, name) for name in SEAM}
 _FAST = {"argmax": first_argmax, "decode_function": decode_function,
          "generation_threads": generation_threads, "int8_matmul": int8_matmul,
-         "lay_out_weights": column_major_linears}
+         "lay_out_weights": column_major_linears, "packed_attention": packed_attention}
 
 
 def install() -> None:
