@@ -50,7 +50,7 @@ MESSAGES = [{"role": "user", "content": "Who art thou?  "},
 def write_checkpoint(folder, family="qwen2", *, template=CHATML, shard=False):
     """A Hugging Face checkpoint folder of a tiny random model, with the shipped BPE tokenizer
     (2048 tokens) as its tokenizer.json."""
-    hf = hf_model(family, vocab_size=2048, eos_token_id=2047)
+    hf = hf_model(family, vocab_size=2048, eos_token_id=2047, max_position_embeddings=256)
     kw = dict(max_shard_size="200KB") if shard else {}
     hf.save_pretrained(folder, safe_serialization=True, **kw)
     shutil.copy(model_files("shakespeare")[2], folder / "tokenizer.json")
@@ -146,3 +146,22 @@ def test_server_chat_uses_the_checkpoint_template(tmp_path):
     prompt, _ = chat_prompt(MESSAGES, tok)
     assert req.prompt_ids == tok.encode(prompt, special_tokens=True)
     assert "\n\n" not in req.params.stop  # the reply ends at the model's end of turn (EOS)
+
+
+def test_http_server_chats_with_the_checkpoint_template(tmp_path):
+    """`python -m minifer.serve --model <folder>` loads the folder; the server's chat answer is
+    `chat` of the same messages (the checkpoint's template, ended at its EOS)."""
+    openai = pytest.importorskip("openai")
+    from minifer.serve.__main__ import load_model
+    from minifer.serve.api import running_server
+
+    write_checkpoint(tmp_path)
+    model, tok = load_model(str(tmp_path))
+    assert tok.chat_template == CHATML
+    ref = mf.chat(model, tok, MESSAGES, SamplingParams(temperature=0, max_new_tokens=12))
+    with running_server(model, tok, model_name="qwen-tiny", max_num_seqs=2) as url:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="qwen-tiny", messages=MESSAGES, max_tokens=12,
+                                      temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.completion_tokens == ref.completion_tokens
