@@ -2,7 +2,8 @@
 
 The core calls the functions below at the few places where a faster way exists: the greedy
 argmax, the decode step, the thread count around a generation call, a W8A8 layer's product,
-and the layout of a new model's weights. Here each is the plain reference.
+the layout of a new model's weights, the serving engine's paged attention, and the layers of a
+new bf16 model. Here each is the plain reference.
 `minifer.fast.install()`, which ``import minifer`` runs, puts the speed-up package's versions in
 their place; each is tested equal to the one it replaces. `minifer.fast.disabled()` puts these back. The results are the same either
 way (greedy tokens identical, tested): only the speed differs.
@@ -20,7 +21,8 @@ import torch
 
 from .checks import check_threads
 
-__all__ = ["argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights"]
+__all__ = ["argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights",
+           "packed_attention", "prepare_bf16"]
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -65,3 +67,16 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def lay_out_weights(model: torch.nn.Module) -> None:
     """Called by a new `GPT` on itself: the weights stay in torch's default layout."""
+
+
+def packed_attention(batch) -> Callable[[int, torch.Tensor], torch.Tensor] | None:
+    """How a serving step's `PackedBatch` attends: None runs its per-row reference,
+    `PackedBatch.attend_rows`. (`minifer.fast.paged` plans the step's reads once for all layers
+    and batches the decode rows.)"""
+    return None
+
+
+def prepare_bf16(model: torch.nn.Module) -> None:
+    """Called on a new bf16 model (``quantize(model, "bf16")``, a checkpoint loaded in bf16):
+    its layers stay plain `nn.Linear`. (`minifer.fast` prepacks them where the CPU has a fast
+    bf16 product: its docstring says when, and what it costs in memory.)"""

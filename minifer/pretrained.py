@@ -197,7 +197,10 @@ def load_checkpoint(
     if config.tie_embeddings:
         model.lm_head.weight = model.transformer.wte.weight
     hooks.lay_out_weights(model)  # the file's tensors are row-major; see GPT's layout
-    return model.to(device=device, dtype=dtype).eval(), info["metadata"]
+    model = model.to(device=device, dtype=dtype).eval()
+    if dtype == torch.bfloat16:
+        hooks.prepare_bf16(model)  # as `quantize(model, "bf16")` does
+    return model, info["metadata"]
 
 
 def _check_tensors(path: Path, expected: dict[str, tuple], tensors: dict[str, torch.Tensor]) -> None:

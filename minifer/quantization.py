@@ -534,7 +534,9 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
 
     The input model is not changed (it is deep-copied, then the copy's layers are swapped).
 
-    * float precisions cast the whole copy (weights, norms, embeddings) to that dtype;
+    * float precisions cast the whole copy (weights, norms, embeddings) to that dtype; a bf16
+      copy is then handed to `hooks.prepare_bf16` (with the speed-ups: layers on prepacked
+      weights where the CPU has a fast bf16 product, `minifer.fast`);
     * ``"int8"``/``"int4"`` replace every `nn.Linear` by a `QuantizedLinear` (weight-only; the
       activations stay in the model's dtype). ``group_size`` is the int4 group: it must divide
       every layer's ``in_features``; None (the default) picks `default_group_size`, the largest
@@ -567,7 +569,10 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
         raise ValueError(f"impl must be one of {list(IMPLS)}, got {impl!r}")
     new = copy.deepcopy(model)
     if precision in FLOAT_DTYPES:
-        return new.to(FLOAT_DTYPES[precision]).eval()
+        new = new.to(FLOAT_DTYPES[precision]).eval()
+        if precision == "bf16":
+            hooks.prepare_bf16(new)  # the speed-ups' bf16 layers where this CPU has them
+        return new
     bits = 8 if precision == "int8" else 4
     targets = _linear_targets(new, include_lm_head)
     if bits == 4 and targets:

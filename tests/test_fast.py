@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import minifer as mf
@@ -63,3 +64,61 @@ def test_the_chunked_argmax_is_the_reference_argmax():
     assert torch.equal(first_argmax(logits), logits.argmax(-1))
     with fast.disabled():
         assert torch.equal(hooks.argmax(logits), first_argmax(logits))
+
+
+def _paged_step(model):
+    """A pool holding five rows' cached K/V (blocks of 4, interleaved), and a packed step that
+    feeds three decode rows of different lengths, a whole prompt and a prompt's second chunk."""
+    from minifer.serve.block_manager import BlockManager
+    from minifer.serve.kv_pool import PackedBatch, PagedKVPool
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 23, 2, 16, 30)]
+    cached = [6, 22, 1, 0, 9]
+    bm, pool = BlockManager(64, 4), PagedKVPool.for_model(model, 64, 4)
+    for i, p in enumerate(prompts):
+        bm.allocate(i, p)
+    pool.k = [torch.randn(x.shape, generator=g) for x in pool.k]
+    pool.v = [torch.randn(x.shape, generator=g) for x in pool.v]
+    tables = [bm.tables[i] for i in range(len(prompts))]
+    num_new = [len(p) - c for p, c in zip(prompts, cached)]
+    return (lambda read: PackedBatch(pool, tables, cached, num_new, read=read)), sum(num_new)
+
+
+@pytest.mark.parametrize("read", ["blocks", "kernel"])
+@torch.inference_mode()
+def test_the_planned_paged_attention_equals_the_per_row_reference(model, read):
+    """`fast.paged` (decode rows batched and grouped by length, whole-block reads, or the paged
+    kernel) gives every token the attention of `PackedBatch.attend_rows`, to float rounding."""
+    batch, n = _paged_step(model)
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, cfg.n_head, n, cfg.head_dim, generator=g)
+    k = torch.randn(1, cfg.kv_heads, n, cfg.head_dim, generator=g)
+    fast_batch = batch(read)
+    assert fast_batch.attention is not None  # planned
+    with fast.disabled():
+        plain = batch(read)
+    assert plain.attention is None  # the core's reference
+    want = plain.attend(0, q, k, k)
+    assert (fast_batch.attend(0, q, k, k) - want).abs().max() <= 1e-6
+    assert batch("slots").attention is None  # "slots" asks for the reference
+
+
+@pytest.mark.parametrize("kv_read", ["blocks", "kernel"])
+def test_the_engine_with_the_speed_ups_off_gives_the_same_greedy_tokens(tiny, kv_read):
+    """The serving engine, decode rows and prompt chunks sharing steps, with the planned paged
+    attention on and off: the same greedy tokens."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 20, 9, 30, 3)]
+    params = mf.SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+
+    def run():
+        engine = mf.LLMEngine(tiny, max_num_seqs=4, block_size=4, enable_chunked_prefill=True,
+                              max_num_batched_tokens=16, kv_read=kv_read)
+        return [o.token_ids for o in engine.generate(prompts, params)]
+
+    on = run()
+    with fast.disabled():
+        off = run()
+    assert on == off

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from minifer import LLMEngine, SamplingParams
+from minifer.fast.paged import PlannedAttention, group_rows
 from minifer.serve.block_manager import BlockManager
 from minifer.serve.kv_pool import PackedBatch, PagedKVPool
 
@@ -160,8 +161,9 @@ def test_block_reads_equal_slot_reads(model):
            for r in ("blocks", "slots", "kernel")}
     assert (got["blocks"] - got["slots"]).abs().max() <= 1e-6
     assert (got["kernel"] - got["slots"]).abs().max() <= 1e-6
-    split = PackedBatch(pool, tables, cached, num_new, group_cost=0)  # one call per length
-    assert len(split._groups) == 3  # decode rows of 7, 23 and 2 tokens: 2, 6 and 1 blocks
+    split = PackedBatch(pool, tables, cached, num_new)
+    split.attention = PlannedAttention(split, group_cost=0)  # one call per length
+    assert len(split.attention.groups) == 3  # decode rows of 7, 23 and 2 tokens: 2, 6, 1 blocks
     assert (split.attend(0, q, k, k) - got["slots"]).abs().max() <= 1e-6
     with pytest.raises(ValueError, match="read must be one of"):
         PackedBatch(pool, tables, cached, num_new, read="pages")
@@ -179,9 +181,7 @@ def test_the_slot_reference_path_gives_the_same_tokens(tiny):
 
 
 def test_decode_rows_are_grouped_by_length_when_padding_costs_more_than_a_call():
-    from minifer.serve.kv_pool import _group_rows
-
-    assert _group_rows([5, 200, 7, 190], 16, 128) == [[1, 3], [0, 2]]
-    assert _group_rows([5, 200, 7, 190], 16, 10_000) == [[0, 1, 2, 3]]  # calls too dear
-    assert _group_rows([30, 40, 20], 16, 0) == [[1], [0, 2]]  # 3 blocks; 2 and 2 share a call
-    assert sorted(i for g in _group_rows(list(range(1, 40)), 4, 8) for i in g) == list(range(39))
+    assert group_rows([5, 200, 7, 190], 16, 128) == [[1, 3], [0, 2]]
+    assert group_rows([5, 200, 7, 190], 16, 10_000) == [[0, 1, 2, 3]]  # calls too dear
+    assert group_rows([30, 40, 20], 16, 0) == [[1], [0, 2]]  # 3 blocks; 2 and 2 share a call
+    assert sorted(i for g in group_rows(list(range(1, 40)), 4, 8) for i in g) == list(range(39))

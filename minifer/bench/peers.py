@@ -37,7 +37,8 @@ dependencies (minifer itself is imported from this checkout)::
 Precisions:
 
 minifer runs as it is and, where oneDNN is present, with its linear weights prepacked
-(`minifer.fast.prepack`, fp32 and bf16: what the peers do with their weights at load). Its engines
+(`minifer.fast.prepack`: what the peers do with their weights at load; in bf16 as it is, since
+``quantize(model, "bf16")`` prepacks where oneDNN packs bf16). Its engines
 call `generate` with its default thread policy: ``--threads`` is a ceiling, lowered between
 steps while other programs hold cores (``--auto-threads`` adds each with ``threads="auto"``);
 the peers keep ``--threads`` fixed, as they are built to.
@@ -461,11 +462,12 @@ def engine_specs(precision: str, peers: tuple[str, ...], compiled: bool = False,
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision in ("fp32", "bf16"):
-        base = "minifer" if precision == "fp32" else "minifer bf16"
-        ours = [EngineSpec(base, "minifer", precision)]
-        if prepack_problem(torch.bfloat16 if precision == "bf16" else torch.float32) is None:
-            ours.append(EngineSpec(f"{base} prepacked", "minifer", precision, how="prepacked"))
+    if precision == "fp32":
+        ours = [EngineSpec("minifer", "minifer", precision)]
+        if prepack_problem(torch.float32) is None:
+            ours.append(EngineSpec("minifer prepacked", "minifer", precision, how="prepacked"))
+    elif precision == "bf16":  # `quantize`'s bf16 model: prepacked already where it can be
+        ours = [EngineSpec("minifer bf16", "minifer", precision)]
     else:
         ours = [EngineSpec("minifer int8 weight-only", "minifer", "int8", "weight-only")]
         if integer_problem() is None:

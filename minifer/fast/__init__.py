@@ -10,7 +10,8 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 | `compiled`: the decode step compiled by `torch.compile` (frozen weights on a CPU) | the eager `GPT.decode` | `hooks.decode_function` (``compile=True``) |
 | `argmax`: the greedy argmax in chunks | ``logits.argmax(-1)`` | `hooks.argmax` |
 | `layout`: column-major linear weights | torch's row-major layout | `hooks.lay_out_weights` |
-| `prepack`: linear weights prepacked for oneDNN | `F.linear` | `minifer.prepack(model)` |
+| `prepack`: linear weights prepacked for oneDNN | `F.linear` | `minifer.prepack(model)`; bf16: `hooks.prepare_bf16` |
+| `paged`: the serving step's attention planned once per step, decode rows batched | `PackedBatch.attend_rows` | `hooks.packed_attention` |
 | `int8_gemv`: minifer's AVX512-VNNI kernel for one int8 row | `int8_gemv.w8a8_reference` | `hooks.int8_matmul` (W8A8 layers) |
 | `bf16_gemv`: minifer's AVX512-BF16 kernel for one bf16 row | `bf16_gemv.bf16_reference` | prepacked bf16 layers |
 | `native`: the C++ build of those kernels | | |
@@ -18,6 +19,18 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 With the speed-ups off (``with minifer.fast.disabled():``, or ``MINIFER_SPEEDUPS=0`` in the
 environment before ``import minifer``) everything works the same way, with the same greedy
 tokens (tests/test_fast.py), only slower. The defaults are measured choices: BENCHMARKS.md.
+
+A bf16 model (``quantize(model, "bf16")``, ``load_pretrained(..., dtype=torch.bfloat16)``) gets
+prepacked layers by default (`hooks.prepare_bf16`) where oneDNN packs bf16 on the CPU
+(`prepack.prepack_problem`: AVX-512 BW/VL/DQ or AVX-NE-CONVERT): oneDNN's packed product for
+several rows, minifer's AVX512-BF16 kernel for one. Why: plain bf16 decodes slower than fp32 at
+batch 1 on such a CPU, packed faster. The cost is memory: the pack is a second copy of the
+linear weights, so a bf16 GPT-2 holds about what its fp32 model does (`model_bytes` counts the
+bytes a step reads, without it). Weights stay ordinary parameters: `state_dict`,
+`load_state_dict`, training and in-place changes work (a changed weight is packed again). On
+CUDA, on other CPUs, and with the speed-ups off (``with minifer.fast.disabled():`` around
+`quantize`: the way to keep bf16's halved memory) a bf16 model keeps plain `nn.Linear` layers;
+the two agree to bf16 rounding, with the same greedy tokens (tests/test_bf16_default.py).
 """
 
 from __future__ import annotations
@@ -31,15 +44,19 @@ from .argmax import first_argmax
 from .compiled import decode_function
 from .int8_gemv import int8_matmul
 from .layout import column_major_linears
+from .paged import packed_attention
+from .prepack import prepare_bf16
 from .threads import generation_threads
 
 __all__ = ["install", "disabled", "installed"]
 
-SEAM = ("argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights")
+SEAM = ("argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights",
+        "packed_attention", "prepare_bf16")
 _PLAIN = {name: getattr(hooks, name) for name in SEAM}
 _FAST = {"argmax": first_argmax, "decode_function": decode_function,
          "generation_threads": generation_threads, "int8_matmul": int8_matmul,
-         "lay_out_weights": column_major_linears}
+         "lay_out_weights": column_major_linears, "packed_attention": packed_attention,
+         "prepare_bf16": prepare_bf16}
 
 
 def install() -> None:

@@ -13,9 +13,15 @@ beside the ordinary ``weight`` parameter (so `state_dict`, `model_bytes`, tied e
 and `.to()` keep working; the pack is rebuilt after `.to()` or a loaded state dict). Results
 equal `F.linear`'s up to float rounding (the sums run in another order): greedy tokens of the
 shipped model are unchanged (tested). CPU only, float32 and bfloat16; with gradients enabled
-(training) a layer computes with `F.linear` instead. A bf16 layer given one row (a decode step
-at batch 1) runs minifer's own AVX512-BF16 kernel where the CPU has it (`minifer.bf16_gemv`):
-it reads the plain weight faster than oneDNN reads its pack at one row.
+(training), and inside `torch.compile` (whose CPU freezing packs the weights itself), a layer
+computes with `F.linear` instead; a weight changed in place (an optimizer step) is packed again
+at the next call. A bf16 layer given one row (a decode step at batch 1)
+runs minifer's own AVX512-BF16 kernel where the CPU has it (`minifer.bf16_gemv`): it reads the
+plain weight faster than oneDNN reads its pack at one row. The model-level functions store
+bf16 weights row-major, the layout that kernel reads, so it needs no second copy of them.
+
+`prepare_bf16` is `minifer.hooks.prepare_bf16`'s speed-up: ``quantize(model, "bf16")`` packs
+the new model's layers by default where oneDNN packs bf16 on this CPU (`minifer.fast` says why).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch.nn.functional as F
 
 from .bf16_gemv import GEMV as BF16_GEMV
 
-__all__ = ["PackedLinear", "prepack", "prepack_problem"]
+__all__ = ["PackedLinear", "prepack", "prepack_problem", "prepare_bf16"]
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -56,6 +62,12 @@ def prepack_problem(dtype: torch.dtype = torch.float32) -> str | None:
     return None
 
 
+def _stamp(w: torch.Tensor) -> tuple[int, int]:
+    """Which weight a pack was made from: its memory and its in-place version (an inference
+    tensor keeps no version; it can change in place only inside ``torch.inference_mode``)."""
+    return w.data_ptr(), (0 if w.is_inference() else w._version)
+
+
 def _layer_problem(w: torch.Tensor) -> str | None:
     """Why a linear layer with weight `w` cannot be packed (None: it can)."""
     if w.device.type != "cpu" or w.dtype not in DTYPES:
@@ -76,6 +88,7 @@ class PackedLinear(nn.Linear):
         self.batch_size = batch_size
         self._packed: torch.Tensor | None = None  # not a buffer: rebuilt from `weight`
         self._rows: torch.Tensor | None = None  # bf16 weight row-major, for one-row calls
+        self._stamp: tuple[int, int] | None = None  # `_stamp` of the weight packed
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, batch_size: int = 1) -> PackedLinear:
@@ -92,6 +105,7 @@ class PackedLinear(nn.Linear):
         with torch.no_grad():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(),
                                                                    self.batch_size)
+        self._rows, self._stamp = None, _stamp(self.weight)
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ...: repack on next use
         self._packed = self._rows = None
@@ -107,40 +121,65 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (w.device.type != "cpu" or w.dtype not in DTYPES or x.dtype != w.dtype
-                or (torch.is_grad_enabled() and w.requires_grad)):
+                or (torch.is_grad_enabled() and w.requires_grad)
+                or torch.compiler.is_compiling()):  # inductor's freezing packs weights itself
             return F.linear(x, w, self.bias)
-        if self._packed is None:
+        if self._packed is None or _stamp(w) != self._stamp:  # new, moved or changed in place
             self.pack()
         b = None if self.bias is None else self.bias.detach()
         if w.dtype == torch.bfloat16 and x.numel() == self.in_features and BF16_GEMV.available():
-            if self._rows is None:  # the kernel reads the weight row by row
+            if self._rows is None:  # the kernel reads the weight row by row (row-major: itself)
                 self._rows = w.detach().contiguous()
             y = BF16_GEMV(x.reshape(1, -1), self._rows, b)  # one row: minifer's own kernel
             return y.reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, b, "none", [], "")
 
 
+def _pack_linears(model: nn.Module, batch_size: int) -> None:
+    """Swap every `nn.Linear` of `model` for a `PackedLinear` on its parameters, in place; bf16
+    weights are stored row-major first (the one-row kernel then reads the weight itself)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16:
+                m.weight.data = m.weight.data.contiguous()  # a tied embedding's lookups too
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear.from_linear(child, batch_size))
+
+
 def prepack(model: nn.Module, *, batch_size: int = 1) -> nn.Module:
     """A copy of `model` whose `nn.Linear` layers (the output layer included) are `PackedLinear`.
 
-    The model must be on the CPU in float32 or bfloat16 (e.g. ``quantize(model, "bf16")``);
-    int8/int4 models (`quantize`) have their own kernels and no `nn.Linear` left to pack.
+    The model must be on the CPU in float32 or bfloat16; int8/int4 models (`quantize`) have
+    their own kernels and no `nn.Linear` left to pack, and ``quantize(model, "bf16")`` is
+    packed already where oneDNN packs bf16 (`prepare_bf16`).
     """
     problem = prepack_problem()  # oneDNN at all; each layer's dtype is checked below
     if problem is not None:
         raise RuntimeError(f"prepack: {problem}")
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     if not linears:
-        raise ValueError("prepack: the model has no nn.Linear layers (already packed, or "
-                         "quantized to int8/int4, whose layers have their own kernels)")
+        raise ValueError("prepack: the model has no nn.Linear layers (already packed, as "
+                         "quantize(model, 'bf16') is by default, or quantized to int8/int4, "
+                         "whose layers have their own kernels)")
     for m in linears:  # every layer checked before anything is copied
         if (problem := _layer_problem(m.weight)) is not None:
             raise ValueError(f"prepack: {problem}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"prepack: batch_size must be an integer >= 1, got {batch_size!r}")
     new = copy.deepcopy(model)
-    for parent in list(new.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear.from_linear(child, batch_size))
+    _pack_linears(new, batch_size)
     return new
+
+
+def prepare_bf16(model: nn.Module) -> None:
+    """`minifer.hooks.prepare_bf16`'s speed-up: a new bf16 model's linear layers prepacked, in
+    place, where oneDNN packs bf16 on this CPU (`prepack_problem`); left as they are on
+    another device, on a CPU without it, or where a layer is not bf16."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    if (not linears or prepack_problem(torch.bfloat16) is not None
+            or any(_layer_problem(m.weight) is not None or m.weight.dtype != torch.bfloat16
+                   for m in linears)):
+        return
+    _pack_linears(model, 1)

@@ -130,11 +130,8 @@ class BlockManager:
 
     # ---- allocation --------------------------------------------------------------------
     def _prefix_hits(self, tokens: Sequence[int]) -> list[int]:
-        """Block ids of the cached blocks that hold the leading full blocks of `tokens`.
-
-        Stops at the first miss, and never covers the last token: its logits are needed, so at
-        least one token is always computed.
-        """
+        """Block ids of the cached blocks that hold the leading full blocks of `tokens`, up to
+        the first miss; never the last token's block (its logits are needed: it is computed)."""
         if not self.enable_prefix_caching:
             return []
         hits, parent, bs = [], None, self.block_size
@@ -220,8 +217,7 @@ class BlockManager:
         self._hashed[seq] = done
 
     def free(self, seq: Hashable) -> None:
-        """Release `seq`'s blocks. Last blocks go back first, so a prefix's leading blocks are
-        the most recently freed and the last to be evicted."""
+        """Release `seq`'s blocks, last first: a prefix's leading blocks are evicted last."""
         table = self.tables.pop(seq, None)
         if table is None:
             raise KeyError(f"sequence {seq!r} holds no blocks (never allocated or already freed)")

@@ -33,7 +33,8 @@ class EngineConfig:
       tokenizer's vocabulary, else the model's); a worker without the tokenizer gets its size.
     - `kv_read`: how attention reads the pool (`kv_pool.READS`): ``"blocks"`` (whole blocks by
       the block table), ``"slots"`` (the readable reference) or ``"kernel"`` (decode rows
-      through a paged-attention kernel built for this machine on first use).
+      through a paged-attention kernel built for this machine on first use). The first and
+      last are `minifer.fast.paged`'s: with the speed-ups off every read is the reference.
     """
 
     policy: str = "continuous"

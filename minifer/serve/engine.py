@@ -128,10 +128,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         order = next(self._order)
         if request_id is None:
-            request_id = f"req-{order}"
-            while request_id in self.requests:  # a caller chose this id: take the next one
+            while f"req-{order}" in self.requests:  # a caller chose this id: take the next one
                 order = next(self._order)
-                request_id = f"req-{order}"
+            request_id = f"req-{order}"
         seq.index = seq.result.index = order
         now = time.perf_counter() if arrival_time is None else float(arrival_time)
         if self.config.sample_vocab is not None:

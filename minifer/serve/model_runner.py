@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..sampling import mask_padded_vocab, sample
-from .kv_pool import GROUP_COST, PackedBatch, PagedKVPool, check_read
+from .kv_pool import PackedBatch, PagedKVPool
 from .options import ban_early_eos, record_logprobs
 from .paged_attention import KERNEL
 from .request import Request
@@ -31,23 +31,20 @@ __all__ = ["ModelRunner"]
 class ModelRunner:
     """Runs the scheduled chunks of one step through `model` over the paged `pool`.
 
-    `read` picks how attention reads the pool (`kv_pool.READS`): whole blocks by the block
-    table (the default), token slots (the reference), or, for the decode rows, a paged
-    kernel that reads the blocks in place (``"kernel"``, `paged_attention`; where it cannot
-    be built on this machine the runner warns and reads whole blocks). Counters (for benchmarks and lessons): `num_forward_calls` and `forward_time_s` (the time
-    spent inside the forward calls), `num_prefill_tokens` (prompt and recomputed tokens fed),
+    `read` picks how attention reads the pool (`PackedBatch`); ``"kernel"``, where the paged
+    kernel cannot be built on this machine, warns and reads whole blocks. Counters (for
+    benchmarks and lessons): `num_forward_calls` and `forward_time_s` (the time spent inside
+    the forward calls), `num_prefill_tokens` (prompt and recomputed tokens fed),
     `num_decode_tokens` (sampled tokens fed back) and `num_decode_calls` (calls with at least
     one decode row: decode tokens / calls is the mean decode batch).
     """
 
     def __init__(self, model: torch.nn.Module, pool: PagedKVPool,
                  device: torch.device, read: str = "blocks") -> None:
-        check_read(read)
         if read == "kernel" and not KERNEL.available(torch.device(device), pool.dtype):
             read = "blocks"  # KERNEL has warned, naming why
         self.model, self.pool, self.device = model, pool, device
         self.read = read  # how attention reads the pool (`PackedBatch`)
-        self.group_cost = GROUP_COST  # padded tokens worth one more decode attention call
         self.num_forward_calls = 0
         self.forward_time_s = 0.0
         self.num_prefill_tokens = 0
@@ -55,21 +52,17 @@ class ModelRunner:
         self.num_decode_calls = 0
 
     def execute(self, chunks: list[Chunk]) -> list[int | Exception]:
-        """One forward call over every chunk; the sampled token of each chunk that completes
-        its request's tokens (in the order of `chunks`), or the exception that sampling it
-        raised (`sample`)."""
+        """One forward call over every chunk; for each chunk that completes its request's
+        tokens, in order, the sampled token (or the exception sampling it raised)."""
         if not chunks:
             return []
-        # one-token rows first (PackedBatch batches their attention); order kept otherwise
+        # one-token rows first (`minifer.fast.paged` batches their attention); order kept otherwise
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new != 1)
         rows = [chunks[i] for i in order]
         due = [j for j, c in enumerate(rows) if c.completes]
-        ids: list[int] = []
-        for c in rows:
-            ids.extend(_tokens(c.request, c.start, c.num_new))
+        ids = [t for c in rows for t in c.request.tokens[c.start:c.start + c.num_new]]
         batch = PackedBatch(self.pool, [c.block_table for c in rows], [c.start for c in rows],
-                            [c.num_new for c in rows], logits_rows=due, read=self.read,
-                            group_cost=self.group_cost)
+                            [c.num_new for c in rows], logits_rows=due, read=self.read)
         self._count(rows)
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -86,11 +79,8 @@ class ModelRunner:
 
     def sample(self, requests: list[Request], logits: torch.Tensor) -> list[int | Exception]:
         """One token per request from its logits row; requests sharing a `SamplingParams`
-        object are sampled together, each with its own generator.
-
-        What fails for one request (a row with no token left, a broken logits processor) comes
-        back as that request's exception in place of its token: a group that raises is sampled
-        again row by row, so the other rows get exactly the tokens they get without it."""
+        object are sampled together, each with its own generator. What fails for one request
+        comes back as its exception in place of its token; the other rows are unaffected."""
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(id(r.params), []).append(i)
@@ -111,11 +101,8 @@ class ModelRunner:
 
     @staticmethod
     def _sample_group(reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> list[int]:
-        """Rows `rows` of `logits`, one per request of `reqs` (one `SamplingParams`):
-        ``min_tokens`` bans the end-of-sequence token early, and requests that asked for
-        logprobs get them from the raw (vocabulary-masked) logits."""
-        lg = logits[rows[0]:rows[0] + 1] if len(rows) == 1 else logits[rows]
-        lg = mask_padded_vocab(lg.clone(), reqs[0].vocab)
+        """Sample rows `rows` of `logits` for `reqs` (which share one `SamplingParams`)."""
+        lg = mask_padded_vocab(logits[rows], reqs[0].vocab)  # a copy: indexed by a list
         raw = lg.clone() if any(r.logprobs is not None for r in reqs) else None
         ban_early_eos(lg, [r.seq for r in reqs])  # min_tokens
         seen = torch.stack([r.seen for r in reqs]) if reqs[0].seen is not None else None
@@ -138,13 +125,3 @@ class ModelRunner:
         self.num_decode_tokens += decode
         self.num_decode_calls += decode > 0
 
-
-def _tokens(req: Request, start: int, n: int) -> list[int]:
-    """Tokens ``start .. start + n - 1`` of prompt + output, without joining the two lists."""
-    prompt, out = req.seq.prompt_ids, req.seq.output_ids
-    p = len(prompt)
-    if start >= p:
-        return out[start - p:start - p + n]
-    if start + n <= p:
-        return prompt[start:start + n]
-    return prompt[start:] + out[:start + n - p]

@@ -29,10 +29,8 @@ __all__ = ["prepare_request", "check_request", "check_options", "ban_early_eos",
 
 
 def generate_arguments(prompts, params) -> tuple[list, list]:
-    """An engine's ``generate(prompts, params)`` arguments as one prompt and one
-    `SamplingParams` per request: a single prompt (a text or a list of ids) becomes a list of
-    one; one `SamplingParams` (None: the defaults) serves every prompt — the same object, so
-    its rows are sampled together."""
+    """``generate(prompts, params)``'s arguments as a list of prompts and one `SamplingParams`
+    per prompt: one `SamplingParams` (None: the defaults) is shared, so its rows sample together."""
     if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                     and all(isinstance(p, int) for p in prompts)):
         prompts = [prompts]

@@ -6,8 +6,8 @@ a dozen lines of tensor math: look the row's blocks up in the pool, score every 
 against the query, mask the unused tail of the last block, softmax, and sum the values.
 
 Run eagerly, ``k_pool[block_table]`` *copies* every row's K/V into a new tensor before the
-scores are taken (what `PackedBatch`'s ``"blocks"`` read does with `index_select`): as many
-bytes written as attention then reads. A paged-attention kernel (vLLM's, on GPUs) follows the
+scores are taken (as `minifer.fast.paged`'s ``"blocks"`` read does with `index_select`): as
+many bytes written as attention then reads. A paged-attention kernel (vLLM's, on GPUs) follows the
 block table inside its loops instead, so each cached key and value is read once, in place.
 `PagedDecodeKernel` runs one:
 

@@ -63,24 +63,20 @@ class Request:
                  arrival_time: float, order: int, device: torch.device,
                  vocab_size: int | None = None) -> None:
         self.request_id, self.seq, self.vocab = request_id, seq, vocab
+        self.params = seq.params
         self.priority, self.order = priority, order  # order: arrival rank, breaks ties
         self.status = Status.WAITING
         self.num_computed = 0
         self.waited_steps = 0  # scheduler steps spent waiting (for aging)
         self.metrics = RequestMetrics(request_id=request_id, prompt_tokens=len(seq.prompt_ids),
                                       arrival_time=arrival_time)
-        p = seq.params
-        gens = make_generators(p, 1, device)  # its own: its samples never depend on the batch
+        gens = make_generators(self.params, 1, device)  # its own: its samples never depend on the batch
         self.generator = gens[0] if gens else None
         self.seen = None  # tokens seen so far, for the repetition penalty
-        if p.repetition_penalty != 1.0:
+        if self.params.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab_size or vocab, dtype=torch.bool, device=device)
             self.seen[torch.tensor(seq.prompt_ids, device=device)] = True
         self.text = ""  # released so far
-
-    @property
-    def params(self):
-        return self.seq.params
 
     @property
     def tokens(self) -> list[int]:
@@ -96,16 +92,13 @@ class Request:
         """Tokens still to feed before the next token can be sampled."""
         return self.num_tokens - self.num_computed
 
-    @property
-    def finished(self) -> bool:
-        return self.status is Status.FINISHED
-
     def output(self, delta: str) -> RequestOutput:
         s = self.seq
         return RequestOutput(self.request_id, s.prompt_ids, list(s.output_ids),
                              self.text if s.stopper is not None else None, delta,
-                             self.finished, self.metrics.finish_reason, self.metrics,
-                             None if self.logprobs is None else list(self.logprobs), self.error)
+                             self.status is Status.FINISHED, self.metrics.finish_reason,
+                             self.metrics, None if self.logprobs is None else list(self.logprobs),
+                             self.error)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, priority={self.priority}, {self.status.value}, "

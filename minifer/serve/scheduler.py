@@ -81,8 +81,7 @@ class Scheduler:
     """Waiting and running queues over a `BlockManager`; `schedule()` plans one step."""
 
     def __init__(self, block_manager: BlockManager, config: EngineConfig) -> None:
-        """`config`: its policy, `max_num_seqs`, `max_num_batched_tokens`, chunked prefill and
-        aging, checked (`EngineConfig.resolved`)."""
+        """`config` comes checked, its defaults filled (`EngineConfig.resolved`)."""
         self.bm, self.policy = block_manager, config.policy
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -134,11 +133,9 @@ class Scheduler:
         return cached, out[0]
 
     def check_fits(self, seq: SequenceState) -> None:
-        """Raise ValueError for a request (its prepared `minifer.sequence.Sequence`) this
-        scheduler could never run: too many blocks for the whole pool, or, without chunked
-        prefill, more tokens than one step."""
-        bm = self.bm
-        need = seq.max_len
+        """A ValueError for a request (its prepared `Sequence`) this scheduler could never
+        run: more blocks than the pool, or, without chunked prefill, more tokens than a step."""
+        bm, need = self.bm, seq.max_len
         if bm.blocks_for(need) > bm.num_blocks:
             raise ValueError(
                 f"request needs {bm.blocks_for(need)} blocks of {bm.block_size} tokens for "
@@ -212,13 +209,8 @@ class Scheduler:
     def postprocess(self, out: SchedulerOutput, tokens: Sequence[int | Exception],
                     now: float | None = None) -> list[RequestOutput]:
         """Record a step: `tokens` holds one sampled token (or the exception sampling it
-        raised) per chunk of ``out.due``; an output for each of those requests.
-
-        Scheduled requests' K/V now cover what they fed (`num_computed`; full blocks named for
-        prefix caching). A due request appends its token and leaves if that finishes it; one
-        whose token is an exception, or whose append raises, ends alone with reason "error".
-        `now` (default: ``time.perf_counter()``) stamps the tokens, so a simulator can drive
-        the scheduler on its own clock.
+        raised) per chunk of ``out.due``; returns an output for each of those requests.
+        `now` (default: ``time.perf_counter()``) stamps the tokens: a simulator's own clock.
         """
         for c in out.chunks:
             req = c.request
@@ -238,7 +230,8 @@ class Scheduler:
         return outputs
 
     def _record(self, req: Request, token: int | Exception, now: float) -> RequestOutput:
-        """Append `token` to `req` (finishing it if it stops), or end it with the error."""
+        """Append `token` to `req` (finishing it if it stops), or end it alone with the error
+        (the exception sampling raised, or the one appending raises)."""
         m, err = req.metrics, token if isinstance(token, Exception) else None
         if err is None:
             try:
