@@ -261,7 +261,10 @@ class GPT(nn.Module):
                 with torch.no_grad():
                     p.zero_()
         device = None if device is None else as_device(device)
-        return model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=dtype).eval()
+        if dtype == torch.bfloat16:
+            hooks.prepare_bf16(model)  # as `quantize(model, "bf16")` does
+        return model
 
     @classmethod
     def from_hf(cls, hf_model) -> GPT:
