@@ -9,11 +9,13 @@ the figures and sliders of the course in `minifer.lessons`.
 # The speed-ups (minifer.fast) plug into the core here; MINIFER_SPEEDUPS=0 leaves them out.
 from . import fast  # noqa: E402  (after the core it plugs into)
 from .cache import StaticKVCache
+from .chat_template import chat
 from .config import PRESETS, GPTConfig
 from .device import default_device
 from .evaluate import perplexity
 from .fast.prepack import prepack  # noqa: E402
 from .generation import decode_step, generate, prefill, stream
+from .hf_checkpoint import load_hf_checkpoint
 from .model import GPT
 from .pretrained import load_pretrained
 from .quantization import model_bytes, quantization_summary, quantize
@@ -39,9 +41,11 @@ __all__ = [
     "TextStopper",
     "TokenEvent",
     "Tokenizer",
+    "chat",
     "decode_step",
     "default_device",
     "generate",
+    "load_hf_checkpoint",
     "load_pretrained",
     "model_bytes",
     "perplexity",

@@ -1,7 +1,11 @@
 """Model shapes: `GPTConfig` and the named presets the course uses.
 
-A config describes the *shape* of a GPT-2-family decoder and nothing else: no dtype, no device,
-no weights. The same config builds a model on a laptop CPU in fp32 or on a GPU in bf16.
+A config describes the *shape* of a decoder and nothing else: no dtype, no device, no weights.
+The same config builds a model on a laptop CPU in fp32 or on a GPU in bf16.
+
+One decoder, a few named switches: the defaults are GPT-2 (learned positions, LayerNorm, GELU
+MLP, biases); ``positions="rope"``, ``norm="rms"``, ``mlp="swiglu"`` and ``bias=False`` make it
+Llama; ``qkv_bias=True`` on top makes it Qwen2, ``qk_norm=True`` Qwen3.
 """
 
 from __future__ import annotations
@@ -19,8 +23,33 @@ def kv_token_bytes(n_layer: int, n_kv_head: int, head_dim: int, bytes_per_value:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's rotary frequency scaling (``rope_scaling`` of type ``"llama3"`` in a Hugging Face
+    config): wavelengths longer than ``original_context_length / low_freq_factor`` are stretched
+    by `factor`, shorter than ``original_context_length / high_freq_factor`` kept, and the band
+    between interpolated, so a model trained on short contexts reads positions far beyond them.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context_length: int = 8192
+
+    def __post_init__(self) -> None:
+        if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor):
+            raise ValueError(f"RopeScaling needs factor > 0 and 0 < low_freq_factor < "
+                             f"high_freq_factor, got {self}")
+        check_int("RopeScaling.original_context_length", self.original_context_length, 1)
+
+
+CHOICES = {"positions": ("learned", "rope"), "norm": ("layer", "rms"), "mlp": ("gelu", "swiglu")}
+"""The family switches with a closed set of values (the first is GPT-2's)."""
+
+
+@dataclass(frozen=True)
 class GPTConfig:
-    """Shape of a GPT-2-family decoder (learned positions, pre-LayerNorm, GELU MLP, fused QKV).
+    """Shape of a pre-norm decoder with a fused QKV projection: GPT-2 by default, Llama or Qwen
+    through the family switches below.
 
     `n_kv_head` below `n_head` gives grouped-query attention (one K/V head shared by a group of
     query heads); `n_kv_head=1` is multi-query attention; `None` means plain multi-head attention.
@@ -35,16 +64,34 @@ class GPTConfig:
     bias: bool = True  # biases in the linear layers and LayerNorms (GPT-2 has them)
     tie_embeddings: bool = False  # output head shares the token-embedding matrix (GPT-2 does)
     eos_token_id: int | None = None  # the model-native end-of-sequence token, if it has one
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-5  # the norm's epsilon (LayerNorm's or RMSNorm's)
+    # ---- the family switches (defaults: GPT-2) ----
+    positions: str = "learned"  # "learned" (a position embedding) or "rope" (rotary: Llama, Qwen)
+    rope_theta: float = 10000.0  # rotary base: the longest wavelength is ~2π·rope_theta tokens
+    rope_scaling: RopeScaling | None = None  # Llama 3's frequency scaling, or none
+    norm: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm: Llama, Qwen)
+    mlp: str = "gelu"  # "gelu" (GPT-2's) or "swiglu" (gated SiLU: Llama, Qwen)
+    intermediate_size: int | None = None  # the MLP's hidden width; None: 4 × n_embd
+    qkv_bias: bool = False  # biases on the Q/K/V projection even with bias=False (Qwen2)
+    qk_norm: bool = False  # an RMSNorm on each head's query and key before rotation (Qwen3)
+    head_size: int | None = None  # per-head width; None: n_embd // n_head (Qwen3 sets its own)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             check_int(f"GPTConfig.{name}", value, 1)
-        if self.n_embd % self.n_head:
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("intermediate_size", "head_size"):
+            if getattr(self, name) is not None:
+                check_int(f"GPTConfig.{name}", getattr(self, name), 1)
+        if self.head_size is None and self.n_embd % self.n_head:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
             )
+        self._check_rope()
         kv = check_int("GPTConfig.n_kv_head", self.kv_heads, 1, self.n_head,
                        why=f" (a divisor of n_head={self.n_head})")
         if self.n_head % kv:
@@ -53,9 +100,29 @@ class GPTConfig:
             check_int("GPTConfig.eos_token_id", self.eos_token_id, 0, self.vocab_size - 1,
                       why=" (a token id)")
 
+    def _check_rope(self) -> None:
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
+            raise ValueError(f"GPTConfig.rope_theta must be a positive number, got "
+                             f"{self.rope_theta!r}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"GPTConfig: rotary positions rotate pairs of dimensions, so the "
+                             f"head dim must be even, got {self.head_dim}")
+        if self.positions != "rope" and (self.rope_scaling is not None or self.qk_norm):
+            which = "rope_scaling" if self.rope_scaling is not None else "qk_norm"
+            raise ValueError(f"GPTConfig.{which} goes with positions='rope' (it acts on the "
+                             f"rotary queries and keys), got positions={self.positions!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"GPTConfig.rope_scaling must be a RopeScaling or None, got "
+                             f"{self.rope_scaling!r}")
+
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.n_embd // self.n_head if self.head_size is None else self.head_size
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width (each of gate and up for ``mlp="swiglu"``)."""
+        return 4 * self.n_embd if self.intermediate_size is None else self.intermediate_size
 
     @property
     def kv_heads(self) -> int:
@@ -64,18 +131,21 @@ class GPTConfig:
 
     def num_params(self) -> int:
         """Parameter count from the shape alone (matches `sum(p.numel() for p in GPT(cfg).parameters())`)."""
-        d, hd, b = self.n_embd, self.head_dim, int(self.bias)
+        d, hd, b, h = self.n_embd, self.head_dim, int(self.bias), self.mlp_hidden
         qkv_out = (self.n_head + 2 * self.kv_heads) * hd
-        ln = 2 * d if self.bias else d
+        ln = 2 * d if self.bias and self.norm == "layer" else d
+        up = 2 * h if self.mlp == "swiglu" else h  # gate and up, fused
         block = (
             ln  # ln_1
-            + d * qkv_out + b * qkv_out  # fused q, k, v
-            + d * d + b * d  # attention output projection
+            + d * qkv_out + int(self.bias or self.qkv_bias) * qkv_out  # fused q, k, v
+            + (2 * hd if self.qk_norm else 0)  # q_norm, k_norm
+            + self.n_head * hd * d + b * d  # attention output projection
             + ln  # ln_2
-            + d * 4 * d + b * 4 * d  # MLP up
-            + 4 * d * d + b * d  # MLP down
+            + d * up + b * up  # MLP up (and gate)
+            + h * d + b * d  # MLP down
         )
-        embeddings = self.vocab_size * d + self.context_length * d
+        positions = self.context_length * d if self.positions == "learned" else 0
+        embeddings = self.vocab_size * d + positions
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return embeddings + self.n_layer * block + ln + head
 
@@ -97,6 +167,8 @@ class GPTConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown GPTConfig field(s) {unknown}; known: {sorted(known)}")
+        if isinstance(d.get("rope_scaling"), dict):  # as JSON stores it
+            d = {**d, "rope_scaling": RopeScaling(**d["rope_scaling"])}
         return cls(**d)
 
     @classmethod
@@ -135,3 +207,28 @@ PRESETS: dict[str, GPTConfig] = {
     "shakespeare-draft": GPTConfig(vocab_size=2048, context_length=256, n_layer=2, n_head=2,
                                    n_embd=64, eos_token_id=2047),
 }
+
+LLAMA = dict(positions="rope", norm="rms", mlp="swiglu", bias=False)
+"""The switches that make a GPTConfig Llama-style (add ``qkv_bias=True`` for Qwen2,
+``qk_norm=True`` for Qwen3)."""
+
+PRESETS.update({
+    # The reference model's shape, Llama-style: rotary positions, RMSNorm, SwiGLU, no biases.
+    # The MLP's width is Llama's ⅔ × 4 × n_embd (rounded up to a multiple of 32), so its three
+    # matrices hold GPT-2's two matrices' parameters to within 1%: 26,354,176 parameters in all
+    # (no position table, no biases). Multi-head attention, as the reference; set n_kv_head for
+    # GQA/MQA.
+    "llama-reference": GPTConfig(vocab_size=1024, context_length=1024, n_layer=8, n_head=8,
+                                 n_embd=512, intermediate_size=1376, **LLAMA),
+    # Its tiny twin for fast tests (grouped-query: 4 query heads, 2 K/V heads).
+    "tiny-llama": GPTConfig(vocab_size=257, context_length=128, n_layer=2, n_head=4, n_embd=32,
+                            n_kv_head=2, intermediate_size=64, eos_token_id=256, **LLAMA),
+    # The shapes of real checkpoints, for analytic lessons (build them on the meta device; the
+    # names match `minifer.roofline.MODELS`). Llama-3-8B: 8,030,261,248 parameters, GQA 32 → 8.
+    "llama-3-8b": GPTConfig(vocab_size=128256, context_length=8192, n_layer=32, n_head=32,
+                            n_embd=4096, n_kv_head=8, intermediate_size=14336,
+                            rope_theta=500000.0, **LLAMA),
+    # Llama-2-70B: 68,976,648,192 parameters, GQA 64 → 8.
+    "llama-2-70b": GPTConfig(vocab_size=32000, context_length=4096, n_layer=80, n_head=64,
+                             n_embd=8192, n_kv_head=8, intermediate_size=28672, **LLAMA),
+})

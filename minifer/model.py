@@ -1,5 +1,11 @@
 """A GPT-2-family decoder in one file: learned positions, pre-LayerNorm, GELU MLP, fused QKV.
 
+The same decoder is Llama or Qwen through the config's family switches, each chosen once at
+construction so that the GPT-2 path runs exactly the code it always ran: `RMSNorm` for
+LayerNorm, `GatedMLP` (SwiGLU) for the GELU MLP, and a `RotaryEmbedding` that rotates each
+layer's queries and keys by their positions *before* the keys are cached (so a cached key
+already holds its position) in place of the learned position table.
+
 Shapes in comments: B batch, T new tokens, S cached + new tokens, C = n_embd,
 nh query heads, nkv key/value heads, hd head dim.
 
@@ -32,15 +38,94 @@ from .config import GPTConfig
 from .device import as_device
 
 
+class RMSNorm(nn.Module):
+    """Llama's norm: scale each vector to unit root-mean-square, then by a learned weight (no
+    mean subtracted, no bias). Computed in fp32 whatever the dtype, as Llama's reference does."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
+    """The config's norm over `dim` features (default n_embd): LayerNorm or RMSNorm."""
+    dim = config.n_embd if dim is None else dim
+    if config.norm == "rms":
+        return RMSNorm(dim, eps=config.layer_norm_eps)
+    return nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=config.bias)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary positions (RoPE, Su et al. 2021): the pair of dims (i, i + hd/2) of every query and
+    key head is rotated by the angle ``position × inv_freq[i]``. A query·key product then depends
+    only on the two tokens' distance. Keys are rotated before they are cached, so the cache holds
+    rotated keys: a cached entry is tied to its position (the K/V of a prefix can be reused only
+    at the same positions, which is what prefix caching does).
+
+    The frequencies stay fp32 whatever the model's dtype (bf16 angles would be off by whole
+    turns at long positions), a plain attribute moved to the positions' device on first use.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        hd = config.head_dim
+        steps = torch.arange(0, hd, 2, dtype=torch.float, device="cpu") / hd  # (hd/2,)
+        inv_freq = 1.0 / (config.rope_theta ** steps)
+        if config.rope_scaling is not None:
+            inv_freq = llama3_scaled(inv_freq, config.rope_scaling)
+        self.inv_freq = inv_freq  # (hd/2,)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`q` ``(B, nh, T, hd)`` and `k` ``(B, nkv, T, hd)`` rotated by `positions` ``(B, T)``."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions[:, None, :, None].float() * self.inv_freq  # (B, 1, T, hd/2)
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x1[i], x2[i]) of the halves of `x`'s last dim by the angle of cos/sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def llama3_scaled(inv_freq: torch.Tensor, s) -> torch.Tensor:
+    """Llama 3's frequency scaling (`minifer.config.RopeScaling`), as Meta's reference computes
+    it: low frequencies divided by ``s.factor``, high ones kept, the band between blended."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_context_length / s.low_freq_factor  # longer than this: scaled
+    high_wavelen = s.original_context_length / s.high_freq_factor  # shorter than this: kept
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_context_length / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         qkv_out = (self.n_head + 2 * self.n_kv_head) * self.head_dim
-        self.c_attn = nn.Linear(config.n_embd, qkv_out, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, qkv_out, bias=config.bias or config.qkv_bias)
+        self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
         self.impl = "sdpa"  # "sdpa" (fused, memory-lean) or "math" (materialises the T×S scores)
+        # Llama/Qwen: rotary positions (GPT-2 adds learned ones to the input instead), and for
+        # Qwen3 an RMSNorm over each head's query and key before they are rotated.
+        self.rotary = RotaryEmbedding(config) if config.positions == "rope" else None
+        norm = config.qk_norm
+        self.q_norm = make_norm(config, self.head_dim) if norm else nn.Identity()
+        self.k_norm = make_norm(config, self.head_dim) if norm else nn.Identity()
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         return self.c_proj(self.attend(x, inputs))
@@ -54,6 +139,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
+        if self.rotary is not None:  # rotate q and k by their positions, then cache k rotated
+            q, k = self.rotary(self.q_norm(q), self.k_norm(k), inputs.positions)
         cache = inputs.cache
         if inputs.packed:  # rows of any lengths packed in one sequence: the cache keeps them apart
             y = cache.attend(self.layer_idx, q, k, v)  # (1, nh, N, hd)
@@ -89,20 +176,34 @@ def _attention_math(q, k, v, mask, is_causal):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's GELU
 
 
+class GatedMLP(MLP):
+    """Llama's SwiGLU MLP: ``down(silu(gate(x)) * up(x))``. The gate and up projections are one
+    fused `c_fc` (gate rows first, then up rows): one matrix product instead of two."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        nn.Module.__init__(self)
+        self.c_fc = nn.Linear(config.n_embd, 2 * config.mlp_hidden, bias=config.bias)
+        self.c_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.c_fc(x).chunk(2, dim=-1)  # (B, T, hidden) each
+        return self.c_proj(F.silu(gate) * up)
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.ln_1 = make_norm(config)
         self.attn = CausalSelfAttention(config, layer_idx)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
-        self.mlp = MLP(config)
+        self.ln_2 = make_norm(config)
+        self.mlp = GatedMLP(config) if config.mlp == "swiglu" else MLP(config)
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), inputs)
@@ -125,11 +226,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        learned = config.positions == "learned"  # GPT-2's position table; rotary: in attention
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.context_length, config.n_embd),
+            wpe=nn.Embedding(config.context_length, config.n_embd) if learned else None,
             h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
+            ln_f=make_norm(config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -159,44 +261,62 @@ class GPT(nn.Module):
                 with torch.no_grad():
                     p.zero_()
         device = None if device is None else as_device(device)
-        return model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=dtype).eval()
+        if dtype == torch.bfloat16:
+            hooks.prepare_bf16(model)  # as `quantize(model, "bf16")` does
+        return model
 
     @classmethod
     def from_hf(cls, hf_model) -> GPT:
-        """Import a `transformers` `GPT2LMHeadModel` already in memory (no download here).
+        """Import a `transformers` model already in memory (no download here): a
+        `GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`.
 
-        GPT-2 stores its linear layers as `Conv1D` with the weight transposed, so those are
-        transposed on the way in. Config options this engine does not compute (another
-        activation, attention scaled other than by 1/√head_dim, cross-attention, an MLP width
-        other than 4 × n_embd) are a ValueError naming the option, never a silent conversion;
-        ``layer_norm_epsilon`` is carried over, and ``reorder_and_upcast_attn`` (attention in
-        fp32) is accepted for fp32 models, where it is the same arithmetic.
+        Q/K/V (and Llama's gate/up) projections are fused into our layers, GPT-2's `Conv1D`
+        weights transposed (`minifer.hf_checkpoint` does both, and reads the same models from a
+        checkpoint folder without transformers). Config options this engine does not compute
+        (another activation, sliding windows, RoPE scalings other than Llama 3's,
+        mixture-of-experts, GPT-2's attention scaled other than by 1/√head_dim, ...) are a
+        ValueError naming the option, never a silent conversion.
         """
+        from .hf_convert import FAMILIES
+
         hc = getattr(hf_model, "config", None)
-        if not isinstance(hf_model, nn.Module) or getattr(hc, "model_type", None) != "gpt2" \
+        if not isinstance(hf_model, nn.Module) or getattr(hc, "model_type", None) not in FAMILIES \
                 or not hasattr(hf_model, "lm_head"):
-            raise TypeError(f"hf_model must be a transformers GPT2LMHeadModel, got "
-                            f"{type(hf_model).__name__}")
-        _check_hf_options(hc, next(hf_model.parameters()).dtype)
-        config = GPTConfig(
-            vocab_size=hc.vocab_size, context_length=hc.n_positions, n_layer=hc.n_layer,
-            n_head=hc.n_head, n_embd=hc.n_embd,
-            tie_embeddings=bool(getattr(hc, "tie_word_embeddings", True)),
-            eos_token_id=hc.eos_token_id if hc.eos_token_id is not None and hc.eos_token_id < hc.vocab_size else None,
-            layer_norm_eps=hc.layer_norm_epsilon,
-        )
-        model = cls(config)
-        src = hf_model.state_dict()
-        transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                w = src[name]
-                if name.endswith(transposed):
-                    w = w.t()
-                if w.shape != p.shape:
-                    raise ValueError(f"from_hf: {name} has shape {tuple(w.shape)}, expected {tuple(p.shape)}")
-                p.copy_(w)
-        return model.to(dtype=next(hf_model.parameters()).dtype).eval()
+            raise TypeError(f"hf_model must be a transformers GPT2LMHeadModel, LlamaForCausalLM, "
+                            f"Qwen2ForCausalLM or Qwen3ForCausalLM, got {type(hf_model).__name__}")
+        state = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}  # ours to keep
+        return cls.from_hf_state(hc.to_dict(), state, next(hf_model.parameters()).dtype)
+
+    @classmethod
+    def from_hf_state(cls, hc: dict, tensors: dict[str, torch.Tensor],
+                      dtype: torch.dtype | None = None) -> GPT:
+        """A model (eval mode) from a Hugging Face config dict (``config.json``) and its tensors
+        by Hugging Face names, which it takes over (no copy where the dtype is already `dtype`;
+        default: the tensors' own). A tensor missing, left over or of another shape than the
+        config implies is a ValueError naming it."""
+        from .hf_convert import config_from_hf, state_from_hf
+
+        dtype = dtype or next(iter(tensors.values())).dtype
+        config = config_from_hf(hc, dtype)
+        state = state_from_hf(tensors, config, hc["model_type"])
+        with torch.device("meta"):  # shapes only: the checkpoint's tensors are assigned below
+            model = cls(config)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()
+                    if not (config.tie_embeddings and k == "lm_head.weight")}
+        for name in sorted(set(expected) | set(state)):
+            got = tuple(state[name].shape) if name in state else None
+            if got != expected.get(name):
+                raise ValueError(f"Hugging Face checkpoint: {name} has shape {got}, the config "
+                                 f"implies {expected.get(name)}")
+        state = {k: v.detach().to(dtype) for k, v in state.items()}
+        if config.tie_embeddings:
+            state["lm_head.weight"] = state["transformer.wte.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        if config.tie_embeddings:
+            model.lm_head.weight = model.transformer.wte.weight
+        hooks.lay_out_weights(model)  # the speed-up seam, as for a model built from a config
+        return model.eval()
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -296,7 +416,9 @@ class GPT(nn.Module):
     def blocks(self, idx: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """Embed token ids `idx` ``(B, T)`` at ``inputs.positions`` and run every block: the
         hidden states ``(B, T, C)`` before the final LayerNorm."""
-        x = self.transformer.wte(idx) + self.transformer.wpe(inputs.positions)  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        if self.transformer.wpe is not None:  # learned positions (GPT-2); rotary: in attention
+            x = x + self.transformer.wpe(inputs.positions)
         for block in self.transformer.h:
             x = block(x, inputs)
         return x
@@ -307,31 +429,6 @@ def _checks_ids(device_type: str, fresh: bool) -> bool:
     where reading the result back makes the host wait, only for calls that start a sequence
     (later tokens come from the engine's own sampling or drafter)."""
     return device_type == "cpu" or (fresh and device_type != "meta")
-
-
-def _check_hf_options(hc, dtype: torch.dtype) -> None:
-    """Raise a ValueError naming the first GPT-2 config option `GPT` cannot reproduce."""
-    act = getattr(hc, "activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"from_hf supports GPT-2's tanh GELU, got activation {act!r}")
-    unsupported = [  # (option, value that this engine computes)
-        ("scale_attn_weights", True),  # attention scores divided by √head_dim
-        ("scale_attn_by_inverse_layer_idx", False),  # ... and not also by the layer number
-        ("add_cross_attention", False),  # a decoder-only model
-    ]
-    for option, ours in unsupported:
-        value = getattr(hc, option, ours)
-        if bool(value) != ours:
-            raise ValueError(f"from_hf: GPT-2 config {option}={value!r} is not supported "
-                             f"(this engine computes {option}={ours})")
-    n_inner = getattr(hc, "n_inner", None)
-    if n_inner is not None and n_inner != 4 * hc.n_embd:
-        raise ValueError(f"from_hf: GPT-2 config n_inner={n_inner!r} is not supported (the MLP "
-                         f"width here is 4 × n_embd = {4 * hc.n_embd})")
-    if getattr(hc, "reorder_and_upcast_attn", False) and dtype != torch.float32:
-        raise ValueError(f"from_hf: GPT-2 config reorder_and_upcast_attn=True computes attention "
-                         f"in float32; this engine matches it only for a float32 model, got "
-                         f"{dtype} (convert the model with .float() first)")
 
 
 def _inputs(device, B: int, T: int, offset: int, start: torch.Tensor | None,

@@ -129,6 +129,10 @@ class Tokenizer:
         # string is the most bytes (so characters) of text one token stands for
         self.max_token_chars = max(map(len, hf_tokenizer.get_vocab(with_added_tokens=True)))
         self._hf_special = None  # a copy that recognises special tokens in text (lazily)
+        # A Hugging Face checkpoint's chat template and special tokens' text (bos_token, ...),
+        # set by `minifer.hf_checkpoint.load_hf_checkpoint`; see `minifer.chat_template`.
+        self.chat_template: str | None = None
+        self.special_tokens_text: dict[str, str | None] = {}
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs) -> Tokenizer:

@@ -14,7 +14,11 @@ So a block costs two all-reduces of a ``(B, T, n_embd)`` activation, and every r
 1/N of the block's weights. Attention needs nothing from other ranks because whole heads are
 split: a rank keeps the K/V of its own heads only, so its KV cache is 1/N of the full one.
 With grouped-query attention the unit of the split is a K/V head together with the query heads
-that share it. Embeddings, LayerNorms and the output head are small here and are replicated.
+that share it. Embeddings, norms and the output head are small here and are replicated.
+
+The Llama/Qwen switches split the same way: rotary positions and Q/K norms act per head (each
+rank applies them to its own heads), and the gated MLP's fused gate|up matrix is cut so that a
+rank keeps the gate rows and the up rows of the same hidden units.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch.nn as nn
 from ..cache import AttentionInputs
 from ..checks import check_int
 from ..config import GPTConfig
-from ..model import MLP, CausalSelfAttention
+from ..model import MLP, CausalSelfAttention, GatedMLP
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -70,7 +74,7 @@ def shard_plan(config: GPTConfig, world_size: int, rank: int, *,
     """
     check_int("world_size", world_size, 1)
     check_int("rank", rank, 0, world_size - 1, allowed=f"lie in [0, {world_size})")
-    nh, nkv, hidden = config.n_head, config.kv_heads, 4 * config.n_embd
+    nh, nkv, hidden = config.n_head, config.kv_heads, config.mlp_hidden
     if world_size > nkv:
         which = f"n_head={nh}" if nkv == nh else f"n_kv_head={nkv}"
         raise ValueError(
@@ -114,6 +118,7 @@ class TPAttention(CausalSelfAttention):
         nn.Module.__init__(self)
         hd, nh, nkv = attn.head_dim, attn.n_head, attn.n_kv_head
         self.layer_idx, self.head_dim, self.impl = attn.layer_idx, hd, attn.impl
+        self.rotary, self.q_norm, self.k_norm = attn.rotary, attn.q_norm, attn.k_norm  # per head
         self.n_head, self.n_kv_head = plan.n_q, plan.n_kv  # this rank's heads only
         self.all_reduce = all_reduce
         q0, q1 = plan.q_heads
@@ -138,20 +143,26 @@ class TPAttention(CausalSelfAttention):
 
 
 class TPMLP(MLP):
-    """This rank's hidden units of an `MLP`: up column-parallel, down row-parallel."""
+    """This rank's hidden units of an `MLP` (or a `GatedMLP`): up column-parallel, down
+    row-parallel."""
 
     def __init__(self, mlp: MLP, plan: ShardPlan, all_reduce: AllReduce) -> None:
         nn.Module.__init__(self)
         h0, h1 = plan.mlp
+        self.gated = isinstance(mlp, GatedMLP)
+        rows = torch.arange(h0, h1, device=mlp.c_fc.weight.device)
+        if self.gated:  # c_fc's rows are [gate | up]: this rank's units of both
+            rows = torch.cat([rows, mlp.c_proj.weight.shape[1] + rows])
         b = mlp.c_fc.bias
-        self.c_fc = _linear_from(mlp.c_fc.weight[h0:h1], None if b is None else b[h0:h1])
+        self.c_fc = _linear_from(mlp.c_fc.weight[rows], None if b is None else b[rows])
         self.c_proj = _linear_from(mlp.c_proj.weight[:, h0:h1], None)
         self.proj_bias = None if mlp.c_proj.bias is None else nn.Parameter(
             mlp.c_proj.bias.detach().clone(), requires_grad=False)
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.all_reduce(super().forward(x))  # the model's MLP on this rank's units
+        local = GatedMLP.forward(self, x) if self.gated else super().forward(x)
+        y = self.all_reduce(local)  # the model's MLP on this rank's units, summed over ranks
         return y if self.proj_bias is None else y + self.proj_bias
 
 

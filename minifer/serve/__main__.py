@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minifer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="shakespeare",
-                   help="a shipped model (shakespeare, shakespeare-draft) or a GPTConfig preset "
-                        "with random weights and the byte tokenizer (tiny, reference)")
+                   help="a shipped model (shakespeare, shakespeare-draft), a GPTConfig preset "
+                        "with random weights and the byte tokenizer (tiny, reference), or a "
+                        "Hugging Face checkpoint folder (Llama, Qwen2, Qwen3, GPT-2)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
@@ -139,7 +140,10 @@ def server_options(args: argparse.Namespace) -> dict:
 
 
 def load_model(name: str, device=None):
-    """A shipped model with its tokenizer, or a preset with random weights and bytes."""
+    """A shipped model with its tokenizer, a preset with random weights and bytes, or a Hugging
+    Face checkpoint folder (`minifer.load_hf_checkpoint`: its tokenizer and chat template)."""
+    import os
+
     import minifer as mf
     from minifer.pretrained import PRETRAINED
 
@@ -147,8 +151,10 @@ def load_model(name: str, device=None):
         return mf.load_pretrained(name, device=device)
     if name in mf.PRESETS:
         return mf.GPT.from_config(name, seed=0).to(device or "cpu").eval(), mf.ByteTokenizer()
-    raise SystemExit(f"--model must be one of {sorted(PRETRAINED)} or a preset "
-                     f"{sorted(mf.PRESETS)}, got {name!r}")
+    if os.path.isdir(name):
+        return mf.load_hf_checkpoint(name, device=device)
+    raise SystemExit(f"--model must be one of {sorted(PRETRAINED)}, a preset "
+                     f"{sorted(mf.PRESETS)} or a checkpoint folder, got {name!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,10 +41,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from ..chat_template import chat_prompt
 from ..checks import check_int, check_number
 from ..sampling import SEED_RANGE, SamplingParams
 from ..sequence import encode_prompts
-from .chat import END_OF_TURN, render_chat
 from .errors import APIError, error_body
 from .logprobs import MAX_TOP_LOGPROBS
 from .scheduler import PRIORITY_LIMIT
@@ -502,14 +502,15 @@ def _message_text(m: ChatMessage) -> str:
 
 def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
                        vocab_size: int, priorities: bool = False) -> CompletionRequest:
-    """Check a ``/v1/chat/completions`` body; render its messages with the chat template
-    (`minifer.serve.chat`), whose end of turn is always a stop string."""
+    """Check a ``/v1/chat/completions`` body; render its messages with the tokenizer's chat
+    template (a checkpoint's own, else the play form of `minifer.serve.chat`, whose end of turn is
+    always a stop string): `minifer.chat_template.chat_prompt`."""
     b = _validate(ChatCompletionBody, body)
     _check_model(b.model, model_name)
     if tokenizer is None:
         raise _bad("messages", "this server has no tokenizer, and chat needs one")
-    prompt, _ = render_chat([{"role": m.role, "content": _message_text(m), "name": m.name}
-                             for m in b.messages])
+    prompt, turn_stops = chat_prompt([{"role": m.role, "content": _message_text(m),
+                                       "name": m.name} for m in b.messages], tokenizer)
     ids = _encode(prompt, tokenizer, vocab_size, "messages", limits)
     param = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
     if b.max_tokens is not None and b.max_completion_tokens is not None \
@@ -523,7 +524,7 @@ def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=
     if b.top_logprobs is not None and not b.logprobs:
         raise _bad("top_logprobs", "only allowed when logprobs is true")
     stop = _stops(b.stop)
-    params, priority, min_tokens = _sampling(b, max_tokens, [*stop, END_OF_TURN], tokenizer,
+    params, priority, min_tokens = _sampling(b, max_tokens, [*stop, *turn_stops], tokenizer,
                                              vocab_size, priorities)
     include_usage = bool(b.stream_options and b.stream_options.include_usage)
     return CompletionRequest(ids, params, stream=bool(b.stream), include_usage=include_usage,

@@ -1,0 +1,86 @@
+"""Chat prompts: a checkpoint's own chat template, or the play-form template of the shipped models.
+
+A chat model was trained on conversations wrapped in its own special tokens (Qwen's
+``<|im_start|>user ... <|im_end|>``, Llama 3's ``<|start_header_id|>user<|end_header_id|>``).
+Its checkpoint ships the template that writes them: a Jinja template in
+``tokenizer_config.json`` (``chat_template``) or ``chat_template.jinja``, which
+`minifer.hf_checkpoint.load_hf_checkpoint` keeps on the tokenizer. `render_template` renders it
+as transformers' ``apply_chat_template`` does (a sandboxed Jinja environment with
+``trim_blocks``/``lstrip_blocks``, a ``tojson`` that keeps non-ASCII text, ``raise_exception``,
+the tokenizer's special tokens as variables); the prompt then starts the assistant's turn and the
+reply ends at the model's end-of-turn token (the tokenizer's ``eos_token``).
+
+A tokenizer without a template (the shipped Shakespeare models) gets the documented play-form
+template of `minifer.serve.chat`, whose reply ends at a blank line.
+
+jinja2 is imported only to render a checkpoint's template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+
+__all__ = ["chat", "chat_prompt", "render_template"]
+
+
+def render_template(template: str, messages: Sequence[Mapping], *,
+                    add_generation_prompt: bool = True, **variables) -> str:
+    """`template` (a Hugging Face chat template) rendered for `messages`, as transformers'
+    ``apply_chat_template(..., tokenize=False)`` renders it. `variables`: what else the template
+    reads (``bos_token``, ``eos_token``, ``tools``, ``enable_thinking``, ...)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)  # Jinja's own escapes HTML: not for prompts
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template).render(
+        messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+        **variables)
+
+
+def chat_prompt(messages: Sequence[Mapping], tokenizer) -> tuple[str, list[str]]:
+    """``(prompt text, stop strings)`` for `messages` (OpenAI-style dicts): the tokenizer's chat
+    template if it has one (no stop strings: the reply ends at its end-of-turn token, the
+    tokenizer's EOS), else the play-form template with its blank-line end of turn. Encode the
+    prompt with ``special_tokens=True``: the template writes special tokens as text."""
+    from .serve.chat import END_OF_TURN, render_chat
+
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        variables = {k: v for k, v in getattr(tokenizer, "special_tokens_text", {}).items()
+                     if v is not None}
+        return render_template(template, messages, **variables), []
+    prompt, _ = render_chat(messages)
+    return prompt, [END_OF_TURN]
+
+
+def chat(model, tokenizer, messages: Sequence[Mapping], params=None, **kwargs):
+    """The model's reply to `messages`, a `minifer.Completion` (its ``.text`` is the reply).
+
+    The prompt is `chat_prompt`'s; `params` (`SamplingParams`, default greedy with 256 new
+    tokens) gets the template's stop strings added. `kwargs` go to `minifer.generate`.
+    """
+    from .generation import generate
+    from .sampling import SamplingParams
+
+    prompt, stops = chat_prompt(messages, tokenizer)
+    params = params or SamplingParams(temperature=0, max_new_tokens=256)
+    if stops:
+        params = dataclasses.replace(params, stop=(*params.stop, *stops))
+    ids = tokenizer.encode(prompt, special_tokens=True)
+    [completion] = generate(model, [ids], params, tokenizer, **kwargs)
+    return completion

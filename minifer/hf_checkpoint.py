@@ -1,0 +1,92 @@
+"""Hugging Face checkpoints of the GPT-2, Llama, Qwen2 and Qwen3 families, read without transformers.
+
+A model downloaded from the Hugging Face hub is a folder (the hub cache keeps one per revision
+under ``~/.cache/huggingface/hub/models--<org>--<name>/snapshots/<revision>/``):
+
+- ``config.json``: the architecture (`config_from_hf` turns it into a `GPTConfig`);
+- ``model.safetensors``, or shards listed in ``model.safetensors.index.json``: the weights,
+  one tensor per projection (`state_from_hf` fuses Q/K/V, and gate/up, into our layers);
+- ``tokenizer.json`` (the `tokenizers` library's file) and ``tokenizer_config.json`` (the chat
+  template and the special tokens; newer files keep the template in ``chat_template.jinja``).
+
+`load_hf_checkpoint(folder)` reads all of it with safetensors, json and tokenizers only: no
+``transformers``, no network, no pickle. `GPT.from_hf` uses the same two conversions
+(`minifer.hf_convert`) for a `transformers` model already in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .device import as_device
+from .model import GPT
+from .tokenizer import Tokenizer
+
+__all__ = ["load_hf_checkpoint", "read_hf_tensors"]
+
+def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder: ``model.safetensors``, or the shards named in
+    ``model.safetensors.index.json``. (safetensors only: a ``pytorch_model.bin`` pickle is
+    refused, since loading a pickle can run code.)"""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        pickled = " (only pickled weights, which are never loaded here)" if any(
+            folder.glob("*.bin")) else ""
+        raise FileNotFoundError(f"{folder}: no model.safetensors or "
+                                f"model.safetensors.index.json{pickled}")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(str(folder / shard)))
+    return tensors
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or ``{"content": ...}``."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = None,
+                       dtype: torch.dtype | None = None) -> tuple[GPT, Tokenizer]:
+    """A Hugging Face checkpoint folder as ``(model in eval mode, tokenizer)``.
+
+    `folder` holds ``config.json``, the safetensors weights and ``tokenizer.json`` (see the
+    module doc). `dtype` defaults to the stored one (bf16 for most current checkpoints; pass
+    ``torch.float32`` for the engine's exact fp32 path). The tokenizer's end-of-sequence token is
+    ``tokenizer_config.json``'s ``eos_token`` (for chat models the end of a turn), and it
+    carries the checkpoint's chat template, if any (`Tokenizer.apply_chat_template`).
+    """
+    if device is not None:
+        as_device(device)  # a device this machine lacks: fail before reading any file
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face checkpoint folder "
+                                f"has config.json, model.safetensors and tokenizer.json)")
+    hc = _read_json(folder / "config.json")
+    model = GPT.from_hf_state(hc, read_hf_tensors(folder), dtype)
+    tc = _read_json(folder / "tokenizer_config.json")
+    eos = _token_text(tc.get("eos_token"))
+    tokenizer = Tokenizer.from_file(folder / "tokenizer.json", eos_token=eos or "<|endoftext|>")
+    if tokenizer.eos_token_id is None and model.config.eos_token_id is not None:
+        tokenizer.eos_token_id = model.config.eos_token_id
+    template = tc.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    tokenizer.chat_template = template
+    tokenizer.special_tokens_text = {k: _token_text(tc.get(k)) for k in
+                                     ("bos_token", "eos_token", "pad_token", "unk_token")}
+    device = None if device is None else as_device(device)
+    return model.to(device=device), tokenizer
