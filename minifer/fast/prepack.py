@@ -3,8 +3,8 @@
 `F.linear` hands torch's CPU matmul the weight in its stored layout, ``(out, in)`` row-major,
 and the kernel re-blocks it for its vector registers on every call. At decode, where each
 token multiplies a few rows by every weight of the model, that re-blocking and a layout the
-kernel was not tuned for are a large part of the step (BENCHMARKS.md, "Peers with prepacked
-weights", measures it). Prepacking is what `torch.compile`'s CPU "freezing" does to a graph's weights, and what
+kernel was not tuned for are a large part of the step (BENCHMARKS.md, "bf16 prepacked by
+default"). Prepacking is what `torch.compile`'s CPU "freezing" does to a graph's weights, and what
 OpenVINO and CTranslate2 do when they load a model; `prepack` does it in eager mode, layer
 by layer, with oneDNN's own ops (``torch.ops.mkldnn``).
 
