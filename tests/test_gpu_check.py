@@ -48,7 +48,8 @@ def test_pytest_command_collects_the_cuda_cases_without_the_project_addopts():
     ids = [line for line in out.stdout.splitlines() if "::" in line]
     assert ids and all("cuda" in i for i in ids)  # only the cuda cases
     for module in gpu_check.GPU_TESTS:
-        if module.endswith("test_hf.py") and importlib.util.find_spec("transformers") is None:
+        if module.endswith(("test_hf.py", "test_families.py")) \
+                and importlib.util.find_spec("transformers") is None:
             continue  # the parity tests skip as a module without transformers (the test extra)
         assert any(i.startswith(module) for i in ids), module
 

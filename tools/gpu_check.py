@@ -7,7 +7,7 @@
    with transformers, speculative decoding's greedy exactness and sampling distribution, the
    serving engine equal to one request at a time under preemption, every precision (bf16, fp16,
    int8, int4) and the int8 KV cache, the fixed-shape step and the compiled step (a CUDA graph)
-   equal to eager.
+   equal to eager, and the Llama/Qwen families' parity with transformers.
 2. ``python -m minifer.bench gpu`` (see `minifer.bench.gpu`).
 
 Everything lands in `--out` (default: ``$OUT``, else ``gpu-check/``) as it happens:
@@ -44,6 +44,7 @@ GPU_TESTS = (
     "tests/test_speculative.py",
     "tests/test_serve_engine.py",
     "tests/test_quantize.py",
+    "tests/test_families.py",
 )
 
 
