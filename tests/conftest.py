@@ -71,6 +71,15 @@ def json_renderer():
     pio.renderers.default = old
 
 
+@pytest.fixture(autouse=True)
+def ieee_subnormals():
+    """Each test starts with IEEE subnormal floats. Inductor's compiled CPU kernels on torch 2.4
+    switch the process to flush them to zero (a fast-math library's start-up code), and
+    hypothesis's float strategies refuse to run in that state."""
+    torch.set_flush_denormal(False)
+    yield
+
+
 def lively_model(preset: str = "tiny", seed: int = 0, scale: float = 10.0) -> GPT:
     """A seeded random model with its matrices scaled up.
 

@@ -16,6 +16,7 @@ compare_trees = load_tool("compare_trees")
                     reason="needs a git checkout")
 def test_head_against_itself_decodes_identical_tokens(tmp_path, capsys):
     out = tmp_path / "out.json"
+    before = _compare_worktrees()
     assert compare_trees.main(["HEAD", "HEAD", "--preset", "tiny", "--precisions", "fp32",
                                "--batches", "1", "--rounds", "1", "--repeats", "1",
                                "--new-tokens", "4", "--json", str(out)]) == 0
@@ -26,6 +27,11 @@ def test_head_against_itself_decodes_identical_tokens(tmp_path, capsys):
     [row] = result["rows"]
     assert row["identical"] and row["median_old"] > 0 and row["median_new"] > 0
     assert len(row["rounds_old"]) == len(row["rounds_new"]) == 1
+    assert _compare_worktrees() <= before  # the temporary worktrees it made are gone
+
+
+def _compare_worktrees() -> set[str]:
+    """The temporary worktrees of compare_trees now registered (another run may hold some)."""
     listed = subprocess.run(["git", "-C", str(TOOLS), "worktree", "list"], capture_output=True,
                             text=True).stdout
-    assert "minifer-compare-" not in listed  # the temporary worktrees are gone
+    return {line.split()[0] for line in listed.splitlines() if "minifer-compare-" in line}
