@@ -309,14 +309,18 @@ class GPT(nn.Module):
             if got != expected.get(name):
                 raise ValueError(f"Hugging Face checkpoint: {name} has shape {got}, the config "
                                  f"implies {expected.get(name)}")
-        state = {k: v.detach().to(dtype) for k, v in state.items()}
-        if config.tie_embeddings:
-            state["lm_head.weight"] = state["transformer.wte.weight"]
-        model.load_state_dict(state, strict=True, assign=True)
-        if config.tie_embeddings:
-            model.lm_head.weight = model.transformer.wte.weight
-        hooks.lay_out_weights(model)  # the speed-up seam, as for a model built from a config
+        model.take_weights({k: v.detach().to(dtype) for k, v in state.items()})
         return model.eval()
+
+    def take_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Make `state`'s tensors this model's weights, without a copy (a tied model's state
+        may leave out ``lm_head.weight``), then lay them out as a new model's are."""
+        if self.config.tie_embeddings:
+            state["lm_head.weight"] = state["transformer.wte.weight"]
+        self.load_state_dict(state, strict=True, assign=True)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        hooks.lay_out_weights(self)  # the speed-up seam, as for a model built from a config
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -191,12 +191,7 @@ def load_checkpoint(
     model = GPT(config)  # (a random init we overwrite: ~0.1 s, cheaper than importing meta tensors)
     expected = {k: tuple(v.shape) for k, v in _state_to_save(model).items()}
     _check_tensors(path, expected, tensors)
-    if config.tie_embeddings:
-        tensors["lm_head.weight"] = tensors["transformer.wte.weight"]
-    model.load_state_dict(tensors, strict=True, assign=True)  # use the loaded tensors, no copy
-    if config.tie_embeddings:
-        model.lm_head.weight = model.transformer.wte.weight
-    hooks.lay_out_weights(model)  # the file's tensors are row-major; see GPT's layout
+    model.take_weights(tensors)  # the loaded tensors, no copy, laid out as a new model's
     model = model.to(device=device, dtype=dtype).eval()
     if dtype == torch.bfloat16:
         hooks.prepare_bf16(model)  # as `quantize(model, "bf16")` does
