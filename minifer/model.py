@@ -149,15 +149,19 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.write_at(self.layer_idx, inputs.slot, k, v, inputs.kv_len)  # (B, nkv, S, hd)
         elif cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd): all cached tokens
-        if nkv != nh:  # grouped-query attention: each K/V head serves nh // nkv query heads
+        if nkv != nh and T == 1:  # grouped-query decode: each K/V head's nh // nkv query heads
+            q = q.reshape(B, nkv, nh // nkv, hd)  # attend as its rows, reading the cache once
+        elif nkv != nh:  # grouped-query prefill: each K/V head copied for its nh // nkv query heads
             k = k.repeat_interleave(nh // nkv, dim=1)
             v = v.repeat_interleave(nh // nkv, dim=1)
-        mask, is_causal = inputs.mask, inputs.is_causal
+        y = self.scores_times_values(q, k, v, inputs)  # (B, nh, T, hd) or, grouped, (B, nkv, nh // nkv, hd)
+        return y.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)  # (B, T, nh * hd)
+
+    def scores_times_values(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
+        """softmax(q kᵀ / √hd) v, each query row over the keys its mask allows."""
         if self.impl == "math":
-            y = _attention_math(q, k, v, mask, is_causal)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
-        return y.transpose(1, 2).reshape(B, T, nh * hd)  # (B, T, nh * hd)
+            return _attention_math(q, k, v, inputs.mask, inputs.is_causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask, is_causal=inputs.is_causal)
 
 
 def _attention_math(q, k, v, mask, is_causal):
