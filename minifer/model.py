@@ -251,8 +251,9 @@ class GPT(nn.Module):
         """A randomly initialised model (GPT-2 init, seeded: same seed → same weights anywhere)."""
         if isinstance(config, str):
             config = GPTConfig.preset(config)
-        if device is not None:
-            as_device(device)  # a device this machine lacks: fail before building anything
+        if device is not None and as_device(device).type == "meta":  # shapes only, no memory:
+            with torch.device("meta"):  # the size of a 70B model, say, without its weights
+                return cls(config).to(dtype=dtype).eval()
         with torch.device("cpu"):
             model = cls(config)
         gen = torch.Generator().manual_seed(seed)

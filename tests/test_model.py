@@ -272,3 +272,13 @@ def test_linear_weights_are_column_major_and_compute_what_row_major_does(tie):
 def test_the_layout_survives_to_and_deepcopy():
     model = GPT.from_config("tiny").to(dtype=torch.bfloat16)
     assert all(m.weight.t().is_contiguous() for m in _linears(copy.deepcopy(model)))
+
+
+def test_a_meta_model_has_shapes_and_no_weights():
+    """A 70B-shaped model on the meta device: parameters counted, cache sized, nothing allocated
+    (built directly there: random weights for 69B parameters would not fit in this machine)."""
+    big = GPT.from_config("llama-2-70b", device="meta", dtype=torch.bfloat16)
+    assert big.num_params() == 68_976_648_192
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in big.parameters())
+    cache = StaticKVCache.for_model(big, batch_size=1, max_len=16)
+    assert cache.bytes_per_token == 2 * 80 * 8 * 128 * 2 == big.config.kv_bytes_per_token(2)
