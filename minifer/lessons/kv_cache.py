@@ -65,6 +65,15 @@ def work_figure(prompt_tokens: int, new_tokens: int) -> go.Figure:
                  "tokens generated", "tokens processed so far (cumulative)")
 
 
+def rope_figure(angles: torch.Tensor) -> go.Figure:
+    """Rotary positions as a picture: the cosine of each dim pair's angle (x) at each position
+    (y), from `angles` ``(positions, head_dim / 2)``. The first pairs turn fast, the last barely."""
+    fig = go.Figure(go.Heatmap(z=angles.cos().tolist(), colorscale="RdBu", zmin=-1, zmax=1,
+                               colorbar=dict(title="cos")))
+    return style(fig, "Rotary positions: every pair of dims turns at its own speed",
+                 "dim pair i (dims i and i + head_dim/2)", "position")
+
+
 def step_times(model, prompt_ids: list[int], new_tokens: int, use_cache: bool, repeats: int = 3) -> list[float]:
     """Median (over `repeats`, after one warm-up) time of each generated token, in ms.
 

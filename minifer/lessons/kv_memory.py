@@ -139,6 +139,21 @@ def gqa_figure(precision: str = "fp16",
     return fig
 
 
+def gqa_measured_figure(rows: list[dict]) -> go.Figure:
+    """The measured MHA / GQA / MQA comparison side by side: the cache a decode step reads (MiB)
+    and the step's time (ms), from `rows` of the lesson's own run (keys ``attention``,
+    ``cache MiB`` and ``ms per step``). Each panel's axis starts at zero."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("KV cache read per step (MiB)",
+                                                        "decode step (ms, measured)"))
+    names = [r["attention"] for r in rows]
+    for col, key in ((1, "cache MiB"), (2, "ms per step")):
+        values = [r[key] for r in rows]
+        fig.add_trace(go.Bar(x=names, y=values, text=[f"{v:,.0f}" for v in values],
+                             textposition="outside", showlegend=False), row=1, col=col)
+        fig.update_yaxes(rangemode="tozero", range=[0, 1.2 * max(values)], row=1, col=col)
+    return style(fig, "Same width and layers, fewer K/V heads: a smaller cache, a faster step", height=380)
+
+
 def kv_rows(model: str = "llama-3-8b", precision: str = "fp16",
             cases: tuple[tuple[int, int], ...] = ((1, 4096), (1, 32768), (1, 131072),
                                                   (32, 4096)),
