@@ -107,6 +107,8 @@ class AttentionInputs:
     - `slot` and `kv_len`: the decode step writes at `slot` (a one-element tensor) and reads
       the first `kv_len` slots (None: all of them, the fixed-shape step; see `GPT.decode`).
     - `packed`: the call packs rows of any lengths (`PackedKVCache`); `cache.attend` does it.
+    - `rotation`: with rotary positions, the cos and sin of every new token's angles, which
+      `GPT.blocks` computes once for all layers.
     """
 
     positions: torch.Tensor
@@ -116,6 +118,7 @@ class AttentionInputs:
     slot: torch.Tensor | None = None
     kv_len: int | None = None
     packed: bool = False  # rows packed in one sequence: attention is `cache.attend` (PackedKVCache)
+    rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary cos, sin: `GPT.blocks`
 
 
 def _is_int8(dtype) -> bool:

@@ -59,6 +59,29 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def _bos_id(tokenizer: Tokenizer, tc: dict) -> int | None:
+    """The BOS id a plain prompt starts with, as transformers' ``tokenizer(text)`` adds it: the
+    one token tokenizer.json's post-processor puts before any text (Llama's), unless
+    tokenizer_config.json's ``add_bos_token`` says otherwise."""
+    added = tokenizer.hf.encode("", add_special_tokens=True).ids
+    bos = added[0] if len(added) == 1 else None
+    if "add_bos_token" in tc:  # the flag transformers' Llama tokenizer follows
+        text = _token_text(tc.get("bos_token"))
+        flagged = tokenizer.hf.token_to_id(text) if text is not None else None
+        bos = (bos if bos is not None else flagged) if tc["add_bos_token"] else None
+    return bos
+
+
+def _eos_ids(folder: Path, hc: dict) -> list[int]:
+    """Every end-of-sequence id that config.json and generation_config.json list (an id or a
+    list of ids: Llama 3.1's instruct models stop at any of three)."""
+    ids = []
+    for config in (hc, _read_json(folder / "generation_config.json")):
+        value = config.get("eos_token_id")
+        ids += value if isinstance(value, list) else [value]
+    return [i for i in ids if isinstance(i, int) and 0 <= i < hc["vocab_size"]]
+
+
 def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = None,
                        dtype: torch.dtype | None = None) -> tuple[GPT, Tokenizer]:
     """A Hugging Face checkpoint folder as ``(model in eval mode, tokenizer)``.
@@ -86,6 +109,8 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = N
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
     tokenizer.chat_template = template
+    tokenizer.bos_token_id = _bos_id(tokenizer, tc)
+    tokenizer.more_eos_token_ids = frozenset(_eos_ids(folder, hc)) - {tokenizer.eos_token_id}
     tokenizer.special_tokens_text = {k: _token_text(tc.get(k)) for k in
                                      ("bos_token", "eos_token", "pad_token", "unk_token")}
     device = None if device is None else as_device(device)

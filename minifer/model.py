@@ -26,6 +26,7 @@ that slot, so every tensor has the same shape at every step and the step can be 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -48,8 +49,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # x / √(mean(x²) + eps)
         return self.weight * x32.to(x.dtype)
 
 
@@ -81,17 +81,17 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_scaled(inv_freq, config.rope_scaling)
         self.inv_freq = inv_freq  # (hd/2,)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`q` ``(B, nh, T, hd)`` and `k` ``(B, nkv, T, hd)`` rotated by `positions` ``(B, T)``."""
+        """cos and sin ``(B, 1, T, hd/2)`` of the angles of `positions` ``(B, T)``, in `dtype`:
+        computed once per forward call, used by every layer (`rotate`)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         angles = positions[:, None, :, None].float() * self.inv_freq  # (B, 1, T, hd/2)
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x1[i], x2[i]) of the halves of `x`'s last dim by the angle of cos/sin."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -120,9 +120,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, qkv_out, bias=config.bias or config.qkv_bias)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
         self.impl = "sdpa"  # "sdpa" (fused, memory-lean) or "math" (materialises the T×S scores)
-        # Llama/Qwen: rotary positions (GPT-2 adds learned ones to the input instead), and for
-        # Qwen3 an RMSNorm over each head's query and key before they are rotated.
-        self.rotary = RotaryEmbedding(config) if config.positions == "rope" else None
+        # Qwen3: an RMSNorm over each head's query and key before they are rotated.
         norm = config.qk_norm
         self.q_norm = make_norm(config, self.head_dim) if norm else nn.Identity()
         self.k_norm = make_norm(config, self.head_dim) if norm else nn.Identity()
@@ -139,8 +137,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)
-        if self.rotary is not None:  # rotate q and k by their positions, then cache k rotated
-            q, k = self.rotary(self.q_norm(q), self.k_norm(k), inputs.positions)
+        if inputs.rotation is not None:  # rotary positions: turn q and k, then cache k turned
+            cos, sin = inputs.rotation  # (B, 1, T, hd/2) each
+            q, k = rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin)
         cache = inputs.cache
         if inputs.packed:  # rows of any lengths packed in one sequence: the cache keeps them apart
             y = cache.attend(self.layer_idx, q, k, v)  # (1, nh, N, hd)
@@ -238,6 +237,8 @@ class GPT(nn.Module):
             ln_f=make_norm(config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Llama/Qwen: rotary positions, applied in every layer's attention (no parameters)
+        self.rotary = RotaryEmbedding(config) if config.positions == "rope" else None
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         hooks.lay_out_weights(self)  # the speed-up seam: `minifer.fast.layout`
@@ -426,8 +427,10 @@ class GPT(nn.Module):
         """Embed token ids `idx` ``(B, T)`` at ``inputs.positions`` and run every block: the
         hidden states ``(B, T, C)`` before the final LayerNorm."""
         x = self.transformer.wte(idx)  # (B, T, C)
-        if self.transformer.wpe is not None:  # learned positions (GPT-2); rotary: in attention
+        if self.transformer.wpe is not None:  # learned positions (GPT-2): added to the input
             x = x + self.transformer.wpe(inputs.positions)
+        else:  # rotary positions: every layer turns q and k by the same angles, computed here
+            inputs = dataclasses.replace(inputs, rotation=self.rotary(inputs.positions, x.dtype))
         for block in self.transformer.h:
             x = block(x, inputs)
         return x

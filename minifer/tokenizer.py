@@ -133,6 +133,11 @@ class Tokenizer:
         # set by `minifer.hf_checkpoint.load_hf_checkpoint`; see `minifer.chat_template`.
         self.chat_template: str | None = None
         self.special_tokens_text: dict[str, str | None] = {}
+        # Also set by `load_hf_checkpoint`: the token a checkpoint's tokenizer starts every text
+        # with (Llama's BOS; None: none, as GPT-2 and Qwen), and ids besides `eos_token_id` that
+        # end a reply too (Llama 3's instruct models end a turn with one token, a text with another).
+        self.bos_token_id: int | None = None
+        self.more_eos_token_ids: frozenset[int] = frozenset()
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs) -> Tokenizer:
@@ -197,3 +202,12 @@ class BPEDetokenizer:
 
     def flush(self) -> str:
         return ""  # DecodeStream never holds back a complete character
+
+
+def encode_prompt(tokenizer: TokenizerLike, text: str, *, special_tokens: bool = False) -> list[int]:
+    """A text prompt's ids: the tokenizer's, after its BOS token where it has one (a Llama
+    checkpoint's), as transformers' ``tokenizer(text)`` gives them. A chat template writes its own
+    BOS, so a rendered chat is encoded with ``tokenizer.encode``."""
+    ids = tokenizer.encode(text, special_tokens=True) if special_tokens else tokenizer.encode(text)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ids if bos is None else [bos, *ids]

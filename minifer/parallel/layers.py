@@ -118,7 +118,7 @@ class TPAttention(CausalSelfAttention):
         nn.Module.__init__(self)
         hd, nh, nkv = attn.head_dim, attn.n_head, attn.n_kv_head
         self.layer_idx, self.head_dim, self.impl = attn.layer_idx, hd, attn.impl
-        self.rotary, self.q_norm, self.k_norm = attn.rotary, attn.q_norm, attn.k_norm  # per head
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm  # per head
         self.n_head, self.n_kv_head = plan.n_q, plan.n_kv  # this rank's heads only
         self.all_reduce = all_reduce
         q0, q1 = plan.q_heads
