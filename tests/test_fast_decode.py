@@ -115,12 +115,13 @@ import minifer as mf
 from conftest import lively_model
 prompts, greedy = json.loads(sys.argv[1]), mf.SamplingParams(**json.loads(sys.argv[2]))
 device = sys.argv[3]  # on CUDA, compile=True is "reduce-overhead": the step as a CUDA graph
-tiny = lively_model("tiny").to(device)
+preset = sys.argv[4]  # GPT-2-style "tiny" or Llama-style "tiny-llama" (rotary, RMSNorm, SwiGLU, GQA)
+tiny = lively_model(preset).to(device)
 eager = [c.token_ids for c in mf.generate(tiny, prompts, greedy)]
 compiled = [c.token_ids for c in mf.generate(tiny, prompts, greedy, compile=True)]
 again = [c.token_ids for c in mf.generate(tiny, prompts[:2], greedy, compile=True)]
 # the CPU step froze tiny's weights into its graph: new weights loaded in place must be seen
-tiny.load_state_dict(lively_model("tiny", seed=1).state_dict())  # in place: graphs see it
+tiny.load_state_dict(lively_model(preset, seed=1).state_dict())  # in place: graphs see it
 eager_new = [c.token_ids for c in mf.generate(tiny, prompts[:2], greedy)]
 compiled_new = [c.token_ids for c in mf.generate(tiny, prompts[:2], greedy, compile=True)]
 print(json.dumps({"eager": eager, "compiled": compiled, "again": again,
@@ -129,7 +130,8 @@ print(json.dumps({"eager": eager, "compiled": compiled, "again": again,
 
 
 @pytest.mark.skipif(_inductor_can_run() is not None, reason=str(_inductor_can_run()))
-def test_compiled_step_gives_identical_greedy_tokens(device):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_compiled_step_gives_identical_greedy_tokens(device, preset):
     """The compiled fixed-shape step (inductor on the CPU; compiling takes ~1 min on 2 busy
     cores; on CUDA captured as a CUDA graph) gives the eager step's greedy tokens exactly,
     padded batch included.
@@ -145,7 +147,7 @@ def test_compiled_step_gives_identical_greedy_tokens(device):
     params = {"temperature": 0, "max_new_tokens": GREEDY.max_new_tokens, "ignore_eos": True}
     assert GREEDY == mf.SamplingParams(**params)
     out = subprocess.run([sys.executable, "-c", _COMPILED_RUN, json.dumps(PROMPTS),
-                          json.dumps(params), device], capture_output=True, text=True, timeout=900,
+                          json.dumps(params), device, preset], capture_output=True, text=True, timeout=900,
                          cwd=pathlib.Path(__file__).parent)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
