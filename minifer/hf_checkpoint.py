@@ -33,7 +33,7 @@ def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     refused, since loading a pickle can run code.)"""
     from safetensors.torch import load_file
 
-    folder = Path(folder)
+    folder = Path(folder).expanduser()
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
@@ -94,7 +94,7 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = N
     """
     if device is not None:
         as_device(device)  # a device this machine lacks: fail before reading any file
-    folder = Path(folder)
+    folder = Path(folder).expanduser()
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face checkpoint folder "
                                 f"has config.json, model.safetensors and tokenizer.json)")
