@@ -114,4 +114,4 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = N
     tokenizer.special_tokens_text = {k: _token_text(tc.get(k)) for k in
                                      ("bos_token", "eos_token", "pad_token", "unk_token")}
     device = None if device is None else as_device(device)
-    return model.to(device=device), tokenizer
+    return model.ready(device), tokenizer

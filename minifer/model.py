@@ -266,11 +266,7 @@ class GPT(nn.Module):
             elif name.endswith("bias"):  # GPT-2 init: zero biases (not torch's random default)
                 with torch.no_grad():
                     p.zero_()
-        device = None if device is None else as_device(device)
-        model = model.to(device=device, dtype=dtype).eval()
-        if dtype == torch.bfloat16:
-            hooks.prepare_bf16(model)  # as `quantize(model, "bf16")` does
-        return model
+        return model.ready(None if device is None else as_device(device), dtype)
 
     @classmethod
     def from_hf(cls, hf_model) -> GPT:
@@ -316,7 +312,7 @@ class GPT(nn.Module):
                 raise ValueError(f"Hugging Face checkpoint: {name} has shape {got}, the config "
                                  f"implies {expected.get(name)}")
         model.take_weights({k: v.detach().to(dtype) for k, v in state.items()})
-        return model.eval()
+        return model.ready()
 
     def take_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Make `state`'s tensors this model's weights, without a copy (a tied model's state
@@ -327,6 +323,15 @@ class GPT(nn.Module):
         if self.config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         hooks.lay_out_weights(self)  # the speed-up seam, as for a model built from a config
+
+    def ready(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> GPT:
+        """This model on `device` in `dtype` (None: as it is), in eval mode; bf16 weights are
+        handed to the speed-ups as `quantize(model, "bf16")` hands them (`hooks.prepare_bf16`).
+        Every way of making a model ends here."""
+        model = self.to(device=device, dtype=dtype).eval()
+        if self.lm_head.weight.dtype == torch.bfloat16:
+            hooks.prepare_bf16(model)
+        return model
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from . import hooks
 from .config import GPTConfig
 from .device import as_device
 from .model import GPT
@@ -192,10 +191,7 @@ def load_checkpoint(
     expected = {k: tuple(v.shape) for k, v in _state_to_save(model).items()}
     _check_tensors(path, expected, tensors)
     model.take_weights(tensors)  # the loaded tensors, no copy, laid out as a new model's
-    model = model.to(device=device, dtype=dtype).eval()
-    if dtype == torch.bfloat16:
-        hooks.prepare_bf16(model)  # as `quantize(model, "bf16")` does
-    return model, info["metadata"]
+    return model.ready(device, dtype), info["metadata"]
 
 
 def _check_tensors(path: Path, expected: dict[str, tuple], tensors: dict[str, torch.Tensor]) -> None:

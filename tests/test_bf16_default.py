@@ -105,6 +105,18 @@ def test_a_checkpoint_loaded_in_bf16_is_prepacked_too():
 
 
 @needs_bf16_pack
+def test_a_hugging_face_model_in_bf16_is_prepacked_too():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    state = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
+    model = mf.GPT.from_hf_state(cfg.to_dict(), state)  # the stored dtype: bf16
+    assert _packed(model) == 4 * 2 + 1 and _plain(model) == 0
+    assert _packed(mf.GPT.from_hf(hf)) == 0  # fp32: as it was
+
+
+@needs_bf16_pack
 def test_packed_and_plain_bf16_give_the_same_greedy_tokens(shakespeare):
     """The shipped model, batch 3 (oneDNN's packed product) and batch 1 (the one-row kernel);
     the logits of a decode step at one row within `BOUND`."""
