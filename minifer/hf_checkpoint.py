@@ -23,6 +23,7 @@ import torch
 
 from .device import as_device
 from .model import GPT
+from .pretrained import read_safetensors
 from .tokenizer import Tokenizer
 
 __all__ = ["load_hf_checkpoint", "read_hf_tensors"]
@@ -31,8 +32,6 @@ def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint folder: ``model.safetensors``, or the shards named in
     ``model.safetensors.index.json``. (safetensors only: a ``pytorch_model.bin`` pickle is
     refused, since loading a pickle can run code.)"""
-    from safetensors.torch import load_file
-
     folder = Path(folder).expanduser()
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -46,7 +45,7 @@ def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
                                 f"model.safetensors.index.json{pickled}")
     tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
-        tensors.update(load_file(str(folder / shard)))
+        tensors.update(read_safetensors(folder / shard, " (named by the folder's index)"))
     return tensors
 
 

@@ -158,12 +158,14 @@ def read_checkpoint_info(path: str | Path) -> dict:
     return info
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, missing: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (never a pickle). A missing file is a
+    FileNotFoundError (`missing` says what to do), a damaged one a ValueError naming the file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint weights not found: {path} ({REGENERATE_HINT})")
+        raise FileNotFoundError(f"checkpoint weights not found: {path}{missing}")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
@@ -186,7 +188,7 @@ def load_checkpoint(
     path = Path(path)
     info = read_checkpoint_info(path)
     config = GPTConfig.from_dict(info["config"])
-    tensors = _read_tensors(path)
+    tensors = read_safetensors(path, f" ({REGENERATE_HINT})")
     model = GPT(config)  # (a random init we overwrite: ~0.1 s, cheaper than importing meta tensors)
     expected = {k: tuple(v.shape) for k, v in _state_to_save(model).items()}
     _check_tensors(path, expected, tensors)

@@ -165,3 +165,11 @@ def test_http_server_chats_with_the_checkpoint_template(tmp_path):
                                       temperature=0)
     assert r.choices[0].message.content == ref.text
     assert r.usage.completion_tokens == ref.completion_tokens
+
+
+def test_a_damaged_shard_is_a_clear_error(tmp_path):
+    write_checkpoint(tmp_path, "llama", shard=True)
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"corrupt checkpoint weights .*{shard.name}"):
+        load_hf_checkpoint(tmp_path)
