@@ -336,7 +336,7 @@ def int8_row(row: list[float]) -> tuple[list[float], list[int], list[float], flo
 
 def quantization() -> Canvas:
     c = Canvas(760, 250, "int8 quantization of one weight row: a scale, rounding, and back")
-    c.text(380, 24, "Quantizing a weight row to int8 (lesson 08)", size=15, bold=True)
+    c.text(380, 24, "Quantizing a weight row to int8 (lesson 09)", size=15, bold=True)
     w_row, q_row, d_row, scale = int8_row(INT8_ROW)
     w = [f"{v:.2f}" for v in w_row]
     q = [str(v) for v in q_row]
@@ -363,7 +363,7 @@ def quantization() -> Canvas:
 def speculative() -> Canvas:
     c = Canvas(760, 270, "Speculative decoding: a small draft proposes k tokens, the target checks "
                "them in one pass and keeps the agreeing prefix plus one of its own")
-    c.text(380, 24, "Speculative decoding: propose, verify (lesson 09)", size=15, bold=True)
+    c.text(380, 24, "Speculative decoding: propose, verify (lesson 10)", size=15, bold=True)
     c.box(20, 60, 130, 44, "draft model\n(small, fast)", PURPLE, size=12)
     for i, t in enumerate(["the", "cat", "sat", "on"]):
         c.cell(180 + i * 60, 66, 56, 32, PURPLE, t, size=12)
@@ -389,7 +389,7 @@ def speculative() -> Canvas:
 
 def server() -> Canvas:
     c = Canvas(760, 260, "A request's path through the OpenAI-compatible server and the engine loop")
-    c.text(380, 24, "The server's request path (lesson 10)", size=15, bold=True)
+    c.text(380, 24, "The server's request path (lesson 11)", size=15, bold=True)
     c.box(20, 70, 120, 60, "client\n(httpx, openai)", GREY, size=12)
     c.box(190, 70, 150, 60, "HTTP server\nPOST /v1/completions\nvalidate, tokenize", BLUE, size=11)
     c.box(390, 70, 140, 60, "async engine\nqueue of requests", ORANGE, size=12)
@@ -414,7 +414,7 @@ def server() -> Canvas:
 def tensor_parallel() -> Canvas:
     c = Canvas(760, 290, "Tensor parallelism: a column-parallel layer then a row-parallel layer, "
                "joined by one all-reduce")
-    c.text(380, 24, "Tensor parallelism over 2 ranks (lesson 11)", size=15, bold=True)
+    c.text(380, 24, "Tensor parallelism over 2 ranks (lesson 12)", size=15, bold=True)
     c.box(20, 110, 70, 50, "x\n(all ranks)", GREY, size=12)
     for r, color in enumerate((BLUE, ORANGE)):
         y = 60 + r * 110
@@ -447,10 +447,10 @@ DIAGRAMS = {
     "06_sampling.svg": sampling,
     "07_paged_blocks.svg": paged_blocks,
     "07_batching.svg": batching,
-    "08_quantization.svg": quantization,
-    "09_speculative.svg": speculative,
-    "10_server.svg": server,
-    "11_tensor_parallel.svg": tensor_parallel,
+    "09_quantization.svg": quantization,
+    "10_speculative.svg": speculative,
+    "11_server.svg": server,
+    "12_tensor_parallel.svg": tensor_parallel,
 }
 
 
