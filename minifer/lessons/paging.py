@@ -1,4 +1,4 @@
-"""Lesson 07, part 2: paged vs reserve-the-maximum KV memory (KV-12), arithmetic over
+"""Lesson 08, part 1: paged vs reserve-the-maximum KV memory (KV-12), arithmetic over
 :mod:`minifer.roofline` and a seeded set of sequence lengths, with block-size and context sliders.
 """
 
