@@ -1,8 +1,9 @@
 """Draw the lessons' conceptual diagrams as SVG files in notebooks/diagrams/.
 
 One picture per lesson of the mechanism it teaches (the generation loop, prefill vs decode, the
-KV cache growing, the roofline, the KV cache's bytes, paged blocks, sampling, static vs continuous batching,
-quantization, speculative decoding, the server's request path, the tensor-parallel split). They
+KV cache growing, the roofline, the KV cache's bytes, sampling, a batched decode step, paged
+blocks, static vs continuous batching, quantization, speculative decoding, the server's request
+path, the tensor-parallel split). They
 are plain SVG, so they render on GitHub, nbviewer and in JupyterLab from a markdown cell
 (``![...](diagrams/NN_name.svg)``), and they are drawn by this script rather than by hand so that
 a change of style is one edit. ``tests/test_diagrams.py`` checks that the committed files are what
@@ -208,10 +209,47 @@ def kv_bytes() -> Canvas:
     return c
 
 
+BATCH_PROMPTS = [8, 3, 6, 2]  # the batched-step diagram's prompt lengths (tokens), one per row
+
+
+def batched_step() -> Canvas:
+    c = Canvas(760, 300, "One decode step for a batch: prompts left-padded to end at one slot, each "
+               "row's padding masked, every weight read once for all rows")
+    c.text(380, 24, "One decode step, many rows (lesson 07)", size=15, bold=True)
+    n, u = max(BATCH_PROMPTS), 26
+    c.text(40, 52, "prompts, left-padded (slots →)", size=12, bold=True, anchor="start")
+    for b, length in enumerate(BATCH_PROMPTS):
+        y = 64 + b * 30
+        c.text(34, y + 17, f"row {b}", size=11, anchor="end")
+        for k in range(n):
+            if k < n - length:
+                c.cell(40 + k * u, y, u - 2, 24, LIGHT[GREY])
+            else:
+                c.cell(40 + k * u, y, u - 2, 24, BLUE)
+        c.cell(40 + n * u + 6, y, u - 2, 24, GREEN, "+1")
+    c.text(40 + n * u + 18, 198, "new", size=11)
+    c.text(40 + n * u + 18, 211, "slot", size=11)
+    c.box(330, 80, 150, 56, "weights W\n(read once per step)", ORANGE, size=12, bold=True)
+    c.arrow(290, 108, 330, 108, "4 rows")
+    c.box(520, 80, 220, 56, "logits (4 × vocab)\n→ 4 next tokens, one per row", GREEN, size=12)
+    c.arrow(480, 108, 520, 108)
+    c.text(535, 165, "one matrix product of 4 rows instead of 4 products", size=12)
+    c.text(535, 181, "of 1 row: the bytes read stay, the FLOPs grow", size=12)
+    c.cell(40, 232, 14, 14, LIGHT[GREY])
+    c.text(60, 243, "padding: masked, never attended to", size=12, anchor="start")
+    c.cell(300, 232, 14, 14, BLUE)
+    c.text(320, 243, "a prompt token", size=12, anchor="start")
+    c.cell(450, 232, 14, 14, GREEN)
+    c.text(470, 243, "every row's new token, written at one slot", size=12, anchor="start")
+    c.text(40, 280, "each row's position counts from its first real token: position = slot − start "
+           "(start = its padding)", size=12, anchor="start")
+    return c
+
+
 def paged_blocks() -> Canvas:
     c = Canvas(760, 300, "Paged KV cache: each sequence's logical blocks map through a block table to "
                "physical blocks anywhere in one pool")
-    c.text(380, 24, "Paged KV cache and the block table (lesson 07)", size=15, bold=True)
+    c.text(380, 24, "Paged KV cache and the block table (lesson 08)", size=15, bold=True)
     c.text(110, 55, "sequences (logical blocks)", size=12, bold=True)
     seqs = {"A": (BLUE, [3, 0, 5]), "B": (ORANGE, [1, 6])}
     y = 70
@@ -284,7 +322,7 @@ def sampling() -> Canvas:
 def batching() -> Canvas:
     c = Canvas(760, 300, "Static batching holds a group until its longest request ends; continuous "
                "batching refills a freed slot at the next step")
-    c.text(380, 24, "Static vs continuous batching (lesson 07)", size=15, bold=True)
+    c.text(380, 24, "Static vs continuous batching (lesson 08)", size=15, bold=True)
     lengths = [3, 9, 4, 6, 2, 5]
     u = 24
 
@@ -445,8 +483,9 @@ DIAGRAMS = {
     "04_roofline.svg": roofline,
     "05_kv_bytes.svg": kv_bytes,
     "06_sampling.svg": sampling,
-    "07_paged_blocks.svg": paged_blocks,
-    "07_batching.svg": batching,
+    "07_batched_step.svg": batched_step,
+    "08_paged_blocks.svg": paged_blocks,
+    "08_batching.svg": batching,
     "09_quantization.svg": quantization,
     "10_speculative.svg": speculative,
     "11_server.svg": server,

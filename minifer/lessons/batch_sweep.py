@@ -26,7 +26,7 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 # =============================================================================================
-# 1. Measured: one decode step for a batch of sequences (BATCH-1, BATCH-2, MET-4)
+# 4. Measured: one decode step for a batch of sequences (BATCH-1, BATCH-2, MET-4)
 # =============================================================================================
 
 @dataclass(frozen=True)

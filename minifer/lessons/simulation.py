@@ -26,7 +26,7 @@ from .batch_sweep import REFERENCE_SWEEP, BatchSweep
 from .traces import DECODE, PREFILL, Trace, mark_held
 
 # =============================================================================================
-# 4. A queueing simulation driven by step times (BATCH-4 … BATCH-7)
+# 3 and 5. A queueing simulation driven by step times (BATCH-4 … BATCH-7)
 # =============================================================================================
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Lesson 08, parts 2–4: which request ran in which step. A :class:`Trace` comes from a
+"""Lesson 08, parts 3 and 4: which request ran in which step. A :class:`Trace` comes from a
 simulation (:mod:`.simulation`) or from the real engine (:func:`run_engine` drives a
 :class:`minifer.LLMEngine` step by step, requests arriving at given steps); :func:`gantt_figure`
 draws any trace.
@@ -93,7 +93,7 @@ def mark_held(trace: Trace) -> None:
 
 
 # =============================================================================================
-# 6. Static vs continuous: a Gantt chart of steps
+# 3. Static vs continuous: a Gantt chart of steps
 # =============================================================================================
 
 _STATE = {None: 0, "waiting": 1, PREFILL: 2, DECODE: 3, HELD: 4}
@@ -141,7 +141,7 @@ def gantt_figure(*traces: Trace, title: str | None = None) -> go.Figure:
 
 
 # =============================================================================================
-# 7. The real engine (needs minifer.LLMEngine)
+# 3 and 4. The real engine (needs minifer.LLMEngine)
 # =============================================================================================
 
 def run_engine(engine: Any, requests: Sequence[Arrival], arrival_steps: Sequence[int] | None = None,
