@@ -61,7 +61,7 @@ def test_the_diagrams_numbers_are_computed_by_minifer() -> None:
     draw = _draw_module()
     w, q, back, scale = draw.int8_row(draw.INT8_ROW)
     assert q == [30, -127, 8, 64] and abs(scale - 0.5 / 127) < 1e-9
-    quant = (DIAGRAMS / "08_quantization.svg").read_text()
+    quant = (DIAGRAMS / "09_quantization.svg").read_text()
     for v in q:
         assert f">{v}<" in quant
     assert ">0.118<" in quant and ">0.122<" not in quant

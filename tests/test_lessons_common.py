@@ -146,7 +146,7 @@ def test_log_axes_label_decades_or_1_2_5_steps():
 
 
 def test_log_axis_finds_a_subplot_and_labels_every_tick():
-    # (moved from lesson 07/10/11's own tick helper, now folded into common.log_axis)
+    # (moved from lessons 07/08/11/12's own tick helper, now folded into common.log_axis)
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, specs=[[{}, {"secondary_y": True}]])

@@ -1,4 +1,4 @@
-"""Lesson 08 builders: precision rows, figures, the panel callback, roofline and outliers."""
+"""Lesson 09 builders: precision rows, figures, the panel callback, roofline and outliers."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def test_perplexity_and_top1_in_one_pass(draft):
 
 
 def test_int16_pair_saturation_model_is_exact_for_small_operands_and_clips_large_ones():
-    """The model of a non-VNNI int8 kernel (lesson 08, QUANT-6) is exact where no pair sum
+    """The model of a non-VNNI int8 kernel (lesson 09, QUANT-6) is exact where no pair sum
     leaves int16 and clips where one does, so the lesson's verdict can tell the two apart."""
     from minifer.lessons import int_math as IM
 

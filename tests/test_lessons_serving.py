@@ -1,4 +1,4 @@
-"""Lesson 10's helpers: figures and the rate slider on hand-made numbers, the request helpers
+"""Lesson 11's helpers: figures and the rate slider on hand-made numbers, the request helpers
 and the experiments on real servers (127.0.0.1)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lesson 09: figure builders and the k / temperature panel, called without a kernel."""
+"""Lesson 10: figure builders and the k / temperature panel, called without a kernel."""
 
 from __future__ import annotations
 

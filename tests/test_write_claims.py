@@ -105,3 +105,17 @@ def test_machine_line_names_the_cpu_and_date(loads):
     line = wc.machine_line(runs)
     assert "2-core Some CPU (features: AVX2, AVX-512 VNNI)" in line and "2026-12-05" in line
     assert "torch 2.13.0+cpu" in line and "1 thread when" in line
+
+
+def test_a_record_under_another_lesson_number_is_refused(tmp_path):
+    """A lesson renumbered without its ``record("NN", ...)``: its figures would land in another
+    lesson's markers, so reading the records fails and names the notebook."""
+    root = _copy(tmp_path)
+    lesson, run = sorted(wc.recorded(root / "notebooks").items())[0]
+    path = root / "notebooks" / run["notebook"]
+    text = path.read_text(encoding="utf-8")
+    tag = f'\\"lesson\\": \\"{lesson}\\"'
+    assert tag in text
+    path.write_text(text.replace(tag, tag.replace(lesson, "99")), encoding="utf-8")
+    with pytest.raises(ValueError, match=run["notebook"]):
+        wc.recorded(root / "notebooks")

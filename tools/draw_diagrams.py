@@ -1,8 +1,9 @@
 """Draw the lessons' conceptual diagrams as SVG files in notebooks/diagrams/.
 
 One picture per lesson of the mechanism it teaches (the generation loop, prefill vs decode, the
-KV cache growing, the roofline, the KV cache's bytes, paged blocks, sampling, static vs continuous batching,
-quantization, speculative decoding, the server's request path, the tensor-parallel split). They
+KV cache growing, the roofline, the KV cache's bytes, sampling, a batched decode step, paged
+blocks, static vs continuous batching, quantization, speculative decoding, the server's request
+path, the tensor-parallel split). They
 are plain SVG, so they render on GitHub, nbviewer and in JupyterLab from a markdown cell
 (``![...](diagrams/NN_name.svg)``), and they are drawn by this script rather than by hand so that
 a change of style is one edit. ``tests/test_diagrams.py`` checks that the committed files are what
@@ -208,10 +209,47 @@ def kv_bytes() -> Canvas:
     return c
 
 
+BATCH_PROMPTS = [8, 3, 6, 2]  # the batched-step diagram's prompt lengths (tokens), one per row
+
+
+def batched_step() -> Canvas:
+    c = Canvas(760, 300, "One decode step for a batch: prompts left-padded to end at one slot, each "
+               "row's padding masked, every weight read once for all rows")
+    c.text(380, 24, "One decode step, many rows (lesson 07)", size=15, bold=True)
+    n, u = max(BATCH_PROMPTS), 26
+    c.text(40, 52, "prompts, left-padded (slots →)", size=12, bold=True, anchor="start")
+    for b, length in enumerate(BATCH_PROMPTS):
+        y = 64 + b * 30
+        c.text(34, y + 17, f"row {b}", size=11, anchor="end")
+        for k in range(n):
+            if k < n - length:
+                c.cell(40 + k * u, y, u - 2, 24, LIGHT[GREY])
+            else:
+                c.cell(40 + k * u, y, u - 2, 24, BLUE)
+        c.cell(40 + n * u + 6, y, u - 2, 24, GREEN, "+1")
+    c.text(40 + n * u + 18, 198, "new", size=11)
+    c.text(40 + n * u + 18, 211, "slot", size=11)
+    c.box(330, 80, 150, 56, "weights W\n(read once per step)", ORANGE, size=12, bold=True)
+    c.arrow(290, 108, 330, 108, "4 rows")
+    c.box(520, 80, 220, 56, "logits (4 × vocab)\n→ 4 next tokens, one per row", GREEN, size=12)
+    c.arrow(480, 108, 520, 108)
+    c.text(535, 165, "one matrix product of 4 rows instead of 4 products", size=12)
+    c.text(535, 181, "of 1 row: the bytes read stay, the FLOPs grow", size=12)
+    c.cell(40, 232, 14, 14, LIGHT[GREY])
+    c.text(60, 243, "padding: masked, never attended to", size=12, anchor="start")
+    c.cell(300, 232, 14, 14, BLUE)
+    c.text(320, 243, "a prompt token", size=12, anchor="start")
+    c.cell(450, 232, 14, 14, GREEN)
+    c.text(470, 243, "every row's new token, written at one slot", size=12, anchor="start")
+    c.text(40, 280, "each row's position counts from its first real token: position = slot − start "
+           "(start = its padding)", size=12, anchor="start")
+    return c
+
+
 def paged_blocks() -> Canvas:
     c = Canvas(760, 300, "Paged KV cache: each sequence's logical blocks map through a block table to "
                "physical blocks anywhere in one pool")
-    c.text(380, 24, "Paged KV cache and the block table (lesson 07)", size=15, bold=True)
+    c.text(380, 24, "Paged KV cache and the block table (lesson 08)", size=15, bold=True)
     c.text(110, 55, "sequences (logical blocks)", size=12, bold=True)
     seqs = {"A": (BLUE, [3, 0, 5]), "B": (ORANGE, [1, 6])}
     y = 70
@@ -284,7 +322,7 @@ def sampling() -> Canvas:
 def batching() -> Canvas:
     c = Canvas(760, 300, "Static batching holds a group until its longest request ends; continuous "
                "batching refills a freed slot at the next step")
-    c.text(380, 24, "Static vs continuous batching (lesson 07)", size=15, bold=True)
+    c.text(380, 24, "Static vs continuous batching (lesson 08)", size=15, bold=True)
     lengths = [3, 9, 4, 6, 2, 5]
     u = 24
 
@@ -336,7 +374,7 @@ def int8_row(row: list[float]) -> tuple[list[float], list[int], list[float], flo
 
 def quantization() -> Canvas:
     c = Canvas(760, 250, "int8 quantization of one weight row: a scale, rounding, and back")
-    c.text(380, 24, "Quantizing a weight row to int8 (lesson 08)", size=15, bold=True)
+    c.text(380, 24, "Quantizing a weight row to int8 (lesson 09)", size=15, bold=True)
     w_row, q_row, d_row, scale = int8_row(INT8_ROW)
     w = [f"{v:.2f}" for v in w_row]
     q = [str(v) for v in q_row]
@@ -363,7 +401,7 @@ def quantization() -> Canvas:
 def speculative() -> Canvas:
     c = Canvas(760, 270, "Speculative decoding: a small draft proposes k tokens, the target checks "
                "them in one pass and keeps the agreeing prefix plus one of its own")
-    c.text(380, 24, "Speculative decoding: propose, verify (lesson 09)", size=15, bold=True)
+    c.text(380, 24, "Speculative decoding: propose, verify (lesson 10)", size=15, bold=True)
     c.box(20, 60, 130, 44, "draft model\n(small, fast)", PURPLE, size=12)
     for i, t in enumerate(["the", "cat", "sat", "on"]):
         c.cell(180 + i * 60, 66, 56, 32, PURPLE, t, size=12)
@@ -389,7 +427,7 @@ def speculative() -> Canvas:
 
 def server() -> Canvas:
     c = Canvas(760, 260, "A request's path through the OpenAI-compatible server and the engine loop")
-    c.text(380, 24, "The server's request path (lesson 10)", size=15, bold=True)
+    c.text(380, 24, "The server's request path (lesson 11)", size=15, bold=True)
     c.box(20, 70, 120, 60, "client\n(httpx, openai)", GREY, size=12)
     c.box(190, 70, 150, 60, "HTTP server\nPOST /v1/completions\nvalidate, tokenize", BLUE, size=11)
     c.box(390, 70, 140, 60, "async engine\nqueue of requests", ORANGE, size=12)
@@ -414,7 +452,7 @@ def server() -> Canvas:
 def tensor_parallel() -> Canvas:
     c = Canvas(760, 290, "Tensor parallelism: a column-parallel layer then a row-parallel layer, "
                "joined by one all-reduce")
-    c.text(380, 24, "Tensor parallelism over 2 ranks (lesson 11)", size=15, bold=True)
+    c.text(380, 24, "Tensor parallelism over 2 ranks (lesson 12)", size=15, bold=True)
     c.box(20, 110, 70, 50, "x\n(all ranks)", GREY, size=12)
     for r, color in enumerate((BLUE, ORANGE)):
         y = 60 + r * 110
@@ -445,12 +483,13 @@ DIAGRAMS = {
     "04_roofline.svg": roofline,
     "05_kv_bytes.svg": kv_bytes,
     "06_sampling.svg": sampling,
-    "07_paged_blocks.svg": paged_blocks,
-    "07_batching.svg": batching,
-    "08_quantization.svg": quantization,
-    "09_speculative.svg": speculative,
-    "10_server.svg": server,
-    "11_tensor_parallel.svg": tensor_parallel,
+    "07_batched_step.svg": batched_step,
+    "08_paged_blocks.svg": paged_blocks,
+    "08_batching.svg": batching,
+    "09_quantization.svg": quantization,
+    "10_speculative.svg": speculative,
+    "11_server.svg": server,
+    "12_tensor_parallel.svg": tensor_parallel,
 }
 
 

@@ -53,7 +53,9 @@ def _text(value) -> str:
 
 def recorded(notebooks: Path = NOTEBOOKS) -> dict[str, dict]:
     """{lesson "NN": {"figures": {...}, "machine": {...}, "notebook": name}} from the stored
-    outputs of the lessons (several record lines in one lesson are merged, later ones win)."""
+    outputs of the lessons (several record lines in one lesson are merged, later ones win).
+    A ValueError for a record whose lesson is not its notebook's number (a renumbered lesson
+    whose ``record("NN", ...)`` was not renumbered with it)."""
     found: dict[str, dict] = {}
     for path in sorted(notebooks.glob("[0-9][0-9]_*.ipynb")):
         nb = json.loads(path.read_text(encoding="utf-8"))
@@ -63,6 +65,10 @@ def recorded(notebooks: Path = NOTEBOOKS) -> dict[str, dict]:
                     if not line.startswith(TAG):
                         continue
                     row = json.loads(line[len(TAG):])
+                    if row["lesson"] != path.name[:2]:
+                        raise ValueError(f"{path.name} records its figures as lesson "
+                                         f"{row['lesson']!r}: record() must name the notebook's "
+                                         f"number, {path.name[:2]!r}")
                     lesson = found.setdefault(row["lesson"], {"figures": {}, "notebook": path.name})
                     lesson["figures"].update(row["figures"])
                     lesson["machine"] = row["machine"]

@@ -1,4 +1,4 @@
-"""Lesson 07, part 1: one decode step for a batch of sequences, measured (BATCH-1, BATCH-2, MET-4).
+"""Lesson 07, measured: one decode step for a batch of sequences, measured (BATCH-1, BATCH-2, MET-4).
 
 :class:`BatchSweep` holds a sweep timed with :func:`minifer.bench.decode.time_decode_step`;
 the figure and panel show step time, per-user and server tokens/s beside the claims' reference
@@ -26,7 +26,7 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 # =============================================================================================
-# 1. Measured: one decode step for a batch of sequences (BATCH-1, BATCH-2, MET-4)
+# 4. Measured: one decode step for a batch of sequences (BATCH-1, BATCH-2, MET-4)
 # =============================================================================================
 
 @dataclass(frozen=True)

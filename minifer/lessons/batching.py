@@ -1,28 +1,16 @@
-"""Lesson 07, batching and serving: many users share one model (claims BATCH-1, BATCH-2,
-BATCH-4 … BATCH-7, MET-4, KV-12; prefix caching).
+"""Lesson 07, batching: one decode step for many sequences (claims BATCH-1, BATCH-2, MET-4).
 
-This module is the lesson's namespace (``from minifer.lessons import batching as B``); each part
-lives in a module of its own, a set of plain functions that return tables or plotly figures
-(slider callbacks included, so tests can call them):
-
-* :mod:`.batch_sweep` — a measured batch sweep (BATCH-1, BATCH-2, MET-4): one decode step for
-  1 … 64 sequences; :class:`BatchSweep` holds it, :func:`batch_figure` shows step time, per-user
-  and server tokens/s beside the claims' reference CPU;
-* :mod:`.paging` — paged vs reserved KV memory (KV-12): arithmetic over :mod:`minifer.roofline`
-  and a seeded set of sequence lengths, with block-size and context sliders;
-* :mod:`.simulation` — :func:`simulate` runs a workload through the engine's own scheduler on a
-  simulated clock whose step times come from a :class:`StepCosts` (measured, or the claims'
-  reference CPU), producing the same :class:`Trace` as a real engine run (BATCH-4, BATCH-5);
-* :mod:`.load` — latency against load on that simulation, and the batch limit a latency target
-  allows (BATCH-6, BATCH-7);
-* :mod:`.traces` — which request ran in which step: :func:`run_engine` drives a
-  :class:`minifer.LLMEngine` step by step with requests arriving at given steps, and
-  :func:`gantt_figure` draws any :class:`Trace`.
+This module is the lesson's namespace (``from minifer.lessons import batching as B``). The
+lesson's learner writes the batched step, left padding and its mask in the notebook itself; what
+lives here runs after that, at scale: :mod:`.batch_sweep` times one decode step for 1 … 64
+sequences (:func:`measure_sweep`, the same function as ``python -m minifer.bench decode``),
+:class:`BatchSweep` holds it beside the claims' reference CPU (:data:`REFERENCE_SWEEP`), and
+:func:`batch_figure` / :func:`batch_panel` show step time, per-user and server tokens/s with a
+batch-size slider. (Lesson 08's paging and scheduling: :mod:`minifer.lessons.scheduling`.)
 """
 
 from __future__ import annotations
 
-from ..serve.scheduler import POLICIES
 from .batch_sweep import (  # noqa: F401
     BATCHES,
     REFERENCE_SWEEP,
@@ -32,44 +20,6 @@ from .batch_sweep import (  # noqa: F401
     measure_sweep,
     sweep_table,
 )
-from .load import (  # noqa: F401
-    LIMIT_COLORS,
-    RATES,
-    SEQ_LIMITS,
-    at_rate,
-    load_figure,
-    load_panel,
-    load_point,
-    load_rows,
-    load_workload,
-    pick_batch_limit,
-    rates_for,
-)
-from .paging import (  # noqa: F401
-    BLOCK_SIZES,
-    CONTEXTS,
-    TYPICAL_LENGTH,
-    paging_figure,
-    paging_panel,
-    paging_rows,
-    sequence_lengths,
-)
-from .simulation import (  # noqa: F401
-    REFERENCE_COSTS,
-    StepCosts,
-    measure_costs,
-    simulate,
-)
-from .traces import (  # noqa: F401
-    DECODE,
-    HELD,
-    PREFILL,
-    Trace,
-    fastest_steps_s,
-    gantt_figure,
-    mark_held,
-    run_engine,
-    sequential_ttft,
-)
 
-__all__ = ['BATCHES', 'BLOCK_SIZES', 'BatchSweep', 'CONTEXTS', 'DECODE', 'HELD', 'LIMIT_COLORS', 'POLICIES', 'PREFILL', 'RATES', 'REFERENCE_COSTS', 'REFERENCE_SWEEP', 'SEQ_LIMITS', 'StepCosts', 'TYPICAL_LENGTH', 'Trace', 'at_rate', 'batch_figure', 'batch_panel', 'fastest_steps_s', 'gantt_figure', 'load_figure', 'load_panel', 'load_point', 'load_rows', 'load_workload', 'mark_held', 'measure_costs', 'measure_sweep', 'paging_figure', 'paging_panel', 'paging_rows', 'pick_batch_limit', 'rates_for', 'run_engine', 'sequence_lengths', 'sequential_ttft', 'simulate', 'sweep_table']
+__all__ = ['BATCHES', 'BatchSweep', 'REFERENCE_SWEEP', 'batch_figure', 'batch_panel', 'measure_sweep',
+           'sweep_table']

@@ -1,4 +1,4 @@
-"""Lesson 10: requests competing inside one server. A long prompt's prefill stalls the other
+"""Lesson 11: requests competing inside one server. A long prompt's prefill stalls the other
 requests' decode steps unless it is chunked (BATCH-8, PD-11), and priorities with aging decide
 who waits (BATCH-9). Each experiment streams real requests at an in-process server and reads
 the token times the clients saw.

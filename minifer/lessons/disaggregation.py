@@ -1,4 +1,4 @@
-"""Lesson 11's disaggregated prefill and decode (claim PD-12): the runs, a table, a figure.
+"""Lesson 12's disaggregated prefill and decode (claim PD-12): the runs, a table, a figure.
 
 The measuring is `minifer.bench.disagg`'s (the ``python -m minifer.bench disagg`` command runs
 the same load at a larger scale); this module sizes it for a notebook — a few seconds on two

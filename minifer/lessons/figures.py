@@ -301,5 +301,5 @@ def style(fig: go.Figure, title: str, x: str | None = None, y: str | None = None
 
 def wide_layout(fig: go.Figure, title: str, *, width: int = 1000, height: int = 380) -> go.Figure:
     """`style` for a wide figure whose title takes two lines: ``top=90`` keeps the title clear
-    of the subplot titles under it (lesson 07's figures)."""
+    of the subplot titles under it (lessons 07 and 08's figures)."""
     return style(fig, title, width=width, height=height + 20, title_size=13, top=90)

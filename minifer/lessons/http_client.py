@@ -1,4 +1,4 @@
-"""Lesson 10's client side: the course talks to its server over HTTP as any client would
+"""Lesson 11's client side: the course talks to its server over HTTP as any client would
 (httpx, server-sent events). One request, streamed or not (REQ-1, REQ-3, REQ-5), the metrics
 endpoint (MET-1), a burst and a client that hangs up (MET-5), and running a coroutine from a
 notebook cell. Used by :mod:`.serving` (the load sweep) and :mod:`.contention`.

@@ -1,4 +1,4 @@
-"""Lesson 08, integer arithmetic (QUANT-6): int8 × int8 → int32 matmuls are exact; timed against
+"""Lesson 09, integer arithmetic (QUANT-6): int8 × int8 → int32 matmuls are exact; timed against
 fp32 and bf16 at a decode and a prefill shape, they show where integer math is faster and where
 only the bytes shrink.
 """

@@ -1,4 +1,4 @@
-"""Lesson 07, part 5: latency against load (BATCH-6, BATCH-7) — simulated load sweeps, the
+"""Lesson 08, part 5: latency against load (BATCH-6, BATCH-7) — simulated load sweeps, the
 batch limit a latency target allows, and their figures and panel.
 """
 

@@ -1,4 +1,4 @@
-"""Lesson 08, the outlier experiment (QUANT-4): a few large input channels spoil every row's
+"""Lesson 09, the outlier experiment (QUANT-4): a few large input channels spoil every row's
 int8 scale; per-tensor vs per-channel scales, and keeping the outlier channels in full precision.
 """
 

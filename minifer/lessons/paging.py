@@ -1,4 +1,4 @@
-"""Lesson 07, part 2: paged vs reserve-the-maximum KV memory (KV-12), arithmetic over
+"""Lesson 08, part 1: paged vs reserve-the-maximum KV memory (KV-12), arithmetic over
 :mod:`minifer.roofline` and a seeded set of sequence lengths, with block-size and context sliders.
 """
 
@@ -17,7 +17,7 @@ from ..serve.workload import LogNormal
 from .common import control, log_axis, panel, sig, wide_layout
 
 # =============================================================================================
-# 2. Paged vs reserve-the-maximum KV memory (KV-12), arithmetic
+# 1. Paged vs reserve-the-maximum KV memory (KV-12), arithmetic
 # =============================================================================================
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

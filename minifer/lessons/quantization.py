@@ -1,4 +1,4 @@
-"""Lesson 08 — quantization: what each precision costs in quality and buys in bytes and speed.
+"""Lesson 09 — quantization: what each precision costs in quality and buys in bytes and speed.
 
 Plain functions first (each testable without a notebook): quality of every precision on the
 trained Shakespeare model, measured decode time, the roofline view of QUANT-2 and the outlier

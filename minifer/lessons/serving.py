@@ -1,4 +1,4 @@
-"""Lesson 10: a real server under load (claims REQ-1, REQ-3, REQ-5, MET-1, MET-3, MET-5, BATCH-8,
+"""Lesson 11: a real server under load (claims REQ-1, REQ-3, REQ-5, MET-1, MET-3, MET-5, BATCH-8,
 BATCH-9, PD-11). This module is the lesson's namespace (``S.*``): the load sweep and its figure
 live here; the client side (one request, metrics, limits) in :mod:`.http_client`, requests
 competing in one server (a long prefill, priorities) in :mod:`.contention`.

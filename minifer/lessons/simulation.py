@@ -1,4 +1,4 @@
-"""Lesson 07, part 4: a queueing simulation driven by step times (BATCH-4 … BATCH-7).
+"""Lesson 08, parts 3 and 5: a queueing simulation driven by step times (BATCH-4 … BATCH-7).
 
 :func:`simulate` runs a workload through the engine's own :class:`minifer.serve.scheduler.Scheduler`
 on a simulated clock whose step times come from a :class:`StepCosts` (measured, or the claims'
@@ -26,7 +26,7 @@ from .batch_sweep import REFERENCE_SWEEP, BatchSweep
 from .traces import DECODE, PREFILL, Trace, mark_held
 
 # =============================================================================================
-# 4. A queueing simulation driven by step times (BATCH-4 … BATCH-7)
+# 3 and 5. A queueing simulation driven by step times (BATCH-4 … BATCH-7)
 # =============================================================================================
 
 @dataclass(frozen=True)

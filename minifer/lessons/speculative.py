@@ -1,4 +1,4 @@
-"""Lesson 09, speculative decoding: the reference run beside ours, a k sweep with Leviathan et
+"""Lesson 10, speculative decoding: the reference run beside ours, a k sweep with Leviathan et
 al.'s expected speed-up laid over the measurement, predictable vs creative text, the exactness
 of speculative *sampling* made visible, and a k / temperature panel."""
 

@@ -1,4 +1,4 @@
-"""Lesson 07, parts 3 and 6–7: which request ran in which step. A :class:`Trace` comes from a
+"""Lesson 08, parts 3 and 4: which request ran in which step. A :class:`Trace` comes from a
 simulation (:mod:`.simulation`) or from the real engine (:func:`run_engine` drives a
 :class:`minifer.LLMEngine` step by step, requests arriving at given steps); :func:`gantt_figure`
 draws any trace.
@@ -93,7 +93,7 @@ def mark_held(trace: Trace) -> None:
 
 
 # =============================================================================================
-# 6. Static vs continuous: a Gantt chart of steps
+# 3. Static vs continuous: a Gantt chart of steps
 # =============================================================================================
 
 _STATE = {None: 0, "waiting": 1, PREFILL: 2, DECODE: 3, HELD: 4}
@@ -116,7 +116,7 @@ def _grid(trace: Trace, n_steps: int) -> list[list[int]]:
 
 def gantt_figure(*traces: Trace, title: str | None = None) -> go.Figure:
     """Which request ran in which step, one panel per trace (same step axis): dark blue the
-    prefill step (first token), light blue a decode step, grey waiting after arrival, orange a
+    prefill step (first token), light blue a decode step, grey waiting after arrival, light orange a
     finished request still holding its slot in a static batch."""
     n_steps = max(len(t.steps) for t in traces)
     fig = make_subplots(rows=1, cols=len(traces), shared_yaxes=True, horizontal_spacing=0.04,
@@ -141,7 +141,7 @@ def gantt_figure(*traces: Trace, title: str | None = None) -> go.Figure:
 
 
 # =============================================================================================
-# 7. The real engine (needs minifer.LLMEngine)
+# 3 and 4. The real engine (needs minifer.LLMEngine)
 # =============================================================================================
 
 def run_engine(engine: Any, requests: Sequence[Arrival], arrival_steps: Sequence[int] | None = None,
