@@ -319,7 +319,7 @@ def accept_with_ratio(p_d: torch.Tensor, q_d: torch.Tensor, u: torch.Tensor) -> 
 
     Written without a division, so q(d) = 0 (a token the draft could not have sampled) accepts
     when p(d) > 0 and never when p(d) = 0. Any other rule (`accept=` of `speculative_generate`)
-    changes what the output follows; lesson 09 passes a wrong one to show it.
+    changes what the output follows; lesson 10 passes a wrong one to show it.
     """
     return u * q_d < p_d
 

@@ -33,7 +33,7 @@ VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_v
 
 def _int_mm_exact() -> bool:
     """Does ``torch._int_mm`` return exact sums here? (torch 2.4 on x86 CPUs without VNNI adds
-    pairs of products in int16 and clips them, as does oneDNN capped at AVX2; lesson 08 shows
+    pairs of products in int16 and clips them, as does oneDNN capped at AVX2; lesson 09 shows
     it.) Checked once, on random int8 operands of a few shapes, and on operands whose pair sums
     overflow int16 where a kernel widens them to unsigned bytes."""
     try:
