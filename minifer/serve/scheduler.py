@@ -270,9 +270,7 @@ class Scheduler:
         `budget` last."""
         candidates = sorted(self.waiting, key=self.rank)
         if self.policy == "static":
-            if not self.running and not any(r.request_id in self.group for r in self.waiting):
-                self.group = {r.request_id for r in candidates[:self.max_num_seqs]}
-            candidates = [r for r in candidates if r.request_id in self.group]
+            candidates = self._static_group(candidates)
         for req in candidates:
             if len(self.running) >= self.max_num_seqs or budget == 0:
                 break
@@ -289,3 +287,10 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(Chunk(req, cached, n, self.bm.block_table(req.request_id)))
             budget -= n
+
+    def _static_group(self, candidates: list[Request]) -> list[Request]:
+        """The static policy's candidates: the waiting members of the group being served, or,
+        once the group has finished, the next group (the first `max_num_seqs`)."""
+        if not self.running and not any(r.request_id in self.group for r in self.waiting):
+            self.group = {r.request_id for r in candidates[:self.max_num_seqs]}
+        return [r for r in candidates if r.request_id in self.group]
