@@ -180,8 +180,7 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.finish(req)
-        now = time.perf_counter()
-        req.metrics.finished_time, req.metrics.finish_reason = now, "abort"
+        req.metrics.on_finish(time.perf_counter(), "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -210,9 +209,7 @@ class LLMEngine:
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run `prompts` (a list of texts or of token-id lists) to completion; outputs in order.
-
-        `params`: one `SamplingParams` for all prompts, or one per prompt.
-        """
+        `params`: one `SamplingParams` for all prompts, or one per prompt."""
         prompts, params = generate_arguments(prompts, params)
         ids: list[str] = []
         final: dict[str, RequestOutput] = {}
