@@ -43,7 +43,7 @@ class Block:
 
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the block is full and its K/V computed
+    hash: int | None = None  # set once full and computed; unique (`_by_hash` maps it back)
     tokens: tuple[int, ...] = ()  # the tokens behind `hash` (checked on every hit)
 
 
@@ -61,8 +61,8 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
                  bytes_per_token: int = 0) -> None:
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            check_int(name, value, 1)
+        check_int("num_blocks", num_blocks, 1)
+        check_int("block_size", block_size, 1)
         check_int("bytes_per_token", bytes_per_token, 0)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -151,8 +151,12 @@ class BlockManager:
 
     def can_allocate(self, tokens: Sequence[int]) -> bool:
         """Whether `allocate` of a sequence holding `tokens` would find enough free blocks."""
-        hits = self._prefix_hits(tokens)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # these leave the free list
+        return self._fits(tokens, self._prefix_hits(tokens))
+
+    def _fits(self, tokens: Sequence[int], hits: list[int]) -> bool:
+        """Whether the free list holds the fresh blocks `tokens` needs beyond its cached `hits`,
+        and the hits no sequence uses (they leave the free list too)."""
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         fresh = self.blocks_for(len(tokens)) - len(hits)
         return fresh + revived <= self.num_free_blocks
 
@@ -161,12 +165,10 @@ class BlockManager:
         K/V are already cached (a multiple of `block_size`, always < len(tokens))."""
         if seq in self.tables:
             raise ValueError(f"sequence {seq!r} already has blocks; free it first")
-        if not tokens:
-            raise ValueError("allocate needs at least one token")
-        if not self.can_allocate(tokens):
+        hits = self._prefix_hits(tokens)
+        if not self._fits(tokens, hits):
             raise RuntimeError(f"not enough free blocks for {len(tokens)} tokens "
                                f"({self.num_free_blocks} free); check can_allocate first")
-        hits = self._prefix_hits(tokens)
         if self.enable_prefix_caching:
             self.queried_blocks += (len(tokens) - 1) // self.block_size
             self.hit_blocks += len(hits)
@@ -224,13 +226,9 @@ class BlockManager:
         del self.num_tokens[seq], self._hashed[seq]
         for bid in reversed(table):
             block = self.blocks[bid]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {bid} freed more often than allocated")
             block.ref_count -= 1
             if block.ref_count == 0:
-                if block.hash is None or self._by_hash.get(block.hash) != bid:
-                    self._forget(block)
-                self._free[bid] = None  # at the end: most recently freed
+                self._free[bid] = None  # at the end: most recently freed; a named block stays
 
     # ---- internals ---------------------------------------------------------------------
     def _take(self, bid: int) -> None:
@@ -242,17 +240,12 @@ class BlockManager:
     def _take_fresh(self) -> int:
         bid, _ = self._free.popitem(last=False)  # least recently freed
         block = self.blocks[bid]
-        if block.hash is not None:
-            if self._by_hash.get(block.hash) == bid:
-                del self._by_hash[block.hash]
+        if block.hash is not None:  # a cached prefix block, evicted for new contents
+            del self._by_hash[block.hash]
+            block.hash, block.tokens = None, ()
             self.evictions += 1
-        self._forget(block)
         block.ref_count = 1
         return bid
-
-    @staticmethod
-    def _forget(block: Block) -> None:
-        block.hash, block.tokens = None, ()
 
     def check(self) -> None:
         """Assert the bookkeeping is consistent (tests call this; cheap enough to call often)."""
@@ -265,6 +258,8 @@ class BlockManager:
             assert (n == 0) == (block.block_id in self._free), f"block {block.block_id} free list"
         for h, bid in self._by_hash.items():
             assert self.blocks[bid].hash == h, f"hash map points at block {bid} with another hash"
+        for block in self.blocks:  # a name is unique: a block's hash maps back to the block
+            assert block.hash is None or self._by_hash.get(block.hash) == block.block_id
 
     def __repr__(self) -> str:
         return (f"BlockManager(blocks={self.num_blocks}, block_size={self.block_size}, "

@@ -52,8 +52,6 @@ class EngineConfig:
     def resolved(self, model: torch.nn.Module) -> EngineConfig:
         """Every field checked against `model` (ValueErrors name the field and its range) and
         the defaults filled in, before anything is allocated."""
-        from ..device import as_device
-
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         cfg, model_device = model.config, next(model.parameters()).device
@@ -74,10 +72,17 @@ class EngineConfig:
         if self.sample_vocab is not None:
             check_int("sample_vocab", self.sample_vocab, 1, cfg.vocab_size)
         check_read(self.kv_read)
-        device = as_device(self.device) if self.device is not None else model_device
-        if device != model_device and not (device.type == model_device.type
-                                           and device.index is None):
-            raise ValueError(f"device={self.device!r} but the model is on {model_device}; move "
-                             f"the model first (model.to(device)) or leave device=None")
+        device = model_device if self.device is None else _model_device(self.device, model_device)
         return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                    device=str(device), aging=float(self.aging))
+
+
+def _model_device(device: str, model_device: torch.device) -> torch.device:
+    """`device`, checked to exist and to be where the model is (``"cuda"`` for ``cuda:0``)."""
+    from ..device import as_device
+
+    dev = as_device(device)
+    if dev != model_device and not (dev.type == model_device.type and dev.index is None):
+        raise ValueError(f"device={device!r} but the model is on {model_device}; move "
+                         f"the model first (model.to(device)) or leave device=None")
+    return dev

@@ -1,8 +1,9 @@
 """The one loop every front of the engine runs: take what arrived, step, hand the outputs on.
 
-`LLMEngine.generate` (in process), `AsyncEngine` (a thread of the server), `engine_process`
-(a process of its own) and the two workers of disaggregated serving differ only in where
-requests come from and where outputs go; the loop itself is this:
+`AsyncEngine` (a thread of the server), `engine_process` (a process of its own) and the two
+workers of disaggregated serving differ only in where requests come from and where outputs go;
+the loop itself is this (`LLMEngine.generate`, which has all its requests at the start, steps
+until they are done):
 
     while take(idle):          # apply new requests and aborts (waiting for some while idle)
         if the engine has work:

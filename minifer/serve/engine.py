@@ -32,34 +32,44 @@ from ..sequence import check_weights
 from ..tokenizer import TokenizerLike
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .driver import drive
 from .kv_pool import PagedKVPool
 from .model_runner import ModelRunner
 from .options import generate_arguments, prepare_request
 from .request import Request, RequestOutput
-from .scheduler import Chunk, Scheduler, SchedulerOutput
+from .scheduler import Scheduler, SchedulerOutput
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "StepStats"]
 
 
+@dataclasses.dataclass(frozen=True)
 class StepStats:
-    """What the last step did (for lessons: which request ran in which step)."""
+    """What the last step did (for lessons: which request ran in which step), read off its
+    plan when asked."""
 
-    def __init__(self, out: SchedulerOutput, duration_s: float) -> None:
-        self.prefill = [(c.request.request_id, c.num_new) for c in out.chunks if not _decodes(c)]
-        self.decode = [c.request.request_id for c in out.chunks if _decodes(c)]
-        self.preempted = [r.request_id for r in out.preempted]
-        self.num_tokens = out.num_tokens
-        self.duration_s = duration_s
+    plan: SchedulerOutput
+    duration_s: float
+
+    @property
+    def prefill(self) -> list[tuple[str, int]]:
+        """(request id, tokens fed) of each prompt chunk (or recomputation)."""
+        return [(c.request.request_id, c.num_new) for c in self.plan.chunks if not c.decodes]
+
+    @property
+    def decode(self) -> list[str]:
+        """The ids of the requests that fed back one sampled token."""
+        return [c.request.request_id for c in self.plan.chunks if c.decodes]
+
+    @property
+    def preempted(self) -> list[str]:
+        return [r.request_id for r in self.plan.preempted]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.plan.num_tokens
 
     def __repr__(self) -> str:
         return (f"StepStats(decode={len(self.decode)}, prefill={self.prefill}, "
                 f"preempted={self.preempted}, {self.duration_s * 1e3:.1f} ms)")
-
-
-def _decodes(c: Chunk) -> bool:
-    """A one-token chunk right after cached tokens: a decode step."""
-    return c.num_new == 1 and c.start > 0
 
 
 class LLMEngine:
@@ -122,7 +132,7 @@ class LLMEngine:
         seq, vocab = prepare_request(self.model, self.tokenizer, prompt, params,
                                      priority=priority, arrival_time=arrival_time,
                                      request_id=request_id, logprobs=logprobs,
-                                     min_tokens=min_tokens, device=self.device)
+                                     min_tokens=min_tokens)
         self.scheduler.check_fits(seq)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -170,8 +180,7 @@ class LLMEngine:
         if req is None:
             return False
         self.scheduler.finish(req)
-        now = time.perf_counter()
-        req.metrics.finished_time, req.metrics.finish_reason = now, "abort"
+        req.metrics.on_finish(time.perf_counter(), "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -200,17 +209,15 @@ class LLMEngine:
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run `prompts` (a list of texts or of token-id lists) to completion; outputs in order.
-
-        `params`: one `SamplingParams` for all prompts, or one per prompt.
-        """
+        `params`: one `SamplingParams` for all prompts, or one per prompt."""
         prompts, params = generate_arguments(prompts, params)
         ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:
             for p, sp in zip(prompts, params):
                 ids.append(self.add_request(p, sp))
-            drive(self, lambda idle: not idle,  # step until nothing is left
-                  lambda outs: final.update((o.request_id, o) for o in outs if o.finished))
+            while self.has_unfinished():
+                final.update((o.request_id, o) for o in self.step() if o.finished)
         except BaseException:
             for rid in ids:  # a refused request, a step that raised: leave nothing behind
                 self.abort(rid)

@@ -57,8 +57,7 @@ class ModelRunner:
         if not chunks:
             return []
         # one-token rows first (`minifer.fast.paged` batches their attention); order kept otherwise
-        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new != 1)
-        rows = [chunks[i] for i in order]
+        rows = sorted(chunks, key=lambda c: c.num_new != 1)
         due = [j for j, c in enumerate(rows) if c.completes]
         ids = [t for c in rows for t in c.request.tokens[c.start:c.start + c.num_new]]
         batch = PackedBatch(self.pool, [c.block_table for c in rows], [c.start for c in rows],
@@ -73,9 +72,8 @@ class ModelRunner:
             if not due:
                 return []
             picked = self.sample([rows[j].request for j in due], logits)
-        by_row = dict(zip(due, picked))
-        pos = {i: j for j, i in enumerate(order)}  # chunk index -> packed row
-        return [by_row[pos[i]] for i, c in enumerate(chunks) if c.completes]
+        token_of = {id(rows[j]): t for j, t in zip(due, picked)}  # back in the order of `chunks`
+        return [token_of[id(c)] for c in chunks if c.completes]
 
     def sample(self, requests: list[Request], logits: torch.Tensor) -> list[int | Exception]:
         """One token per request from its logits row; requests sharing a `SamplingParams`
@@ -86,18 +84,20 @@ class ModelRunner:
             groups.setdefault(id(r.params), []).append(i)
         tokens: list[int | Exception] = [0] * len(requests)
         for rows in groups.values():
-            for i, t in zip(rows, self._sample_rows(requests, logits, rows)):
+            try:
+                picked = self._sample_group([requests[i] for i in rows], logits, rows)
+            except Exception:  # noqa: BLE001 - it belongs to one of these rows: find which
+                picked = [self._sample_alone(requests[i], logits, i) for i in rows]
+            for i, t in zip(rows, picked):
                 tokens[i] = t
         return tokens
 
-    def _sample_rows(self, requests: list[Request], logits: torch.Tensor,
-                     rows: list[int]) -> list[int | Exception]:
+    def _sample_alone(self, request: Request, logits: torch.Tensor, row: int) -> int | Exception:
+        """Row `row` for `request` alone: its token, or the exception its sampling raised."""
         try:
-            return self._sample_group([requests[i] for i in rows], logits, rows)
-        except Exception as err:  # noqa: BLE001 - it belongs to one of these rows: find which
-            if len(rows) == 1:
-                return [err]
-            return [t for i in rows for t in self._sample_rows(requests, logits, [i])]
+            return self._sample_group([request], logits, [row])[0]
+        except Exception as err:  # noqa: BLE001 - this request's failure, no one else's
+            return err
 
     @staticmethod
     def _sample_group(reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> list[int]:
@@ -116,12 +116,8 @@ class ModelRunner:
         return picked
 
     def _count(self, rows: list[Chunk]) -> None:
-        decode = 0
-        for c in rows:
-            if c.num_new == 1 and c.completes and c.request.seq.output_ids:
-                decode += 1  # the last sampled token, fed back
-            else:
-                self.num_prefill_tokens += c.num_new  # prompt (or recomputed) tokens
+        decode = sum(1 for c in rows if c.decodes)
         self.num_decode_tokens += decode
         self.num_decode_calls += decode > 0
+        self.num_prefill_tokens += sum(c.num_new for c in rows) - decode  # prompt, recomputed
 

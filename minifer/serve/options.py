@@ -48,7 +48,7 @@ def generate_arguments(prompts, params) -> tuple[list, list]:
 def prepare_request(model, tokenizer, prompt, params: SamplingParams | None, *,
                     priority: int = 0, arrival_time: float | None = None,
                     request_id: str | None = None, logprobs: int | None = None,
-                    min_tokens: int = 0, device=None):
+                    min_tokens: int = 0):
     """The one check of a request, for every front (`LLMEngine`, `DisaggregatedEngine`): its
     `Sequence` and the vocabulary it may sample from, or a ValueError naming what is wrong."""
     check_request(prompt, priority)
@@ -57,7 +57,7 @@ def prepare_request(model, tokenizer, prompt, params: SamplingParams | None, *,
                      why=" (time.perf_counter() seconds)")
     if request_id is not None and (not isinstance(request_id, str) or not request_id):
         raise ValueError(f"request_id must be a non-empty string, got {request_id!r:.60}")
-    prep = prepare(model, [prompt], params, tokenizer, device=device)
+    prep = prepare(model, [prompt], params, tokenizer)  # no tensor made: no device to check
     seq = prep.sequences[0]
     check_options(seq, logprobs, min_tokens)
     return seq, prep.vocab

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import make_generators
+from ..sampling import make_generators, seen_mask
 from ..sequence import Sequence
 from .metrics import RequestMetrics
 
@@ -74,8 +74,7 @@ class Request:
         self.generator = gens[0] if gens else None
         self.seen = None  # tokens seen so far, for the repetition penalty
         if self.params.repetition_penalty != 1.0:
-            self.seen = torch.zeros(vocab_size or vocab, dtype=torch.bool, device=device)
-            self.seen[torch.tensor(seq.prompt_ids, device=device)] = True
+            self.seen = seen_mask([seq.prompt_ids], vocab_size or vocab, device)[0]
         self.text = ""  # released so far
 
     @property

@@ -61,6 +61,11 @@ class Chunk:
         """Whether this chunk reaches the request's last token, so a token is sampled after it."""
         return self.start + self.num_new == self.request.num_tokens
 
+    @property
+    def decodes(self) -> bool:
+        """A decode step: one token past the prompt, the last sampled token fed back."""
+        return self.num_new == 1 and self.start >= len(self.request.seq.prompt_ids)
+
 
 @dataclass
 class SchedulerOutput:
@@ -135,19 +140,22 @@ class Scheduler:
     def check_fits(self, seq: SequenceState) -> None:
         """A ValueError for a request (its prepared `Sequence`) this scheduler could never
         run: more blocks than the pool, or, without chunked prefill, more tokens than a step."""
+        need = seq.max_len
+        if self.bm.blocks_for(need) > self.bm.num_blocks or (
+                not self.chunked and need > self.max_num_batched_tokens):
+            raise ValueError(self._why_unfit(seq))
+
+    def _why_unfit(self, seq: SequenceState) -> str:
         bm, need = self.bm, seq.max_len
         if bm.blocks_for(need) > bm.num_blocks:
-            raise ValueError(
-                f"request needs {bm.blocks_for(need)} blocks of {bm.block_size} tokens for "
-                f"{need} tokens (prompt {len(seq.prompt_ids)} + max_new_tokens "
-                f"{seq.params.max_new_tokens} - 1) but the pool has only num_blocks="
-                f"{bm.num_blocks}; raise num_blocks or lower max_new_tokens")
-        if not self.chunked and need > self.max_num_batched_tokens:
-            raise ValueError(
-                f"without chunked prefill a request must fit one step: prompt + max_new_tokens - 1"
-                f" = {need} > max_num_batched_tokens={self.max_num_batched_tokens} (a preempted "
-                f"request recomputes all its tokens at once); raise max_num_batched_tokens or "
-                f"pass enable_chunked_prefill=True")
+            return (f"request needs {bm.blocks_for(need)} blocks of {bm.block_size} tokens for "
+                    f"{need} tokens (prompt {len(seq.prompt_ids)} + max_new_tokens "
+                    f"{seq.params.max_new_tokens} - 1) but the pool has only num_blocks="
+                    f"{bm.num_blocks}; raise num_blocks or lower max_new_tokens")
+        return (f"without chunked prefill a request must fit one step: prompt + max_new_tokens"
+                f" - 1 = {need} > max_num_batched_tokens={self.max_num_batched_tokens} (a "
+                f"preempted request recomputes all its tokens at once); raise "
+                f"max_num_batched_tokens or pass enable_chunked_prefill=True")
 
     def rank(self, req: Request) -> tuple[float, int]:
         """Sort key, most important first: effective priority, then arrival order."""
@@ -187,31 +195,35 @@ class Scheduler:
             if n == 0 or n > budget:
                 continue
             need = req.num_computed + n
-            while not self.bm.can_append(req.request_id, need):
-                victim = next(r for r in reversed(order) if r.status is Status.RUNNING)
-                self.preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status is not Status.RUNNING:
-                continue
+            if not self.bm.can_append(req.request_id, need):
+                if not self._make_room(req, need, order, out):
+                    continue  # it gave up its own blocks
             self.bm.append_slots(req.request_id, need)
-            out.chunks.append(Chunk(req, req.num_computed, n))
+            out.chunks.append(Chunk(req, req.num_computed, n, self.bm.block_table(req.request_id)))
             budget -= n
         if not out.preempted:  # no room for running requests: admitting more would thrash
-            budget = self._admit(out, budget)
+            self._admit(out, budget)
         for req in self.waiting:
             req.waited_steps += 1
-        for c in out.chunks:
-            c.block_table = self.bm.block_table(c.request.request_id)
         return out
+
+    def _make_room(self, req: Request, need: int, order: list[Request],
+                   out: SchedulerOutput) -> bool:
+        """Preempt running requests, least important (end of `order`) first, until `req` can
+        grow to `need` tokens; False if `req` itself had to go."""
+        while not self.bm.can_append(req.request_id, need):
+            victim = next(r for r in reversed(order) if r.status is Status.RUNNING)
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
 
     def postprocess(self, out: SchedulerOutput, tokens: Sequence[int | Exception],
                     now: float | None = None) -> list[RequestOutput]:
         """Record a step: `tokens` holds one sampled token (or the exception sampling it
-        raised) per chunk of ``out.due``; returns an output for each of those requests.
-        `now` (default: ``time.perf_counter()``) stamps the tokens: a simulator's own clock.
-        """
+        raised) per chunk of ``out.due``; returns an output for each of those requests. `now`
+        (default: ``time.perf_counter()``) stamps the tokens: a simulator's own clock."""
         for c in out.chunks:
             req = c.request
             req.num_computed = c.start + c.num_new
@@ -230,47 +242,54 @@ class Scheduler:
         return outputs
 
     def _record(self, req: Request, token: int | Exception, now: float) -> RequestOutput:
-        """Append `token` to `req` (finishing it if it stops), or end it alone with the error
-        (the exception sampling raised, or the one appending raises)."""
-        m, err = req.metrics, token if isinstance(token, Exception) else None
-        if err is None:
-            try:
-                event = req.seq.append(token, now - m.arrival_time)
-            except Exception as e:  # noqa: BLE001 - this request's failure, no one else's
-                err = e
-        if err is not None:
-            req.error = f"request {req.request_id!r} failed: {type(err).__name__}: {err}"
-            m.on_finish(now, "error")
-            self.finish(req)
-            return req.output("")
+        """Append `token` to `req`, finishing it if it stops; a token that is an exception
+        (sampling raised) or an append that raises ends `req` alone (`_fail`)."""
+        if isinstance(token, Exception):
+            return self._fail(req, token, now)
+        try:
+            event = req.seq.append(token, now - req.metrics.arrival_time)
+        except Exception as err:  # noqa: BLE001 - this request's failure, no one else's
+            return self._fail(req, err, now)
         req.text += event.text
-        m.on_token(now)
+        req.metrics.on_token(now)
         if event.finish_reason is not None:
-            m.on_finish(now, event.finish_reason)
+            req.metrics.on_finish(now, event.finish_reason)
             self.finish(req)
         return req.output(event.text)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+    def _fail(self, req: Request, err: Exception, now: float) -> RequestOutput:
+        """End `req` alone with `err`: finish reason "error", `RequestOutput.error` says why."""
+        req.error = f"request {req.request_id!r} failed: {type(err).__name__}: {err}"
+        req.metrics.on_finish(now, "error")
+        self.finish(req)
+        return req.output("")
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Move waiting requests into `running`, most important first, while seats, blocks and
+        `budget` last."""
         candidates = sorted(self.waiting, key=self.rank)
         if self.policy == "static":
-            if not self.running and not any(r.request_id in self.group for r in self.waiting):
-                self.group = {r.request_id for r in candidates[:self.max_num_seqs]}
-            candidates = [r for r in candidates if r.request_id in self.group]
+            candidates = self._static_group(candidates)
         for req in candidates:
             if len(self.running) >= self.max_num_seqs or budget == 0:
                 break
             tokens = req.tokens
             if not self.bm.can_allocate(tokens):
                 break  # strict order: a smaller request behind does not jump the queue
-            n = len(tokens) - self.bm.cached_prefix_tokens(tokens)
-            if not self.chunked and n > budget:
-                break
+            if not self.chunked and len(tokens) - self.bm.cached_prefix_tokens(tokens) > budget:
+                break  # unchunked, its uncached tokens go in whole
             cached = self.bm.allocate(req.request_id, tokens)
             n = min(len(tokens) - cached, budget)
             req.num_computed = cached
             req.status = Status.RUNNING
             self.waiting.remove(req)
             self.running.append(req)
-            out.chunks.append(Chunk(req, cached, n))
+            out.chunks.append(Chunk(req, cached, n, self.bm.block_table(req.request_id)))
             budget -= n
-        return budget
+
+    def _static_group(self, candidates: list[Request]) -> list[Request]:
+        """The static policy's candidates: the waiting members of the group being served, or,
+        once the group has finished, the next group (the first `max_num_seqs`)."""
+        if not self.running and not any(r.request_id in self.group for r in self.waiting):
+            self.group = {r.request_id for r in candidates[:self.max_num_seqs]}
+        return [r for r in candidates if r.request_id in self.group]

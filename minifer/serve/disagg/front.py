@@ -245,8 +245,7 @@ class DisaggregatedEngine:
             raise RuntimeError("the engine is closed; no more requests")
         params = params or SamplingParams()
         seq, _ = prepare_request(self.model, self.tokenizer, prompt, params, priority=priority,
-                                 arrival_time=arrival_time, request_id=request_id,
-                                 device="cpu")
+                                 arrival_time=arrival_time, request_id=request_id)
         if params.stop:
             raise ValueError("stop strings are not supported by the disaggregated engine (the "
                              "workers have no tokenizer); stop on max_new_tokens or eos")
@@ -338,7 +337,7 @@ class DisaggregatedEngine:
         """Run `prompts` (texts or token-id lists) to completion; outputs in order."""
         prompts, params = generate_arguments(prompts, params)
         for p, sp in zip(prompts, params):  # check all before sending any
-            prepare_request(self.model, self.tokenizer, p, sp, device="cpu")
+            prepare_request(self.model, self.tokenizer, p, sp)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         self.wait(ids)
         return [self._done[i] for i in ids]
