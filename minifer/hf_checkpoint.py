@@ -88,8 +88,10 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = N
     `folder` holds ``config.json``, the safetensors weights and ``tokenizer.json`` (see the
     module doc). `dtype` defaults to the stored one (bf16 for most current checkpoints; pass
     ``torch.float32`` for the engine's exact fp32 path). The tokenizer's end-of-sequence token is
-    ``tokenizer_config.json``'s ``eos_token`` (for chat models the end of a turn), and it
-    carries the checkpoint's chat template, if any (`Tokenizer.apply_chat_template`).
+    ``tokenizer_config.json``'s ``eos_token`` (for chat models the end of a turn); every other
+    id that config.json or generation_config.json lists ends a reply too. A plain prompt starts
+    with the BOS token where the checkpoint's tokenizer adds one (Llama's), as transformers'
+    ``tokenizer(text)`` does. The tokenizer carries the checkpoint's chat template, if any.
     """
     if device is not None:
         as_device(device)  # a device this machine lacks: fail before reading any file

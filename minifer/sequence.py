@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sampling import SamplingParams
-from .tokenizer import TokenizerLike
+from .tokenizer import TokenizerLike, encode_prompt
 
 
 # ---- results -------------------------------------------------------------------------------
@@ -137,10 +137,11 @@ class Sequence:
     min_tokens = 0
 
     def __init__(self, index: int, prompt_ids: list[int], params: SamplingParams,
-                 tokenizer: TokenizerLike | None = None, eos_id: int | None = None) -> None:
+                 tokenizer: TokenizerLike | None = None, eos_ids: abc.Iterable[int] = ()) -> None:
         self.index = index
         self.params = params
-        self.eos_id = None if params.ignore_eos else eos_id
+        # the ids that end this request: a model may have several (Llama 3's ends of turn and text)
+        self.eos_ids = frozenset() if params.ignore_eos else frozenset(eos_ids)
         self.result = Completion(index=index, prompt_token_ids=prompt_ids)
         self.stopper = TextStopper(tokenizer, params.stop) if tokenizer is not None else None
         self._texts: list[str] = []
@@ -184,7 +185,7 @@ class Sequence:
         reason = None
         if self.stopper is not None and self.stopper.stopped:
             reason = "stop"
-        elif self.eos_id is not None and token == self.eos_id and not early:
+        elif token in self.eos_ids and not early:
             reason = "eos"
         elif len(c.token_ids) >= self.params.max_new_tokens:
             reason = "length"
@@ -224,7 +225,7 @@ def prepare(model: torch.nn.Module, prompts, params: SamplingParams | None,
         check_context(i, len(ids), params.max_new_tokens,
                       context_lengths or {"model": cfg.context_length})
     dev = generation_device(model, device)
-    eos = eos_id(cfg, tokenizer)
+    eos = eos_ids(cfg, tokenizer)
     seqs = [Sequence(i, ids, params, tokenizer, eos) for i, ids in enumerate(ids_list)]
     return Prepared(seqs, vocab, dev)
 
@@ -337,7 +338,7 @@ def _text_ids(i: int, text: str, tokenizer: TokenizerLike | None) -> list[int]:
     except UnicodeEncodeError as err:
         raise ValueError(f"prompt {i} is not valid Unicode text (a lone surrogate at "
                          f"character {err.start}); pass well-formed text") from None
-    return tokenizer.encode(text)
+    return encode_prompt(tokenizer, text)
 
 
 def _token_ids(i: int, p) -> list[int]:
@@ -391,8 +392,9 @@ def check_logit_bias(bias: dict[int, float], vocab: int, vocab_size: int) -> Non
                          "leave at least one token that can be sampled")
 
 
-def eos_id(cfg, tokenizer: TokenizerLike | None) -> int | None:
-    """The end-of-sequence id: the tokenizer's if it has one, else the model config's."""
+def eos_ids(cfg, tokenizer: TokenizerLike | None) -> frozenset[int]:
+    """The ids that end a sequence: the tokenizer's end-of-sequence token with any others it
+    lists (a Hugging Face checkpoint's), else the model config's."""
     if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    return cfg.eos_token_id
+        return frozenset({tokenizer.eos_token_id, *getattr(tokenizer, "more_eos_token_ids", ())})
+    return frozenset(() if cfg.eos_token_id is None else (cfg.eos_token_id,))

@@ -4,6 +4,7 @@ same model; the chat template renders as transformers renders it, in `chat` and 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
@@ -173,3 +174,74 @@ def test_a_damaged_shard_is_a_clear_error(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ValueError, match=f"corrupt checkpoint weights .*{shard.name}"):
         load_hf_checkpoint(tmp_path)
+
+
+def _llama_style_tokenizer(folder, bos: str = "<|endoftext|>"):
+    """The shipped tokenizer with a post-processor that starts every text with `bos`, as a Llama
+    checkpoint's tokenizer.json does."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    bos_id = hf.token_to_id(bos)
+    hf.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                           special_tokens=[(bos, bos_id)])
+    hf.save(str(folder / "tokenizer.json"))
+    return bos_id
+
+
+def test_a_llama_checkpoints_bos_starts_plain_prompts_not_chats(tmp_path):
+    """A plain prompt gets the BOS that transformers' ``tokenizer(text)`` adds; a chat template
+    writes its own, so a chat does not get a second one."""
+    from minifer.tokenizer import encode_prompt
+
+    write_checkpoint(tmp_path, "llama", template=LLAMA3)
+    bos = _llama_style_tokenizer(tmp_path)
+    model, tok = load_hf_checkpoint(tmp_path)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.bos_token_id == bos
+    for text in ("ROMEO:", "What light through yonder window breaks?"):
+        assert encode_prompt(tok, text) == hf_tok(text).input_ids
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    [done] = generate(model, ["ROMEO:"], params, tok)
+    assert done.prompt_token_ids == hf_tok("ROMEO:").input_ids  # BOS first
+    prompt, _ = chat_prompt(MESSAGES, tok)
+    chat_ids = tok.encode(prompt, special_tokens=True)
+    assert chat_ids == hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"]
+    assert chat_ids[:2] != [bos, bos]
+    if importlib.util.find_spec("fastapi") is not None:  # the server encodes as transformers does
+        from minifer.serve.protocol import Limits, parse_chat_request, parse_completion_request
+
+        options = dict(model_name="m", limits=Limits(max_model_len=256, max_tokens=16),
+                       tokenizer=tok, vocab_size=2048)
+        plain = parse_completion_request({"model": "m", "prompt": "ROMEO:", "max_tokens": 2}, **options)
+        chat = parse_chat_request({"model": "m", "messages": MESSAGES, "max_tokens": 2}, **options)
+        assert plain.prompt_ids == hf_tok("ROMEO:").input_ids and chat.prompt_ids == chat_ids
+    # without the post-processor's BOS, or with add_bos_token false, a prompt starts as written
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>", "add_bos_token": False}))
+    assert load_hf_checkpoint(tmp_path)[1].bos_token_id is None
+    qwen = tmp_path / "qwen"  # Qwen's tokenizer adds nothing
+    qwen.mkdir()
+    write_checkpoint(qwen, "qwen2")
+    assert load_hf_checkpoint(qwen)[1].bos_token_id is None
+
+
+def test_every_eos_id_of_the_checkpoint_ends_a_reply(tmp_path):
+    """Llama 3.1's instruct models list several EOS ids (config.json, generation_config.json):
+    a reply ends at whichever comes first, as transformers' generate does."""
+    hf = write_checkpoint(tmp_path, "llama")
+    model, tok = load_hf_checkpoint(tmp_path)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    [free] = generate(model, ["ROMEO:"], params, tok)
+    stop = free.token_ids[2]  # a token the model writes: made an end-of-sequence id below
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2047, stop]}))
+    model, tok = load_hf_checkpoint(tmp_path)
+    assert tok.eos_token_id == 2047 and tok.more_eos_token_ids == ({stop} - {2047})
+    [done] = generate(model, ["ROMEO:"], SamplingParams(temperature=0, max_new_tokens=12), tok)
+    end = min(i for i, t in enumerate(free.token_ids) if t in (2047, stop))
+    assert done.finish_reason == "eos" and done.token_ids == free.token_ids[:end + 1]
+    out = hf.generate(torch.tensor([done.prompt_token_ids]), max_new_tokens=12, do_sample=False,
+                      eos_token_id=[2047, stop], pad_token_id=2047)
+    assert out[0, len(done.prompt_token_ids):].tolist() == done.token_ids

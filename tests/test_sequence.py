@@ -18,16 +18,18 @@ def draft():
 
 def test_append_finishes_on_eos_length_and_stop(tok):
     p = SamplingParams(max_new_tokens=3)
-    s = Sequence(0, [1, 2], p, eos_id=9)
+    s = Sequence(0, [1, 2], p, eos_ids={9})
     assert [s.append(t, 0.1 * i).finish_reason for i, t in enumerate([5, 6, 7])] == [None, None, "length"]
     assert s.finished and s.output_ids == [5, 6, 7] and s.num_tokens == 5 and s.max_len == 4
     with pytest.raises(RuntimeError, match="already finished"):
         s.append(1, 1.0)
-    e = Sequence(0, [1], p, eos_id=9)
+    e = Sequence(0, [1], p, eos_ids={9})
     assert e.append(9, 0.0).finish_reason == "eos"
-    ignore = Sequence(0, [1], SamplingParams(max_new_tokens=3, ignore_eos=True), eos_id=9)
+    several = Sequence(0, [1], p, eos_ids={9, 11})  # any of a model's end-of-sequence ids
+    assert several.append(11, 0.0).finish_reason == "eos"
+    ignore = Sequence(0, [1], SamplingParams(max_new_tokens=3, ignore_eos=True), eos_ids={9})
     assert ignore.append(9, 0.0).finish_reason is None
-    st = Sequence(0, [1], SamplingParams(max_new_tokens=10, stop=["lo"]), tok, eos_id=None)
+    st = Sequence(0, [1], SamplingParams(max_new_tokens=10, stop=["lo"]), tok)
     events = [st.append(t, 0.0) for t in tok.encode("hel")]
     assert "".join(ev.text for ev in events) == "he"  # "l" held back: it may start "lo"
     last = st.append(tok.encode("o")[0], 0.0)
@@ -92,3 +94,15 @@ def test_speculative_at_the_edge_of_the_context_equals_generate(tiny, draft):
     want = generate(tiny, prompt, p)[0].token_ids
     for d in (draft, mf.PromptLookupDrafter()):
         assert speculative_generate(tiny, d, prompt, p, k=4)[0].token_ids == want
+
+
+def test_min_tokens_bans_every_end_of_sequence_id():
+    import torch
+
+    from minifer.serve.options import ban_early_eos
+
+    seq = Sequence(0, [1], SamplingParams(max_new_tokens=4), eos_ids={3, 5})
+    seq.min_tokens = 2
+    logits = torch.zeros(1, 8)
+    ban_early_eos(logits, [seq])
+    assert logits[0].isinf().nonzero().flatten().tolist() == [3, 5]

@@ -103,7 +103,9 @@ def run_rank(args: argparse.Namespace) -> dict:
         else:
             if tok is None:
                 raise ValueError(f"model {args.model!r} has no tokenizer; give a shipped model")
-            prompts = [tok.encode(args.prompt)]
+            from ..tokenizer import encode_prompt
+
+            prompts = [encode_prompt(tok, args.prompt)]  # a checkpoint's BOS first
             params = SamplingParams(max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature, top_k=args.top_k,
                                     top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)

@@ -162,7 +162,8 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
     if not prompts or any(not p for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
     eos = None if params.ignore_eos else eos_token_id
-    seqs = [Sequence(b, list(p), params, eos_id=eos) for b, p in enumerate(prompts)]
+    seqs = [Sequence(b, list(p), params, eos_ids=() if eos is None else (eos,))
+            for b, p in enumerate(prompts)]
     B, T = len(prompts), max(len(p) for p in prompts)
     max_len = T + params.max_new_tokens - 1  # the last token is never fed back
     if max_len > cfg.context_length:

@@ -84,8 +84,7 @@ def check_options(seq, logprobs: int | None, min_tokens: int) -> None:
                   allowed=f"be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
     n = seq.params.max_new_tokens
     check_int("min_tokens", min_tokens, 0, n, allowed=f"be an integer in [0, max_new_tokens={n}]")
-    if min_tokens and seq.eos_id is not None \
-            and seq.params.logit_bias.get(seq.eos_id) == float("inf"):
+    if min_tokens and any(seq.params.logit_bias.get(t) == float("inf") for t in seq.eos_ids):
         raise ValueError("min_tokens bans the end-of-sequence token that logit_bias forces")
     seq.min_tokens = min_tokens
 
@@ -94,8 +93,8 @@ def ban_early_eos(logits: torch.Tensor, seqs: Sequence) -> None:
     """Rows of ``logits (B, V)`` whose sequence has fewer than ``min_tokens`` tokens: their
     end-of-sequence token gets -inf (in place), so it cannot be sampled yet."""
     for row, seq in enumerate(seqs):
-        if seq.eos_id is not None and len(seq.output_ids) < seq.min_tokens:
-            logits[row, seq.eos_id] = float("-inf")
+        if seq.eos_ids and len(seq.output_ids) < seq.min_tokens:
+            logits[row, list(seq.eos_ids)] = float("-inf")
 
 
 def record_logprobs(logits: torch.Tensor, requests: Sequence, picked: Sequence[int]) -> None:

@@ -335,10 +335,13 @@ def _validate(cls: type[BaseModel], body: Any) -> Any:
 # ---- server-dependent checks ---------------------------------------------------------------
 class _SpecialTokens:
     """`tokenizer` whose ``encode`` recognises special tokens in text (``<|endoftext|>``), as
-    the Hugging Face tokenizer and vLLM do; a tokenizer without the option encodes as it does."""
+    the Hugging Face tokenizer and vLLM do; a tokenizer without the option encodes as it does.
+    Its `bos_token_id` is the tokenizer's for a plain prompt, None for a rendered chat (whose
+    template writes its own BOS): `minifer.tokenizer.encode_prompt` reads it."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, *, bos: bool) -> None:
         self.tok = tokenizer
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None) if bos else None
         try:
             self.option = "special_tokens" in inspect.signature(tokenizer.encode).parameters
         except (TypeError, ValueError):
@@ -355,7 +358,8 @@ def _too_long(param: str, chars: int, most: int, limits: Limits) -> APIError:
                     f"characters); shorten it", param=param, code="context_length_exceeded")
 
 
-def _encode(text: str, tokenizer, vocab_size: int, param: str, limits: Limits) -> list[int]:
+def _encode(text: str, tokenizer, vocab_size: int, param: str, limits: Limits, *,
+            bos: bool = True) -> list[int]:
     """Text to ids through `minifer.sequence.encode_prompts`: the engine's own checks. A text
     too long to fit the context window whatever its tokens is refused before tokenizing."""
     if tokenizer is None:
@@ -364,7 +368,7 @@ def _encode(text: str, tokenizer, vocab_size: int, param: str, limits: Limits) -
     if isinstance(most, int) and len(text) > limits.max_model_len * most:
         raise _too_long(param, len(text), most, limits)
     try:
-        [ids] = encode_prompts([text], _SpecialTokens(tokenizer), vocab_size)
+        [ids] = encode_prompts([text], _SpecialTokens(tokenizer, bos=bos), vocab_size)
     except (ValueError, TypeError) as err:
         raise _bad(param, str(err).removeprefix("prompt 0 ").removeprefix("prompt 0: ")) from None
     return ids
@@ -511,7 +515,7 @@ def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=
         raise _bad("messages", "this server has no tokenizer, and chat needs one")
     prompt, turn_stops = chat_prompt([{"role": m.role, "content": _message_text(m),
                                        "name": m.name} for m in b.messages], tokenizer)
-    ids = _encode(prompt, tokenizer, vocab_size, "messages", limits)
+    ids = _encode(prompt, tokenizer, vocab_size, "messages", limits, bos=False)  # the template's own
     param = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
     if b.max_tokens is not None and b.max_completion_tokens is not None \
             and b.max_tokens != b.max_completion_tokens:

@@ -110,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
                 if tok is None or not args.prompt:
                     raise ValueError("give --prompt (and a model with a tokenizer) under torchrun")
                 from ...sampling import SamplingParams
+                from ...tokenizer import encode_prompt
 
                 params = params_to_dict(SamplingParams(
                     temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                     seed=args.seed, ignore_eos=args.ignore_eos))
                 source = ListRequests([{"op": "add", "request_id": f"req-{i}",
-                                        "prompt_ids": tok.encode(p), "params": params}
+                                        "prompt_ids": encode_prompt(tok, p), "params": params}
                                        for i, p in enumerate(args.prompt)])
             report = run_prefill(engine, source, lines, comm.device, dst=DECODE,
                                  keepalive_s=args.keepalive or min(10.0, args.timeout / 4))
