@@ -18,8 +18,8 @@ compute alone. In fp32 that holds exactly (greedy tokens are identical, tested);
 padded batch runs matmuls of other shapes, whose rounding can differ, so outputs may diverge
 after a near-tie.
 
-Speed-ups plug in at `minifer.hooks`: the thread count around a call, and the decode step
-(``compile=True`` runs a compiled one). See `minifer.fast`.
+Speed-ups plug in at `minifer.hooks`: the thread count around a call, and the decode step (the
+speed-ups' lean step, compiled with ``compile=True``). See `minifer.fast`.
 """
 
 from __future__ import annotations
@@ -51,26 +51,17 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache) -> torch.
     return model(ids, cache=cache, last_only=True)[:, -1]
 
 
-def decode_step(model: torch.nn.Module, tokens: torch.Tensor, cache: StaticKVCache, *,
-                step: Callable | None = None, fixed_shape: bool = False) -> torch.Tensor:
+def decode_step(model: torch.nn.Module, tokens: torch.Tensor, cache: KVCache, *,
+                step: Callable | None = None) -> torch.Tensor:
     """Feed one new token per row ``(B,)``; returns the next-token logits ``(B, V)``.
 
-    `GPT.decode` writes the new K/V at ``cache.slot`` (set here to ``cache.pos``) and reads the
-    filled slots; ``fixed_shape=True`` reads every slot through a mask, the same shapes at every
-    step, which a compiled `step` (``step(model, tokens, cache, slot)``) or CUDA graph needs.
+    `step` (from `hooks.decode_function`) computes the same faster, called as
+    ``step(model, tokens, cache)``; without it, the forward pass does.
     """
-    cache.check_room(1)
     tokens = tokens.view(-1, 1)  # (B, 1)
-    if not hasattr(model, "decode"):  # a model without the lean step: plain forward
-        return model(tokens, cache=cache)[:, -1]
-    cache.slot.fill_(cache.pos)
     if step is not None:
-        logits = step(model, tokens, cache, cache.slot)
-    else:
-        kv_len = None if fixed_shape else cache.pos + 1
-        logits = model(tokens, cache=cache, slot=cache.slot, kv_len=kv_len)
-    cache.advance(1)
-    return logits  # (B, V)
+        return step(model, tokens, cache)
+    return model(tokens, cache=cache)[:, -1]  # (B, V)
 
 
 # ---- the loop ------------------------------------------------------------------------------
