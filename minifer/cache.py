@@ -170,12 +170,11 @@ class StaticKVCache:
         """A cache shaped for `model` (its layers, KV heads, head dim; dtype/device of its
         weights). ``dtype="int8"`` stores K/V as int8 with one scale per head per token."""
         cfg = model.config
-        p = next(model.parameters())
         max_len = cfg.context_length if max_len is None else max_len
         check_int("max_len", max_len, 1, cfg.context_length, why=" (the model's context)")
-        float_p = next((t for t in model.parameters() if t.is_floating_point()), p)
+        p = next(t for t in model.parameters() if t.is_floating_point())  # not an int8 weight
         return cls(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, max_len,
-                   dtype=dtype or float_p.dtype, device=p.device if device is None else device)
+                   dtype=dtype or p.dtype, device=p.device if device is None else device)
 
     def reset(self, start: torch.Tensor | list[int] | None = None) -> None:
         """Empty the cache for a new batch; `start[b]` = number of left-padding slots of row b."""
@@ -193,15 +192,13 @@ class StaticKVCache:
     def check_room(self, n: int) -> None:
         """Raise a clear error if `n` more slots do not fit."""
         if self.pos + n > self.max_len:
-            raise ValueError(
-                f"KV cache full: {self.pos} slots used + {n} new > max_len={self.max_len}"
-            )
+            raise ValueError(f"KV cache full: {self.pos} slots used + {n} new "
+                             f"> max_len={self.max_len}")
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new ``k, v`` ``[B, kv_heads, T, head_dim]`` at slots ``pos..pos+T-1`` of `layer`;
         return views of all its cached slots ``0..pos+T-1``. `pos` moves only in `advance`."""
-        t = k.shape[2]
-        end = self.pos + t
+        end = self.pos + k.shape[2]
         if self.quantized:
             return self._update_int8(layer, k, v, end)
         self.k[layer][:, :, self.pos:end] = k

@@ -32,8 +32,6 @@ import torch
 
 from . import hooks
 from .cache import KVCache, StaticKVCache, check_kv_dtype
-from .checks import check_threads
-from .device import sync
 from .sampling import BatchSampler, SamplingParams
 from .sequence import Completion, Prepared, Sequence, TokenEvent, encode_prompts, prepare
 from .tokenizer import TokenizerLike
@@ -53,11 +51,8 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache) -> torch.
 
 def decode_step(model: torch.nn.Module, tokens: torch.Tensor, cache: KVCache, *,
                 step: Callable | None = None) -> torch.Tensor:
-    """Feed one new token per row ``(B,)``; returns the next-token logits ``(B, V)``.
-
-    `step` (from `hooks.decode_function`) computes the same faster, called as
-    ``step(model, tokens, cache)``; without it, the forward pass does.
-    """
+    """Feed one new token per row ``(B,)``; returns the next-token logits ``(B, V)``. `step`
+    (``step(model, tokens, cache)``, from `hooks.decode_function`) computes the same faster."""
     tokens = tokens.view(-1, 1)  # (B, 1)
     if step is not None:
         return step(model, tokens, cache)
@@ -134,7 +129,6 @@ def run_batch(model: torch.nn.Module, req: Prepared, *, use_cache: bool = True,
     its rank's heads and a `sampler` that wraps the plain one (logits → tokens)."""
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True")
-    check_threads(threads)
     seqs, device = req.sequences, req.device
     batch = Batch.of(seqs, device)
     plain = BatchSampler(seqs[0].params, [s.prompt_ids for s in seqs], req.vocab,
@@ -158,7 +152,6 @@ def run_batch(model: torch.nn.Module, req: Prepared, *, use_cache: bool = True,
 
     with hooks.generation_threads(threads, device) as between_steps, torch.inference_mode():
         yield from advance(seqs, step, time.perf_counter())
-        sync(device)
 
 
 def cached_forward(model: torch.nn.Module, batch: Batch, cache: StaticKVCache,

@@ -332,32 +332,22 @@ class GPT(nn.Module):
             block.attn.impl = impl
 
     # ---- forward -----------------------------------------------------------------------
-    def forward(
-        self,
-        idx: torch.Tensor,
-        cache: KVCache | PackedKVCache | None = None,
-        start: torch.Tensor | None = None,
-        last_only: bool = False,
-        *,
-        inputs: AttentionInputs | None = None,
-    ) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | PackedKVCache | None = None,
+                start: torch.Tensor | None = None, last_only: bool = False, *,
+                inputs: AttentionInputs | None = None) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` for token ids `idx` ``(B, T)`` (``(B, 1, vocab)`` with
         `last_only`, all a prefill needs). `cache`: write the new K/V at slots ``cache.pos..``
         and attend over every cached slot. `start` (no cache): each row's count of left-padding
         tokens. A packed cache runs `forward_packed`. `inputs`: the layers' inputs, built and
         checked by the caller (the speed-ups' decode step), used as they are."""
-        if inputs is not None:
-            return self.lm_head(self.transformer.ln_f(self.blocks(idx, inputs)))
         if getattr(cache, "packed", False):
             return self.forward_packed(idx, cache)
-        self.check_input(idx, cache)
-        B, T = idx.shape
-        offset = 0 if cache is None else cache.pos
+        if inputs is None:
+            self.check_input(idx, cache)
+            inputs = _inputs(idx, cache, start)
+        x = self.blocks(idx, inputs)  # (B, T, C)
         if cache is not None:
-            start = cache.start if cache.padded else None
-        x = self.blocks(idx, _inputs(idx.device, B, T, offset, start, cache))  # (B, T, C)
-        if cache is not None:
-            cache.advance(T)
+            cache.advance(idx.shape[1])
         if last_only:
             x = x[:, -1:, :]  # (B, 1, C)
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
@@ -427,27 +417,27 @@ def _checks_ids(device_type: str, fresh: bool) -> bool:
     return device_type == "cpu" or (fresh and device_type != "meta")
 
 
-def _inputs(device, B: int, T: int, offset: int, start: torch.Tensor | None,
-            cache: KVCache | None) -> AttentionInputs:
-    """Position ids, attention mask and causal flag for T new tokens at slots offset..offset+T-1.
+def _inputs(idx: torch.Tensor, cache: KVCache | None, start: torch.Tensor | None
+            ) -> AttentionInputs:
+    """Position ids, attention mask and causal flag for the T new tokens `idx` ``(B, T)``, at
+    slots offset..offset+T-1 after the `offset` tokens `cache` holds.
 
-    Without padding a fresh prefill is plain causal attention and a one-token step sees every
-    cached slot: no mask. With left padding, query slot i sees key slot j when
-    ``start[b] <= j <= i``, and always itself (a padding row attending to nothing gives NaNs).
+    Without padding, a fresh prefill is plain causal attention and a one-token step sees every
+    cached slot: no mask. Otherwise query slot i of row b sees key slot j when
+    ``start[b] <= j <= i`` (start 0 without padding), and always itself (a padding row
+    attending to nothing gives NaNs).
     """
+    (B, T), device = idx.shape, idx.device
+    offset = 0 if cache is None else cache.pos
+    if cache is not None:  # the cache knows each row's padding
+        start = cache.start if cache.padded else None
     q_slots = torch.arange(offset, offset + T, device=device)  # (T,)
-    if start is None:
-        pos = q_slots.unsqueeze(0).expand(B, T)
-        if offset == 0:
-            return AttentionInputs(pos, None, T > 1, cache)
-        if T == 1:
-            return AttentionInputs(pos, None, False, cache)
-        k_slots = torch.arange(offset + T, device=device)
-        mask = (k_slots[None, :] <= q_slots[:, None]).view(1, 1, T, offset + T)
-        return AttentionInputs(pos, mask, False, cache)
-    start = start.to(device)
+    if start is None and (offset == 0 or T == 1):
+        pos = q_slots.unsqueeze(0).expand(B, T)  # (B, T)
+        return AttentionInputs(pos, None, offset == 0 and T > 1, cache)
+    start = torch.zeros(B, dtype=torch.long, device=device) if start is None else start.to(device)
     pos = (q_slots[None, :] - start[:, None]).clamp(min=0)  # (B, T) per-row positions
-    k_slots = torch.arange(offset + T, device=device)
+    k_slots = torch.arange(offset + T, device=device)  # (S,)
     causal = k_slots[None, :] <= q_slots[:, None]  # (T, S)
     real = k_slots[None, :] >= start[:, None]  # (B, S)
     self_ = k_slots[None, :] == q_slots[:, None]  # (T, S)
