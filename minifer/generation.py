@@ -1,10 +1,10 @@
 """The generation loop: tokenize → prefill → (sample → append → decode)* → stop.
 
 `prefill` runs every prompt token through the model in one parallel pass and fills the KV cache;
-`decode_step` feeds one token per sequence and reads everything else from the cache. `stream`
-drives them for a batch of prompts and yields each token the moment it exists (claim REQ-1);
-`generate` collects one `Completion` per prompt. Per-request state (tokens, text, stop strings,
-finish reason, timings) lives in `sequence.Sequence`.
+`decode_step` feeds one token per sequence and reads everything else from the cache.
+`generate` drives them for a batch of prompts (`run_batch`) and returns one `Completion` per
+prompt; `stream` yields each token the moment it exists (claim REQ-1). Per-request state
+(tokens, text, stop strings, finish reason, timings) lives in `sequence.Sequence`.
 
 `advance` is the loop itself, the one place a batch of Sequences takes new tokens: it asks a
 *step* for each row's next tokens until every row has finished. `run_batch` gives it the plain
@@ -179,14 +179,8 @@ def stream(model: torch.nn.Module, prompts, params: SamplingParams | None = None
            kv_dtype: torch.dtype | str | None = None, compile: bool | str = False,
            threads: int | str | None = None) -> Iterator[TokenEvent]:
     """Yield a `TokenEvent` for every generated token of every prompt, as soon as it exists.
-
-    - `completions`: a list to fill with the final `Completion`s.
-    - `use_cache=False` recomputes the whole sequence at every step: the reference path.
-    - `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
-    - `compile`: a compiled decode step (True, or a `torch.compile` mode; `minifer.fast`).
-    - `threads` (CPU): an integer fixes torch's count for this call; None keeps it as a ceiling
-      and ``"auto"`` uses every idle core, lowered while other programs hold cores.
-    """
+    `completions`: a list to fill with the final `Completion`s; the other arguments are
+    `generate`'s."""
     req = prepare(model, prompts, params, tokenizer, device=device)
     if completions is not None:  # the caller's list may already hold earlier results
         completions.extend(s.result for s in req.sequences)
@@ -199,10 +193,15 @@ def generate(model: torch.nn.Module, prompts, params: SamplingParams | None = No
              device: torch.device | str | None = None, kv_dtype: torch.dtype | str | None = None,
              compile: bool | str = False, threads: int | str | None = None) -> list[Completion]:
     """Generate for one prompt or a batch; returns one `Completion` per prompt, in order.
-    The keyword arguments are `stream`'s."""
-    completions: list[Completion] = []
-    for _ in stream(model, prompts, params, tokenizer, use_cache=use_cache, device=device,
-                    completions=completions, kv_dtype=kv_dtype, compile=compile,
-                    threads=threads):
+
+    - `use_cache=False` recomputes the whole sequence at every step: the reference path.
+    - `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
+    - `compile`: a compiled decode step (True, or a `torch.compile` mode; `minifer.fast`).
+    - `threads` (CPU): an integer fixes torch's count for this call; None keeps it as a ceiling
+      and ``"auto"`` uses every idle core, lowered while other programs hold cores.
+    """
+    req = prepare(model, prompts, params, tokenizer, device=device)
+    for _ in run_batch(model, req, use_cache=use_cache, kv_dtype=kv_dtype, compile=compile,
+                       threads=threads):
         pass
-    return completions
+    return [s.result for s in req.sequences]
