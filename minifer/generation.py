@@ -69,7 +69,7 @@ Step = Callable[[], list[list[int]]]
 
 def advance(seqs: list[Sequence], step: Step, t0: float) -> Iterator[TokenEvent]:
     """Append each step's tokens to their rows until every row has finished: the one loop of
-    `stream`, tensor parallelism and speculative decoding (only their `step` differs). A row
+    `generate`, tensor parallelism and speculative decoding (only their `step` differs). A row
     stops at the first token that finishes it; later tokens are dropped. Each token is stamped
     with the seconds since `t0` at which its step returned."""
     while not all(s.finished for s in seqs):
