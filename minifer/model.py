@@ -420,13 +420,10 @@ def _checks_ids(device_type: str, fresh: bool) -> bool:
 def _inputs(idx: torch.Tensor, cache: KVCache | None, start: torch.Tensor | None
             ) -> AttentionInputs:
     """Position ids, attention mask and causal flag for the T new tokens `idx` ``(B, T)``, at
-    slots offset..offset+T-1 after the `offset` tokens `cache` holds.
-
-    Without padding, a fresh prefill is plain causal attention and a one-token step sees every
-    cached slot: no mask. Otherwise query slot i of row b sees key slot j when
-    ``start[b] <= j <= i`` (start 0 without padding), and always itself (a padding row
-    attending to nothing gives NaNs).
-    """
+    slots ``offset..offset+T-1`` after the `offset` tokens `cache` holds. Without padding, a
+    fresh prefill is plain causal attention and a one-token step sees every cached slot: no
+    mask. Otherwise query slot i of row b sees key slot j when ``start[b] <= j <= i`` (start 0
+    without padding), and always itself (a padding row attending to nothing gives NaNs)."""
     (B, T), device = idx.shape, idx.device
     offset = 0 if cache is None else cache.pos
     if cache is not None:  # the cache knows each row's padding
