@@ -49,9 +49,6 @@ class KVCache(Protocol):
     - ``update(layer, k, v)``: store the new tokens' ``k, v`` ``[B, kv_heads, T, head_dim]`` at
       slots ``pos..pos+T-1`` of `layer`; return the layer's K/V of slots ``0..pos+T-1``;
     - `advance(n)`: after every layer has written, move `pos` on by `n`.
-
-    The fixed-shape decode step (`GPT.decode`) also needs `StaticKVCache`'s `write_at`,
-    `slots` and `slot`.
     """
 
     batch_size: int
@@ -104,8 +101,6 @@ class AttentionInputs:
     - `mask`: boolean or additive, broadcastable to ``(B, heads, T, S)``; None when `is_causal`
       (a fresh unpadded prefill) or when every cached slot may be seen (an unpadded decode);
     - `cache`: the `KVCache` the layers write to and read from (None: recompute, no cache);
-    - `slot` and `kv_len`: the decode step writes at `slot` (a one-element tensor) and reads
-      the first `kv_len` slots (None: all of them, the fixed-shape step; see `GPT.decode`).
     - `packed`: the call packs rows of any lengths (`PackedKVCache`); `cache.attend` does it.
     - `rotation`: with rotary positions, the cos and sin of every new token's angles, which
       `GPT.blocks` computes once for all layers.
@@ -115,8 +110,6 @@ class AttentionInputs:
     mask: torch.Tensor | None = None
     is_causal: bool = False
     cache: KVCache | None = None
-    slot: torch.Tensor | None = None
-    kv_len: int | None = None
     packed: bool = False  # rows packed in one sequence: attention is `cache.attend` (PackedKVCache)
     rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary cos, sin: `GPT.blocks`
 
@@ -140,11 +133,6 @@ class StaticKVCache:
     - `start`: per-row first real slot (left padding), a ``[batch]`` long tensor.
     - `lengths`: per-row number of real tokens cached (``pos - start``).
     - `rollback(n)`: forget the last ``n`` slots (speculative decoding rejects drafted tokens).
-
-    Two ways to write: `update` (slots ``pos..pos+T-1``, returns the filled prefix, whose length
-    grows every step) and `write_at` (a slot given as a tensor, returns the whole buffers: the
-    fixed-shape decode step, see `GPT.decode`). `slots` (``arange(max_len)``) and `slot` (a
-    one-element tensor the decode step sets to `pos`) are allocated once here, not every step.
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, head_dim: int,
@@ -170,8 +158,6 @@ class StaticKVCache:
         self.pos = 0
         self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.padded = False  # any row left padded? (kept on the host to avoid a device sync)
-        self.slots = torch.arange(max_len, device=device)  # key slot numbers, for the decode mask
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the decode step's write slot
 
     def _allocate_scales(self, n_layer: int, shape: tuple[int, ...], device) -> None:
         self.k_scale = [torch.zeros(shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
@@ -184,12 +170,11 @@ class StaticKVCache:
         """A cache shaped for `model` (its layers, KV heads, head dim; dtype/device of its
         weights). ``dtype="int8"`` stores K/V as int8 with one scale per head per token."""
         cfg = model.config
-        p = next(model.parameters())
         max_len = cfg.context_length if max_len is None else max_len
         check_int("max_len", max_len, 1, cfg.context_length, why=" (the model's context)")
-        float_p = next((t for t in model.parameters() if t.is_floating_point()), p)
+        p = next(t for t in model.parameters() if t.is_floating_point())  # not an int8 weight
         return cls(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, max_len,
-                   dtype=dtype or float_p.dtype, device=p.device if device is None else device)
+                   dtype=dtype or p.dtype, device=p.device if device is None else device)
 
     def reset(self, start: torch.Tensor | list[int] | None = None) -> None:
         """Empty the cache for a new batch; `start[b]` = number of left-padding slots of row b."""
@@ -207,43 +192,27 @@ class StaticKVCache:
     def check_room(self, n: int) -> None:
         """Raise a clear error if `n` more slots do not fit."""
         if self.pos + n > self.max_len:
-            raise ValueError(
-                f"KV cache full: {self.pos} slots used + {n} new > max_len={self.max_len}"
-            )
+            raise ValueError(f"KV cache full: {self.pos} slots used + {n} new "
+                             f"> max_len={self.max_len}")
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new ``k, v`` ``[B, kv_heads, T, head_dim]`` at slots ``pos..pos+T-1`` of `layer`;
         return views of all its cached slots ``0..pos+T-1``. `pos` moves only in `advance`."""
-        t = k.shape[2]
-        end = self.pos + t
+        end = self.pos + k.shape[2]
         if self.quantized:
             return self._update_int8(layer, k, v, end)
         self.k[layer][:, :, self.pos:end] = k
         self.v[layer][:, :, self.pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def write_at(self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write new ``k, v`` ``[B, kv_heads, T, head_dim]`` at the slots in the long tensor `slot`
-        ``(T,)`` of `layer`; return the first `length` slots of the buffers, by default all of
-        them, so that every call has the same shapes (the fixed-shape step masks the slots not
-        yet written). `pos` moves only in `advance`."""
-        if self.quantized:
-            return self._write_int8(layer, slot, k, v, end=self.max_len if length is None else length)
-        self.k[layer].index_copy_(2, slot, k)
-        self.v[layer].index_copy_(2, slot, v)
-        if length is None:
-            return self.k[layer], self.v[layer]
-        return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
-
     def _update_int8(self, layer: int, k: torch.Tensor, v: torch.Tensor, end: int):
         slot = torch.arange(self.pos, end, device=self.k[layer].device)
-        return self._write_int8(layer, slot, k, v, end)
+        return self.write_int8(layer, slot, k, v, end)
 
-    def _write_int8(self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    end: int):
-        """Quantize the new tokens (symmetric, per head per token) into `slot`, then dequantize
-        slots ``0..end-1``.
+    def write_int8(self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   end: int):
+        """Quantize the new tokens (symmetric, per head per token) into the slots in the long
+        tensor `slot` ``(T,)``, then dequantize slots ``0..end-1``.
 
         Attention needs float K/V, so every call rebuilds the cached tokens in float: the int8
         cache saves memory (and, with a fused kernel, bandwidth), not arithmetic.

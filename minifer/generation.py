@@ -1,10 +1,10 @@
 """The generation loop: tokenize → prefill → (sample → append → decode)* → stop.
 
 `prefill` runs every prompt token through the model in one parallel pass and fills the KV cache;
-`decode_step` feeds one token per sequence and reads everything else from the cache. `stream`
-drives them for a batch of prompts and yields each token the moment it exists (claim REQ-1);
-`generate` collects one `Completion` per prompt. Per-request state (tokens, text, stop strings,
-finish reason, timings) lives in `sequence.Sequence`.
+`decode_step` feeds one token per sequence and reads everything else from the cache.
+`generate` drives them for a batch of prompts (`run_batch`) and returns one `Completion` per
+prompt; `stream` yields each token the moment it exists (claim REQ-1). Per-request state
+(tokens, text, stop strings, finish reason, timings) lives in `sequence.Sequence`.
 
 `advance` is the loop itself, the one place a batch of Sequences takes new tokens: it asks a
 *step* for each row's next tokens until every row has finished. `run_batch` gives it the plain
@@ -18,8 +18,8 @@ compute alone. In fp32 that holds exactly (greedy tokens are identical, tested);
 padded batch runs matmuls of other shapes, whose rounding can differ, so outputs may diverge
 after a near-tie.
 
-Speed-ups plug in at `minifer.hooks`: the thread count around a call, and the decode step
-(``compile=True`` runs a compiled one). See `minifer.fast`.
+Speed-ups plug in at `minifer.hooks`: the thread count around a call, and the decode step (the
+speed-ups' lean step, compiled with ``compile=True``). See `minifer.fast`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ import torch
 
 from . import hooks
 from .cache import KVCache, StaticKVCache, check_kv_dtype
-from .checks import check_threads
-from .device import sync
 from .sampling import BatchSampler, SamplingParams
 from .sequence import Completion, Prepared, Sequence, TokenEvent, encode_prompts, prepare
 from .tokenizer import TokenizerLike
@@ -51,26 +49,14 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache) -> torch.
     return model(ids, cache=cache, last_only=True)[:, -1]
 
 
-def decode_step(model: torch.nn.Module, tokens: torch.Tensor, cache: StaticKVCache, *,
-                step: Callable | None = None, fixed_shape: bool = False) -> torch.Tensor:
-    """Feed one new token per row ``(B,)``; returns the next-token logits ``(B, V)``.
-
-    `GPT.decode` writes the new K/V at ``cache.slot`` (set here to ``cache.pos``) and reads the
-    filled slots; ``fixed_shape=True`` reads every slot through a mask, the same shapes at every
-    step, which a compiled `step` (``step(model, tokens, cache, slot)``) or CUDA graph needs.
-    """
-    cache.check_room(1)
+def decode_step(model: torch.nn.Module, tokens: torch.Tensor, cache: KVCache, *,
+                step: Callable | None = None) -> torch.Tensor:
+    """Feed one new token per row ``(B,)``; returns the next-token logits ``(B, V)``. `step`
+    (``step(model, tokens, cache)``, from `hooks.decode_function`) computes the same faster."""
     tokens = tokens.view(-1, 1)  # (B, 1)
-    if not hasattr(model, "decode"):  # a model without the lean step: plain forward
-        return model(tokens, cache=cache)[:, -1]
-    cache.slot.fill_(cache.pos)
     if step is not None:
-        logits = step(model, tokens, cache, cache.slot)
-    else:
-        kv_len = None if fixed_shape else cache.pos + 1
-        logits = model(tokens, cache=cache, slot=cache.slot, kv_len=kv_len)
-    cache.advance(1)
-    return logits  # (B, V)
+        return step(model, tokens, cache)
+    return model(tokens, cache=cache)[:, -1]  # (B, V)
 
 
 # ---- the loop ------------------------------------------------------------------------------
@@ -83,7 +69,7 @@ Step = Callable[[], list[list[int]]]
 
 def advance(seqs: list[Sequence], step: Step, t0: float) -> Iterator[TokenEvent]:
     """Append each step's tokens to their rows until every row has finished: the one loop of
-    `stream`, tensor parallelism and speculative decoding (only their `step` differs). A row
+    `generate`, tensor parallelism and speculative decoding (only their `step` differs). A row
     stops at the first token that finishes it; later tokens are dropped. Each token is stamped
     with the seconds since `t0` at which its step returned."""
     while not all(s.finished for s in seqs):
@@ -143,7 +129,6 @@ def run_batch(model: torch.nn.Module, req: Prepared, *, use_cache: bool = True,
     its rank's heads and a `sampler` that wraps the plain one (logits → tokens)."""
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True")
-    check_threads(threads)
     seqs, device = req.sequences, req.device
     batch = Batch.of(seqs, device)
     plain = BatchSampler(seqs[0].params, [s.prompt_ids for s in seqs], req.vocab,
@@ -167,7 +152,6 @@ def run_batch(model: torch.nn.Module, req: Prepared, *, use_cache: bool = True,
 
     with hooks.generation_threads(threads, device) as between_steps, torch.inference_mode():
         yield from advance(seqs, step, time.perf_counter())
-        sync(device)
 
 
 def cached_forward(model: torch.nn.Module, batch: Batch, cache: StaticKVCache,
@@ -195,14 +179,8 @@ def stream(model: torch.nn.Module, prompts, params: SamplingParams | None = None
            kv_dtype: torch.dtype | str | None = None, compile: bool | str = False,
            threads: int | str | None = None) -> Iterator[TokenEvent]:
     """Yield a `TokenEvent` for every generated token of every prompt, as soon as it exists.
-
-    - `completions`: a list to fill with the final `Completion`s.
-    - `use_cache=False` recomputes the whole sequence at every step: the reference path.
-    - `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
-    - `compile`: a compiled decode step (True, or a `torch.compile` mode; `minifer.fast`).
-    - `threads` (CPU): an integer fixes torch's count for this call; None keeps it as a ceiling
-      and ``"auto"`` uses every idle core, lowered while other programs hold cores.
-    """
+    `completions`: a list to fill with the final `Completion`s; the other arguments are
+    `generate`'s."""
     req = prepare(model, prompts, params, tokenizer, device=device)
     if completions is not None:  # the caller's list may already hold earlier results
         completions.extend(s.result for s in req.sequences)
@@ -215,10 +193,15 @@ def generate(model: torch.nn.Module, prompts, params: SamplingParams | None = No
              device: torch.device | str | None = None, kv_dtype: torch.dtype | str | None = None,
              compile: bool | str = False, threads: int | str | None = None) -> list[Completion]:
     """Generate for one prompt or a batch; returns one `Completion` per prompt, in order.
-    The keyword arguments are `stream`'s."""
-    completions: list[Completion] = []
-    for _ in stream(model, prompts, params, tokenizer, use_cache=use_cache, device=device,
-                    completions=completions, kv_dtype=kv_dtype, compile=compile,
-                    threads=threads):
+
+    - `use_cache=False` recomputes the whole sequence at every step: the reference path.
+    - `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
+    - `compile`: a compiled decode step (True, or a `torch.compile` mode; `minifer.fast`).
+    - `threads` (CPU): an integer fixes torch's count for this call; None keeps it as a ceiling
+      and ``"auto"`` uses every idle core, lowered while other programs hold cores.
+    """
+    req = prepare(model, prompts, params, tokenizer, device=device)
+    for _ in run_batch(model, req, use_cache=use_cache, kv_dtype=kv_dtype, compile=compile,
+                       threads=threads):
         pass
-    return completions
+    return [s.result for s in req.sequences]

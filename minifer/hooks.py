@@ -31,9 +31,11 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def decode_function(model: torch.nn.Module, cache, compile: bool | str) -> Callable | None:
-    """The decode step a generation call runs: None runs `GPT.decode` eagerly.
+    """The decode step a generation call runs (see `generation.decode_step`): None runs the
+    forward pass ``model(tokens, cache=cache)``, with ``compile`` or without.
 
-    (`minifer.fast` returns a compiled step when ``compile`` asks for one.)
+    (`minifer.fast.decode` returns its lean step, `minifer.fast.compiled` a compiled one when
+    ``compile`` asks for it.)
     """
     return None
 

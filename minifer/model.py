@@ -13,15 +13,10 @@ The only inference-specific idea here is the `cache` argument: with a KV cache (
 `minifer.cache.KVCache`: the `StaticKVCache`, or the serving engine's paged views), each
 attention layer writes the new tokens' keys and values into it and attends over everything
 cached so far, so a decode step feeds one token per sequence instead of the whole history.
-What the layers need for a call (positions, mask, cache, decode slot) is built once, as one
-`AttentionInputs`, and handed to every block: ``x = block(x, inputs)``.
-
-`GPT.forward` checks its input and attends over the cache's filled prefix, whose length grows
-every step. `GPT.decode` is the lean decode step: no checks (the caller checked once per
-request), the new K/V written at a slot held in a tensor. Eager, it reads only the filled slots;
-in its fixed-shape form it attends over the *whole* preallocated cache with a mask built from
-that slot, so every tensor has the same shape at every step and the step can be compiled
-(`torch.compile`) or captured once as a CUDA graph.
+What the layers need for a call (positions, mask, cache) is built once, as one
+`AttentionInputs`, and handed to every block: ``x = block(x, inputs)``. `GPT.forward` checks
+its input and builds them; the speed-ups' lean decode step (`minifer.fast.decode`) builds its
+own, in a form `torch.compile` can take, and passes them as ``inputs=``.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import hooks
-from .cache import AttentionInputs, KVCache, PackedKVCache, StaticKVCache
+from .cache import AttentionInputs, KVCache, PackedKVCache
 from .config import GPTConfig
 from .device import as_device
 
@@ -144,9 +139,7 @@ class CausalSelfAttention(nn.Module):
         if inputs.packed:  # rows of any lengths packed in one sequence: the cache keeps them apart
             y = cache.attend(self.layer_idx, q, k, v)  # (1, nh, N, hd)
             return y.transpose(1, 2).reshape(B, T, nh * hd)
-        if inputs.slot is not None:  # decode: write at `slot`, read `kv_len` slots (None: all)
-            k, v = cache.write_at(self.layer_idx, inputs.slot, k, v, inputs.kv_len)  # (B, nkv, S, hd)
-        elif cache is not None:
+        if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd): all cached tokens
         if nkv != nh and T == 1:  # grouped-query decode: each K/V head's nh // nkv query heads
             q = q.reshape(B, nkv, nh // nkv, hd)  # attend as its rows, reading the cache once
@@ -344,32 +337,22 @@ class GPT(nn.Module):
             block.attn.impl = impl
 
     # ---- forward -----------------------------------------------------------------------
-    def forward(
-        self,
-        idx: torch.Tensor,
-        cache: KVCache | PackedKVCache | None = None,
-        start: torch.Tensor | None = None,
-        last_only: bool = False,
-        *,
-        slot: torch.Tensor | None = None,
-        kv_len: int | None = None,
-    ) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | PackedKVCache | None = None,
+                start: torch.Tensor | None = None, last_only: bool = False, *,
+                inputs: AttentionInputs | None = None) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` for token ids `idx` ``(B, T)`` (``(B, 1, vocab)`` with
         `last_only`, all a prefill needs). `cache`: write the new K/V at slots ``cache.pos..``
         and attend over every cached slot. `start` (no cache): each row's count of left-padding
-        tokens. `slot` runs the lean `decode` step, a packed cache `forward_packed`."""
-        if slot is not None:
-            return self.decode(idx, cache, slot, kv_len)
+        tokens. A packed cache runs `forward_packed`. `inputs`: the layers' inputs, built and
+        checked by the caller (the speed-ups' decode step), used as they are."""
         if getattr(cache, "packed", False):
             return self.forward_packed(idx, cache)
-        self.check_input(idx, cache)
-        B, T = idx.shape
-        offset = 0 if cache is None else cache.pos
+        if inputs is None:
+            self.check_input(idx, cache)
+            inputs = _inputs(idx, cache, start)
+        x = self.blocks(idx, inputs)  # (B, T, C)
         if cache is not None:
-            start = cache.start if cache.padded else None
-        x = self.blocks(idx, _inputs(idx.device, B, T, offset, start, cache))  # (B, T, C)
-        if cache is not None:
-            cache.advance(T)
+            cache.advance(idx.shape[1])
         if last_only:
             x = x[:, -1:, :]  # (B, 1, C)
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
@@ -419,15 +402,6 @@ class GPT(nn.Module):
         x = x[0].index_select(0, cache.logits_index)  # (rows, C)
         return self.lm_head(self.transformer.ln_f(x))  # (rows, vocab)
 
-    def decode(self, tokens: torch.Tensor, cache: StaticKVCache, slot: torch.Tensor,
-               kv_len: int | None = None) -> torch.Tensor:
-        """The lean decode step: logits ``(B, vocab)`` for one new token per row ``(B, 1)``.
-        Each layer writes the new K/V at `slot` (a one-element tensor holding ``cache.pos``) and
-        attends over the first `kv_len` slots, or over all through a mask (`kv_len` None: the
-        fixed-shape step). No checks, `cache.pos` unmoved: `minifer.decode_step` does both."""
-        x = self.blocks(tokens, _decode_inputs(cache, slot, kv_len, self.transformer.wte.weight))
-        return self.lm_head(self.transformer.ln_f(x))[:, 0]  # (B, vocab)
-
     def blocks(self, idx: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         """Embed token ids `idx` ``(B, T)`` at ``inputs.positions`` and run every block: the
         hidden states ``(B, T, C)`` before the final LayerNorm."""
@@ -448,45 +422,27 @@ def _checks_ids(device_type: str, fresh: bool) -> bool:
     return device_type == "cpu" or (fresh and device_type != "meta")
 
 
-def _inputs(device, B: int, T: int, offset: int, start: torch.Tensor | None,
-            cache: KVCache | None) -> AttentionInputs:
-    """Position ids, attention mask and causal flag for T new tokens at slots offset..offset+T-1.
-
-    Without padding a fresh prefill is plain causal attention and a one-token step sees every
-    cached slot: no mask. With left padding, query slot i sees key slot j when
-    ``start[b] <= j <= i``, and always itself (a padding row attending to nothing gives NaNs).
-    """
+def _inputs(idx: torch.Tensor, cache: KVCache | None, start: torch.Tensor | None
+            ) -> AttentionInputs:
+    """Position ids, attention mask and causal flag for the T new tokens `idx` ``(B, T)``, at
+    slots ``offset..offset+T-1`` after the `offset` tokens `cache` holds. Without padding, a
+    fresh prefill is plain causal attention and a one-token step sees every cached slot: no
+    mask. Otherwise query slot i of row b sees key slot j when ``start[b] <= j <= i`` (start 0
+    without padding), and always itself (a padding row attending to nothing gives NaNs)."""
+    (B, T), device = idx.shape, idx.device
+    offset = 0 if cache is None else cache.pos
+    if cache is not None:  # the cache knows each row's padding
+        start = cache.start if cache.padded else None
     q_slots = torch.arange(offset, offset + T, device=device)  # (T,)
-    if start is None:
-        pos = q_slots.unsqueeze(0).expand(B, T)
-        if offset == 0:
-            return AttentionInputs(pos, None, T > 1, cache)
-        if T == 1:
-            return AttentionInputs(pos, None, False, cache)
-        k_slots = torch.arange(offset + T, device=device)
-        mask = (k_slots[None, :] <= q_slots[:, None]).view(1, 1, T, offset + T)
-        return AttentionInputs(pos, mask, False, cache)
-    start = start.to(device)
+    if start is None and (offset == 0 or T == 1):
+        pos = q_slots.unsqueeze(0).expand(B, T)  # (B, T)
+        return AttentionInputs(pos, None, offset == 0 and T > 1, cache)
+    start = torch.zeros(B, dtype=torch.long, device=device) if start is None else start.to(device)
     pos = (q_slots[None, :] - start[:, None]).clamp(min=0)  # (B, T) per-row positions
-    k_slots = torch.arange(offset + T, device=device)
+    k_slots = torch.arange(offset + T, device=device)  # (S,)
     causal = k_slots[None, :] <= q_slots[:, None]  # (T, S)
     real = k_slots[None, :] >= start[:, None]  # (B, S)
     self_ = k_slots[None, :] == q_slots[:, None]  # (T, S)
     mask = (causal[None] & real[:, None, :]) | self_[None]  # (B, T, S)
     return AttentionInputs(pos, mask.unsqueeze(1), False, cache)  # mask (B, 1, T, S)
 
-
-def _decode_inputs(cache: StaticKVCache, slot: torch.Tensor, kv_len: int | None,
-                   like: torch.Tensor) -> AttentionInputs:
-    """The decode step's inputs: one new token per row, written at `slot`. Row b sees slots
-    ``start[b]..slot``: an additive mask in `like`'s dtype (converted once here, not per layer),
-    or none for an eager step without padding, which may see every slot it reads."""
-    start = cache.start
-    pos = (slot - start)[:, None]  # (B, 1) each row's own position
-    mask = None
-    if kv_len is None or cache.padded:
-        slots = cache.slots if kv_len is None else cache.slots[:kv_len]
-        allowed = (slots <= slot) & (slots >= start[:, None])  # (B, S)
-        mask = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
-        mask = mask.masked_fill(~allowed, float("-inf"))[:, None, None, :]  # (B, 1, 1, S)
-    return AttentionInputs(pos, mask, False, cache, slot, kv_len)

@@ -258,14 +258,10 @@ def _refuse_rows(top: list[float], bias: dict[int, float]) -> None:
             raise ValueError(f"no token left to sample in row {row}: {why}")
 
 
-def sample(
-    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
-    generators: list[torch.Generator] | None = None,
-) -> torch.Tensor:
-    """Pick one token per row of ``(B, V)`` logits; returns ``(B,)`` token ids.
-
-    Rows with NaN logits or nothing left to draw are a ValueError (see `process_logits`).
-    """
+def sample(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
+           generators: list[torch.Generator] | None = None) -> torch.Tensor:
+    """Pick one token per row of ``(B, V)`` logits; returns ``(B,)`` token ids. Rows with NaN
+    logits or nothing left to draw are a ValueError (see `process_logits`)."""
     processed = process_logits(logits, params, seen)
     if generators is not None and len(generators) != processed.shape[0]:
         raise ValueError(f"generators must hold one generator per row ({processed.shape[0]}), "

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .device import as_device
 from .sampling import SamplingParams
 from .tokenizer import TokenizerLike, encode_prompt
 
@@ -263,8 +264,6 @@ def check_context(i: int, prompt_tokens: int, max_new_tokens: int,
 
 def generation_device(model: torch.nn.Module, device=None) -> torch.device:
     """Where a request runs: `device` (checked to exist), else where the model's weights are."""
-    from .device import as_device
-
     check_weights(model)
     dev = as_device(device) if device is not None else next(model.parameters()).device
     if dev.type == "meta":
@@ -286,13 +285,18 @@ def encode_prompts(prompts, tokenizer: TokenizerLike | None, vocab_size: int) ->
     out = []
     for i, p in enumerate(_as_prompt_list(prompts)):
         ids = _text_ids(i, p, tokenizer) if isinstance(p, str) else _token_ids(i, p)
-        if not ids:
-            raise ValueError(f"prompt {i} is empty: give at least one token")
-        if not 0 <= min(ids) <= max(ids) < vocab_size:
-            bad = next(t for t in ids if not 0 <= t < vocab_size)
-            raise ValueError(f"prompt {i}: token id {bad} outside the vocabulary [0, {vocab_size})")
+        if not ids or not 0 <= min(ids) <= max(ids) < vocab_size:
+            raise _unusable_ids(i, ids, vocab_size)
         out.append(ids)
     return out
+
+
+def _unusable_ids(i: int, ids: list[int], vocab_size: int) -> ValueError:
+    """The error for prompt `i`'s ids: empty, or one of them outside the vocabulary."""
+    if not ids:
+        return ValueError(f"prompt {i} is empty: give at least one token")
+    bad = next(t for t in ids if not 0 <= t < vocab_size)
+    return ValueError(f"prompt {i}: token id {bad} outside the vocabulary [0, {vocab_size})")
 
 
 def _as_prompt_list(prompts) -> list:
@@ -372,9 +376,8 @@ def usable_vocab(cfg, tokenizer: TokenizerLike | None, params: SamplingParams) -
     vocab = cfg.vocab_size
     if tokenizer is not None:
         if tokenizer.vocab_size > cfg.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size}"
-            )
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model "
+                             f"only {cfg.vocab_size}")
         vocab = tokenizer.vocab_size
     if params.logit_bias:
         check_logit_bias(params.logit_bias, vocab, cfg.vocab_size)

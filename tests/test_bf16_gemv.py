@@ -112,6 +112,7 @@ def test_prepacked_bf16_decode_matches_the_plain_model(tiny):
     """A decode step at batch 1 (the kernel where there is one) and at 3 rows (oneDNN) give the
     plain bf16 model's logits up to bf16 rounding."""
     from minifer.cache import StaticKVCache
+    from minifer.fast.decode import LeanStep
     from minifer.generation import decode_step, prefill
 
     packed = mf.quantize(tiny, "bf16")  # prepacked by default where oneDNN packs bf16
@@ -126,5 +127,6 @@ def test_prepacked_bf16_decode_matches_the_plain_model(tiny):
             cache.reset(torch.zeros(rows, dtype=torch.long))
             with torch.inference_mode():
                 first = prefill(m, ids, cache).argmax(-1)
-                logits.append(decode_step(m, first, cache, fixed_shape=True).float())
+                step = LeanStep(fixed_shape=True)
+                logits.append(decode_step(m, first, cache, step=step).float())
         assert (logits[0] - logits[1]).abs().max() <= 0.03 * logits[0].abs().max()

@@ -37,8 +37,11 @@ def _alone(model, prompts, params=GREEDY):
 
 
 def test_fixed_shape_decode_step_equals_forward(family):
-    """`GPT.decode` over the whole preallocated cache (the compiled/CUDA-graph step) gives the
-    logits of a plain cached step: the rotation is applied at the slot's position."""
+    """The fixed-shape lean step over the whole preallocated cache (the compiled/CUDA-graph
+    step) gives the logits of a plain cached step: the rotation is applied at the slot's
+    position."""
+    from minifer.fast.decode import LeanStep
+
     _, m = family
     ids = torch.tensor([_prompts(1, 9, 9, 0)[0]])
     with torch.inference_mode():
@@ -47,7 +50,7 @@ def test_fixed_shape_decode_step_equals_forward(family):
         m(ids[:, :-1], cache=a)
         m(ids[:, :-1], cache=b)
         ref = m(ids[:, -1:], cache=a)[:, 0]
-        got = m.decode(ids[:, -1:], b, torch.tensor([b.pos]), None)
+        got = mf.decode_step(m, ids[:, -1], b, step=LeanStep(fixed_shape=True))
     assert (got - ref).abs().max().item() <= 1e-5
 
 

@@ -17,6 +17,7 @@ import minifer as mf
 from conftest import on_device
 from minifer.bench.baselines import MinifierDecoder, TextbookEngine, hf_available
 from minifer.fast.compiled import compiled_decode
+from minifer.fast.decode import LeanStep
 
 GREEDY = mf.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[72, 101, 108, 108, 111], [7], list(range(40, 75)), [200, 3, 3, 3, 250, 1, 9]]
@@ -39,7 +40,8 @@ def _greedy_steps(model, prompts, steps: int, how: str, kv_dtype=None) -> list[l
             if how == "forward":
                 logits = model(tok.view(-1, 1), cache=cache)[:, -1]
             else:
-                logits = mf.decode_step(model, tok, cache, fixed_shape=how == "fixed")
+                step = LeanStep(fixed_shape=how == "fixed")
+                logits = mf.decode_step(model, tok, cache, step=step)
             tok = logits.argmax(-1)
     return torch.stack(out, 1).tolist()
 
@@ -61,24 +63,40 @@ def test_fixed_shape_logits_match_eager_closely(tiny):
         cache = mf.StaticKVCache.for_model(tiny, 1, 64)
         with torch.inference_mode():
             tok = mf.prefill(tiny, ids, cache).argmax(-1)
-            logits[fixed] = mf.decode_step(tiny, tok, cache, fixed_shape=fixed)
+            logits[fixed] = mf.decode_step(tiny, tok, cache, step=LeanStep(fixed_shape=fixed))
     assert torch.allclose(logits[False], logits[True], atol=1e-5, rtol=0)
 
 
-def test_decode_step_keeps_the_cache_consistent(tiny):
+def test_lean_step_keeps_the_cache_consistent(tiny):
     cache = mf.StaticKVCache.for_model(tiny, 2, 16)
+    lean, fixed = LeanStep(), LeanStep(fixed_shape=True)
     with torch.inference_mode():
         tok = mf.prefill(tiny, torch.tensor([[1, 2, 3], [4, 5, 6]]), cache).argmax(-1)
-        mf.decode_step(tiny, tok, cache)
-        assert cache.pos == 4 and cache.slot.item() == 3
+        mf.decode_step(tiny, tok, cache, step=lean)
+        assert cache.pos == 4 and lean.writer.slot.item() == 3 and lean.writer.kv_len == 4
         cache.rollback(1)
-        a = mf.decode_step(tiny, tok, cache)
+        a = mf.decode_step(tiny, tok, cache, step=lean)
         cache.rollback(1)
-        b = mf.decode_step(tiny, tok, cache, fixed_shape=True)
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
+        b = mf.decode_step(tiny, tok, cache, step=fixed)
+        assert fixed.writer.kv_len is None  # every slot, through the mask
+        other = mf.StaticKVCache.for_model(tiny, 2, 16)
+        mf.prefill(tiny, torch.tensor([[1, 2, 3], [4, 5, 6]]), other)
+        c = mf.decode_step(tiny, tok, other, step=lean)  # a new cache: a new writer
+        assert lean.writer.cache is other
+    assert torch.equal(a.argmax(-1), b.argmax(-1)) and torch.equal(a, c)
     with pytest.raises(ValueError, match="KV cache full"):
         cache.pos = cache.max_len
-        mf.decode_step(tiny, tok, cache)
+        mf.decode_step(tiny, tok, cache, step=lean)
+
+
+def test_generate_decodes_with_the_lean_step_unless_the_speed_ups_are_off(tiny):
+    from minifer import hooks
+
+    cache = mf.StaticKVCache.for_model(tiny, 1, 8)
+    assert isinstance(hooks.decode_function(tiny, cache, False), LeanStep)
+    with mf.fast.disabled():
+        assert hooks.decode_function(tiny, cache, False) is None
+        assert hooks.decode_function(tiny, cache, True) is None
 
 
 def test_generate_batched_equals_alone_and_recomputed(model, device):

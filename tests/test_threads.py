@@ -389,18 +389,21 @@ def test_a_compiled_step_is_not_compiled_again_when_the_governor_changes_the_cou
     eager, with the same tokens, while they have taken less time than compiling did."""
     import minifer as mf
     from minifer.fast import compiled as C
+    from minifer.fast.decode import LeanStep
 
     m = FakeMachine()
     monkeypatch.setattr(T, "_shared", m.governor())
     monkeypatch.setattr(C, "_shapes", type(C._shapes)())
     counts = []
 
-    def spy_step(model, tokens, cache, slot):  # stands in for the compiled step
-        if not counts:
-            time.sleep(0.3)  # compiling: far longer than the few eager steps below
-        counts.append(torch.get_num_threads())
-        return C._decode(model, tokens, cache, slot)
+    class SpyStep(LeanStep):  # stands in for the compiled step
+        def forward(self, model, tokens, writer):
+            if not counts:
+                time.sleep(0.3)  # compiling: far longer than the few eager steps below
+            counts.append(torch.get_num_threads())
+            return super().forward(model, tokens, writer)
 
+    spy_step = SpyStep(fixed_shape=True)
     monkeypatch.setattr(C, "compiled_decode", lambda model, mode=None: spy_step)
     model = mf.GPT.from_config("tiny")
     greedy = mf.SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)

@@ -23,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import hooks
 from ..cache import StaticKVCache
 from ..checks import check_int
 from ..generation import decode_step, prefill
@@ -139,20 +140,22 @@ class TextbookEngine:
 class MinifierDecoder:
     """minifer's decode loop in the benchmark's unit: `decode_step` + greedy choice per token.
 
-    `compile`: use `generation.compiled_decode` (torch.compile) for the step.
+    `compile`: use `minifer.fast.compiled.compiled_decode` (torch.compile) for the step;
+    otherwise the eager step `generate` runs.
     """
 
     def __init__(self, model: torch.nn.Module, *, compile: bool = False) -> None:
         from ..fast.compiled import compiled_decode
 
         self.model = model
-        self.step = compiled_decode(model) if compile else None
+        self.compiled = compiled_decode(model) if compile else None
         self.name = "minifer compiled" if compile else "minifer"
 
     def start(self, prompt: torch.Tensor, new_tokens: int, past: Past | None = None) -> None:
         """Prefill all but the prompt's last token (or copy `past` into the cache)."""
         B, T = prompt.shape
         self.cache = StaticKVCache.for_model(self.model, B, T + new_tokens)
+        self.step = self.compiled or hooks.decode_function(self.model, self.cache, False)
         with torch.inference_mode():
             self.cache.reset()
             if past is not None:

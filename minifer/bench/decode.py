@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import hooks
 from ..cache import StaticKVCache
 from ..checks import check_int
 from ..config import GPTConfig
@@ -75,7 +76,7 @@ def time_decode_step(model: torch.nn.Module, batch: int = 1, context: int = 64, 
     does not depend on what the cache holds, and a batch-64 prefill would cost far more than
     the steps it sets up); every timed step appends one token per sequence and then rolls it
     back, so each step sees exactly ``context`` earlier tokens. `step`: a compiled step
-    (`minifer.generation.compiled_decode`) to time instead of the eager one.
+    (`minifer.fast.compiled.compiled_decode`) to time instead of the eager one `generate` runs.
     """
     _check_fits(model, context + 1, "context + 1")
     dev = _model_device(model)
@@ -89,6 +90,7 @@ def time_decode_step(model: torch.nn.Module, batch: int = 1, context: int = 64, 
                 dst.copy_(src.expand_as(dst))
         cache.advance(one.pos)
         tokens = logits.argmax(-1).expand(batch).contiguous()
+        step = step or hooks.decode_function(model, cache, False)
 
         def run() -> None:
             decode_step(model, tokens, cache, step=step)

@@ -43,6 +43,7 @@ import torch
 from ..config import GPTConfig
 from ..device import as_device, sync
 from ..fast.compiled import compiled_decode
+from ..fast.decode import LeanStep, lean_forward
 from ..generation import decode_step
 from ..model import GPT
 from ..roofline import ModelSpec, kv_cache_bytes, mbu, prefill_time
@@ -201,23 +202,26 @@ def _model_bytes(model: torch.nn.Module) -> int:
 
 
 def graph_step(model: torch.nn.Module, tokens: torch.Tensor, cache) -> Callable[[], None]:
-    """The fixed-shape decode step captured once as a CUDA graph; returns a function that
-    replays it at the cache's position and rolls the token back (what `time_decode_step` does
-    eagerly). The step attends over every cache slot through a mask, so its shapes never change."""
+    """The fixed-shape lean decode step (`minifer.fast.decode`) captured once as a CUDA graph;
+    returns a function that replays it at the cache's position and rolls the token back (what
+    `time_decode_step` does eagerly). The step attends over every cache slot through a mask,
+    so its shapes never change."""
+    step = LeanStep(fixed_shape=True)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.inference_mode():  # warm-up off the default stream
         for _ in range(2):
-            decode_step(model, tokens, cache, fixed_shape=True)
+            decode_step(model, tokens, cache, step=step)
             cache.rollback(1)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    cache.slot.fill_(cache.pos)
+    writer = step.writer  # the graph reads the write slot from its tensor
+    writer.slot.fill_(cache.pos)
     with torch.inference_mode(), torch.cuda.graph(graph):
-        model(tokens.view(-1, 1), cache=cache, slot=cache.slot)
+        lean_forward(model, tokens.view(-1, 1), writer)
 
     def replay() -> None:
-        cache.slot.fill_(cache.pos)
+        writer.slot.fill_(cache.pos)
         graph.replay()
 
     return replay
@@ -228,9 +232,9 @@ def _time_graph(model, batch: int, context: int, repeats: int) -> float:
 
     cache = StaticKVCache.for_model(model, batch, context + 1)
     cache.advance(context)  # a step's time does not depend on the values the cache holds
-    tokens = torch.zeros(batch, dtype=torch.long, device=cache.slot.device)
+    tokens = torch.zeros(batch, dtype=torch.long, device=cache.device)
     replay = graph_step(model, tokens, cache)
-    return time_fn(replay, warmup=3, repeats=repeats, device=cache.slot.device).median_s
+    return time_fn(replay, warmup=3, repeats=repeats, device=cache.device).median_s
 
 
 def _decode_rows(name: str, model: GPT, plan: Plan, bandwidth: float, rec: Recorder,

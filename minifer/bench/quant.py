@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import hooks
 from ..cache import StaticKVCache
 from ..generation import decode_step
 from ..model import GPT
@@ -86,9 +87,11 @@ def _stepper(model: torch.nn.Module, batch: int, context: int):
             cache.update(i, k, v)
         cache.advance(context)
 
+    lean = hooks.decode_function(model, cache, False)  # the step `generate` runs
+
     def step() -> None:
         with torch.inference_mode():
-            decode_step(model, tokens, cache)
+            decode_step(model, tokens, cache, step=lean)
         cache.rollback(1)
 
     return step

@@ -7,7 +7,8 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 | speed-up | reference it equals | plugs in at |
 |---|---|---|
 | `threads`: the thread governor (fewer threads while other programs hold cores) | torch's thread count as set | `hooks.generation_threads` |
-| `compiled`: the decode step compiled by `torch.compile` (frozen weights on a CPU) | the eager `GPT.decode` | `hooks.decode_function` (``compile=True``) |
+| `decode`: the lean decode step (no per-step checks, the write slot in a tensor; fixed-shape for compiling) | the forward pass ``model(tokens, cache=cache)`` | `hooks.decode_function` |
+| `compiled`: the decode step compiled by `torch.compile` (frozen weights on a CPU) | the eager lean step | `hooks.decode_function` (``compile=True``) |
 | `argmax`: the greedy argmax in chunks | ``logits.argmax(-1)`` | `hooks.argmax` |
 | `layout`: column-major linear weights | torch's row-major layout | `hooks.lay_out_weights` |
 | `prepack`: linear weights prepacked for oneDNN | `F.linear` | `minifer.prepack(model)`; bf16: `hooks.prepare_bf16` |

@@ -1,12 +1,12 @@
 """The decode step compiled by `torch.compile`, and when to compile it again.
 
-Reference: the eager `GPT.decode` step, which `minifer.hooks.decode_function` leaves in place;
-``generate(..., compile=True)`` runs this instead. fp32 greedy tokens are identical to eager
-(tests/test_fast_decode.py). The step is the fixed-shape `GPT.decode`: it attends over the whole
-preallocated cache through a mask, so every tensor has the same shape at every step and torch
-compiles one graph per batch size and cache length (``fullgraph=True``: a graph break is an
-error, not a silent slow path). On CUDA the default mode is ``"reduce-overhead"``: the step is
-captured as a CUDA graph and replayed with one launch.
+Reference: the eager lean step (`minifer.fast.decode.LeanStep`), which ``generate`` runs by
+default; ``generate(..., compile=True)`` runs this instead. fp32 greedy tokens are identical to
+eager (tests/test_fast_decode.py). What is compiled is the fixed-shape lean step: it attends
+over the whole preallocated cache through a mask, so every tensor has the same shape at every
+step and torch compiles one graph per batch size and cache length (``fullgraph=True``: a graph
+break is an error, not a silent slow path). On CUDA the default mode is ``"reduce-overhead"``:
+the step is captured as a CUDA graph and replayed with one launch.
 
 On a CPU the default also **freezes** the weights (inductor's ``freezing``): they become
 constants of the graph, each linear weight prepacked into oneDNN's (bf16: AMX where present) or
@@ -28,6 +28,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..model import GPT
+from .decode import LeanStep, SlotWriter, lean_forward
+
 __all__ = ["COMPILE_MODES", "compiled_decode", "decode_function", "ShapeThreads"]
 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -35,38 +38,56 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 # count (and model, where weights are frozen); torch's default of 8 is too few.
 RECOMPILE_LIMIT = 256
 
-_compiled: dict[tuple[str, bool], Callable] = {}
+_compiled: dict[tuple[str, bool], LeanStep] = {}
 _frozen_stamps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> weights stamp
 _shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {shape: ShapeThreads}
 
 
-def _decode(model, tokens, cache, slot):
-    return model(tokens, cache=cache, slot=slot)
+def _decode(model, tokens, writer):
+    return lean_forward(model, tokens, writer)
 
 
-def _decode_frozen(model, tokens, cache, slot):  # its own code object: its own compiled graphs
-    return model(tokens, cache=cache, slot=slot)
+def _decode_frozen(model, tokens, writer):  # its own code object: its own compiled graphs
+    return lean_forward(model, tokens, writer)
 
 
-class FrozenStep:
-    """A compiled step whose graphs inductor compiles with ``freezing`` on. The setting is read
+class CompiledStep(LeanStep):
+    """The fixed-shape lean step compiled; on CUDA it tells torch before each call that the
+    last step's outputs have been used, so a CUDA graph may write over them."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__(fixed_shape=True)
+        self.step = torch.compile(_decode, mode=mode, fullgraph=True, dynamic=False)
+
+    def forward(self, model, tokens, writer: SlotWriter) -> torch.Tensor:
+        writer.kv_len = None  # every slot: the same shapes at every step
+        if writer.slot.is_cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.step(model, tokens, writer)
+
+
+class FrozenStep(LeanStep):
+    """The fixed-shape lean step compiled with inductor's ``freezing`` on. The setting is read
     while a call compiles (``torch.compile(options=...)`` does not reach it), so it is switched
     on around each call; other code this process compiles is left as it was."""
 
     def __init__(self) -> None:
+        super().__init__(fixed_shape=True)
         self.step = torch.compile(_decode_frozen, fullgraph=True, dynamic=False)
 
-    def __call__(self, model, tokens, cache, slot):
+    def forward(self, model, tokens, writer: SlotWriter) -> torch.Tensor:
+        writer.kv_len = None  # every slot: the same shapes at every step
         config = torch._inductor.config  # set and restored by hand: config.patch is slower
         before, config.freezing = config.freezing, True
         try:
-            return self.step(model, tokens, cache, slot)
+            return self.step(model, tokens, writer)
         finally:
             config.freezing = before
 
 
-def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> Callable:
-    """`GPT.decode` compiled, called as ``step(model, tokens, cache, slot)``.
+def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> LeanStep:
+    """The fixed-shape lean step compiled, called as ``step(model, tokens, cache)`` (or given to
+    `minifer.decode_step` as its `step`).
 
     `mode` None: ``"reduce-overhead"`` (CUDA graphs) on CUDA, inductor's frozen default on a
     CPU. Compiled once per process and mode.
@@ -81,22 +102,8 @@ def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> Callable
         config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
-        _compiled[mode, freeze] = (FrozenStep() if freeze else CompiledStep(torch.compile(
-            _decode, mode=mode, fullgraph=True, dynamic=False)))
+        _compiled[mode, freeze] = FrozenStep() if freeze else CompiledStep(mode)
     return _compiled[mode, freeze]
-
-
-class CompiledStep:
-    """A compiled step; on CUDA it tells torch before each call that the last step's outputs
-    have been used, so a CUDA graph may write over them."""
-
-    def __init__(self, step: Callable) -> None:
-        self.step = step
-
-    def __call__(self, model, tokens, cache, slot):
-        if slot.is_cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        return self.step(model, tokens, cache, slot)
 
 
 def unfreeze_if_changed(model: torch.nn.Module) -> None:
@@ -144,40 +151,42 @@ class ShapeThreads:
             self.eager_s[threads] = self.eager_s.get(threads, 0.0) + seconds
 
 
-class ThreadAwareStep:
-    """A compiled step for one cache shape that runs eager at thread counts it has no graph for
-    yet (`ShapeThreads`)."""
+class ThreadAwareStep(LeanStep):
+    """A compiled step for one cache shape that runs the eager lean step at thread counts it
+    has no graph for yet (`ShapeThreads`)."""
 
-    def __init__(self, step: Callable, shape: ShapeThreads) -> None:
-        self.step, self.shape = step, shape
+    def __init__(self, compiled: LeanStep, shape: ShapeThreads) -> None:
+        super().__init__()
+        self.compiled, self.shape = compiled, shape
 
-    def __call__(self, model, tokens, cache, slot):
+    def forward(self, model, tokens, writer: SlotWriter) -> torch.Tensor:
         count = torch.get_num_threads()
         compiled = self.shape.compiled(count)
         t0 = time.perf_counter()
-        if not compiled:  # the eager step, reading the filled slots only
-            logits = model(tokens, cache=cache, slot=slot, kv_len=cache.pos + 1)
-        else:
-            logits = self.step(model, tokens, cache, slot)
+        if compiled:
+            logits = self.compiled.forward(model, tokens, writer)
+        else:  # the eager step, reading the filled slots only
+            logits = super().forward(model, tokens, writer)
         self.shape.ran(count, compiled, time.perf_counter() - t0)
         return logits
 
 
 def decode_function(model: torch.nn.Module, cache, compile: bool | str) -> Callable | None:
-    """The `minifer.hooks.decode_function` of the speed-up package: the compiled step for
-    ``compile=True`` (or a `torch.compile` mode name), None (eager) for False."""
+    """The `minifer.hooks.decode_function` of the speed-up package: for a `GPT`, the eager lean
+    step (`minifer.fast.decode`) for ``compile=False``, the compiled one for True (or a
+    `torch.compile` mode name); None (the plain forward pass) for another model."""
     if compile is False or compile is None:
-        return None
+        return LeanStep() if isinstance(model, GPT) else None
     if compile is not True and not isinstance(compile, str):
         raise ValueError(f"compile must be True, False or a torch.compile mode "
                          f"{COMPILE_MODES[1:]}, got {compile!r}")
-    if not hasattr(model, "decode"):
-        raise ValueError(f"compile=True needs a model with the fixed-shape step GPT.decode, got "
+    if not isinstance(model, GPT):
+        raise ValueError(f"compile=True compiles minifer's GPT decode step, got "
                          f"{type(model).__name__}")
     step = compiled_decode(model, None if compile is True else compile)
     if isinstance(step, FrozenStep):
         unfreeze_if_changed(model)
-    if cache.slot.is_cuda:  # CUDA graphs may write the cache in place only at fixed addresses
+    if cache.k[0].is_cuda:  # CUDA graphs may write the cache in place only at fixed addresses
         for t in cache.k + cache.v + (cache.k_scale + cache.v_scale if cache.quantized else []):
             torch._dynamo.mark_static_address(t)
     shapes = _shapes.setdefault(model, {})

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minifer import hooks
 from minifer.cache import StaticKVCache
 from minifer.generation import decode_step, prefill
 
@@ -101,10 +102,11 @@ def time_cat_vs_static(model: torch.nn.Module, batch: int = 1, context: int = 51
                 cache.k[i][:, :, :context] = k
                 cache.v[i][:, :, :context] = v
         cache.advance(context)
+        step = hooks.decode_function(model, cache, False)  # the step `generate` runs
         for _ in range(steps):
             t0 = time.perf_counter()
             if kind == "static":
-                out = decode_step(model, token, cache)
+                out = decode_step(model, token, cache, step=step)
             else:
                 out = model(token.view(-1, 1), cache=cache)
             out.sum().item()  # wait for the device

@@ -27,6 +27,7 @@ import torch
 from ..cache import StaticKVCache
 from ..config import GPTConfig
 from ..fast.compiled import compiled_decode
+from ..fast.decode import LeanStep
 from ..generation import decode_step, prefill
 from ..model import GPT
 
@@ -43,8 +44,9 @@ def step_ms(model: torch.nn.Module, *, context: int = 32, steps: int = 40,
 
     The cache is sized ``context + 2`` and rewound after every step, so each step sees the
     same context (and the compiled, fixed-shape step the same shapes). `step` is a compiled
-    step from :func:`compiled_step`; `fixed_shape` runs the eager step in the compiled one's
-    shape (attention over every cache slot through a mask).
+    step from :func:`compiled_step`, by default the eager lean step `generate` runs;
+    `fixed_shape` runs that in the compiled one's shape (attention over every cache slot
+    through a mask).
     """
     if context < 1 or steps < 1:
         raise ValueError(f"context and steps must be >= 1, got {context} and {steps}")
@@ -53,13 +55,14 @@ def step_ms(model: torch.nn.Module, *, context: int = 32, steps: int = 40,
     ids = torch.randint(0, model.config.vocab_size, (1, context),
                         generator=torch.Generator().manual_seed(0)).to(device)
     token = torch.zeros(1, dtype=torch.long, device=device)
+    step = step or LeanStep(fixed_shape=fixed_shape)
     times = []
     with torch.inference_mode():
         prefill(model, ids, cache)
         for i in range(steps + 3):  # 3 warm-up steps
             cache.pos = context
             t0 = time.perf_counter()
-            decode_step(model, token, cache, step=step, fixed_shape=fixed_shape)
+            decode_step(model, token, cache, step=step)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= 3:
