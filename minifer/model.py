@@ -358,26 +358,17 @@ class GPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
 
     def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
-        """A ValueError for token ids the model cannot take: not ``(B, T)`` integers, empty,
-        outside the vocabulary, past the context window, or not fitting `cache`."""
-        if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32) or 0 in idx.shape:
-            raise ValueError(f"idx must be a non-empty (batch, tokens) tensor of int64/int32 "
-                             f"token ids, got {idx.dtype} of shape {tuple(idx.shape)}")
-        B, T = idx.shape
-        V, offset = self.config.vocab_size, 0 if cache is None else cache.pos
-        if _checks_ids(idx.device.type, offset == 0):
+        """A ValueError for token ids the model cannot take (`_refuse_input` says why)."""
+        offset = 0 if cache is None else cache.pos  # slots already cached
+        ok = idx.dim() == 2 and idx.dtype in (torch.int64, torch.int32) and 0 not in idx.shape
+        end = offset + idx.shape[-1] if ok else 0  # slots cached after this call
+        ok = ok and end <= self.config.context_length
+        ok = ok and (cache is None or (idx.shape[0] == cache.batch_size and end <= cache.max_len))
+        if ok and _checks_ids(idx.device.type, offset == 0):
             lo, hi = (t.item() for t in torch.aminmax(idx))  # one reduction (~5 µs on a CPU)
-            if lo < 0 or hi >= V:
-                raise ValueError(f"idx must hold token ids in [0, {V}) (the vocabulary), "
-                                 f"got {lo if lo < 0 else hi}")
-        if offset + T > self.config.context_length:
-            raise ValueError(f"sequence of {offset + T} tokens exceeds the context window "
-                             f"({self.config.context_length})")
-        if cache is not None:
-            if B != cache.batch_size:
-                raise ValueError(f"batch of {B} rows does not match the cache's "
-                                 f"batch_size={cache.batch_size}")
-            cache.check_room(T)
+            ok = 0 <= lo and hi < self.config.vocab_size
+        if not ok:
+            _refuse_input(self.config, idx, cache)
 
     def forward_packed(self, idx: torch.Tensor, cache: PackedKVCache) -> torch.Tensor:
         """Logits ``(len(cache.logits_index), vocab)`` for many rows packed in one sequence.
@@ -413,6 +404,27 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x, inputs)
         return x
+
+
+def _refuse_input(config: GPTConfig, idx: torch.Tensor, cache: KVCache | None) -> None:
+    """The ValueError for ids `GPT.check_input` refused: not ``(B, T)`` integers, empty, past
+    the context window, not fitting `cache`, or outside the vocabulary."""
+    if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32) or 0 in idx.shape:
+        raise ValueError(f"idx must be a non-empty (batch, tokens) tensor of int64/int32 "
+                         f"token ids, got {idx.dtype} of shape {tuple(idx.shape)}")
+    B, T = idx.shape
+    offset = 0 if cache is None else cache.pos
+    if offset + T > config.context_length:
+        raise ValueError(f"sequence of {offset + T} tokens exceeds the context window "
+                         f"({config.context_length})")
+    if cache is not None and B != cache.batch_size:
+        raise ValueError(f"batch of {B} rows does not match the cache's "
+                         f"batch_size={cache.batch_size}")
+    if cache is not None:
+        cache.check_room(T)
+    lo, hi = (t.item() for t in torch.aminmax(idx))
+    raise ValueError(f"idx must hold token ids in [0, {config.vocab_size}) (the vocabulary), "
+                     f"got {lo if lo < 0 else hi}")
 
 
 def _checks_ids(device_type: str, fresh: bool) -> bool:

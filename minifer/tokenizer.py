@@ -205,9 +205,8 @@ class BPEDetokenizer:
 
 
 def encode_prompt(tokenizer: TokenizerLike, text: str, *, special_tokens: bool = False) -> list[int]:
-    """A text prompt's ids: the tokenizer's, after its BOS token where it has one (a Llama
-    checkpoint's), as transformers' ``tokenizer(text)`` gives them. A chat template writes its own
-    BOS, so a rendered chat is encoded with ``tokenizer.encode``."""
+    """A text prompt's ids after the tokenizer's BOS, where it has one (a Llama checkpoint's), as
+    transformers' ``tokenizer(text)`` gives them; a chat template writes its own BOS."""
     ids = tokenizer.encode(text, special_tokens=True) if special_tokens else tokenizer.encode(text)
     bos = getattr(tokenizer, "bos_token_id", None)
     return ids if bos is None else [bos, *ids]
