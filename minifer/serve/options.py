@@ -20,7 +20,7 @@ import torch
 
 from ..checks import check_int, check_number
 from ..sampling import SamplingParams
-from ..sequence import prepare
+from ..sequence import prepare_prompt
 from .logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from .scheduler import PRIORITY_LIMIT
 
@@ -50,17 +50,17 @@ def prepare_request(model, tokenizer, prompt, params: SamplingParams | None, *,
                     request_id: str | None = None, logprobs: int | None = None,
                     min_tokens: int = 0):
     """The one check of a request, for every front (`LLMEngine`, `DisaggregatedEngine`): its
-    `Sequence` and the vocabulary it may sample from, or a ValueError naming what is wrong."""
+    `Sequence` and the vocabulary it may sample from, or a ValueError naming what is wrong.
+    `model`: checked once by the front that holds it (`sequence.check_model`)."""
     check_request(prompt, priority)
     if arrival_time is not None:
         check_number("arrival_time", arrival_time, finite=True,
                      why=" (time.perf_counter() seconds)")
     if request_id is not None and (not isinstance(request_id, str) or not request_id):
         raise ValueError(f"request_id must be a non-empty string, got {request_id!r:.60}")
-    prep = prepare(model, [prompt], params, tokenizer)  # no tensor made: no device to check
-    seq = prep.sequences[0]
+    seq, vocab = prepare_prompt(model.config, prompt, params, tokenizer)
     check_options(seq, logprobs, min_tokens)
-    return seq, prep.vocab
+    return seq, vocab
 
 
 def check_request(prompt, priority) -> None:
