@@ -232,19 +232,6 @@ def prepare(model: torch.nn.Module, prompts, params: SamplingParams | None,
     return Prepared(seqs, vocab, dev)
 
 
-def prepare_prompt(cfg, prompt, params: SamplingParams | None,
-                   tokenizer: TokenizerLike | None = None) -> tuple[Sequence, int]:
-    """`prepare` for one prompt to a model that `check_model` already passed (the serving
-    engine checks its model once, when it is built): the prompt's `Sequence` and the vocabulary
-    it may sample from. `cfg`: the model's config."""
-    params = SamplingParams() if params is None else params
-    check_types(params, tokenizer)
-    ids = prompt_ids(0, prompt, tokenizer, cfg.vocab_size)
-    vocab = usable_vocab(cfg, tokenizer, params)
-    check_context(0, len(ids), params.max_new_tokens, {"model": cfg.context_length})
-    return Sequence(0, ids, params, tokenizer, eos_ids(cfg, tokenizer)), vocab
-
-
 def check_types(params, tokenizer) -> None:
     """A TypeError naming the argument that is not a SamplingParams or a minifer tokenizer."""
     if not isinstance(params, SamplingParams):
