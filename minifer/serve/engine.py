@@ -214,7 +214,7 @@ class LLMEngine:
         try:
             for p, sp in zip(prompts, params):
                 ids.append(self.add_request(p, sp))
-            while self.has_unfinished():
+            while self.requests:  # the unfinished ones
                 final.update((o.request_id, o) for o in self.step() if o.finished)
         except BaseException:
             for rid in ids:  # a refused request, a step that raised: leave nothing behind
