@@ -218,7 +218,8 @@ def prepare(model: torch.nn.Module, prompts, params: SamplingParams | None,
     """Check everything about a request before any tensor is touched; build its Sequences.
     `context_lengths`: every context window the request must fit (default: the model's)."""
     params = SamplingParams() if params is None else params
-    check_types(model, params, tokenizer)
+    check_types(params, tokenizer)
+    check_model(model)
     cfg = model.config
     ids_list = encode_prompts(prompts, tokenizer, cfg.vocab_size)
     vocab = usable_vocab(cfg, tokenizer, params)
@@ -231,8 +232,8 @@ def prepare(model: torch.nn.Module, prompts, params: SamplingParams | None,
     return Prepared(seqs, vocab, dev)
 
 
-def check_types(model: torch.nn.Module, params, tokenizer) -> None:
-    """A TypeError naming the argument that is not a minifer model, SamplingParams, tokenizer."""
+def check_types(params, tokenizer) -> None:
+    """A TypeError naming the argument that is not a SamplingParams or a minifer tokenizer."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams (e.g. SamplingParams(temperature=0)), "
                         f"got {type(params).__name__} {params!r}")
@@ -241,11 +242,18 @@ def check_types(model: torch.nn.Module, params, tokenizer) -> None:
                         f"got {type(tokenizer).__name__} {tokenizer!r}")
     if params.stop and tokenizer is None:
         raise ValueError("stop strings are matched on text: pass tokenizer= to use stop")
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """A TypeError unless `model` is a minifer GPT; a ValueError if its weights are on meta."""
     cfg = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or not all(
             isinstance(getattr(cfg, a, None), int) for a in ("vocab_size", "context_length")):
         raise TypeError(f"model must be a minifer GPT (a module with a GPTConfig), got "
                         f"{type(model).__name__}")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("model is on the meta device (shapes, no weights): load its weights "
+                         "before generating, e.g. model.to_empty(device='cpu') then a checkpoint")
 
 
 def check_context(i: int, prompt_tokens: int, max_new_tokens: int,
@@ -264,7 +272,6 @@ def check_context(i: int, prompt_tokens: int, max_new_tokens: int,
 
 def generation_device(model: torch.nn.Module, device=None) -> torch.device:
     """Where a request runs: `device` (checked to exist), else where the model's weights are."""
-    check_weights(model)
     dev = as_device(device) if device is not None else next(model.parameters()).device
     if dev.type == "meta":
         raise ValueError("device='meta' holds shapes, no values: generation needs a real "
@@ -272,23 +279,18 @@ def generation_device(model: torch.nn.Module, device=None) -> torch.device:
     return dev
 
 
-def check_weights(model: torch.nn.Module) -> None:
-    """A ValueError naming `model` if its weights are on the meta device (shapes only)."""
-    if any(p.device.type == "meta" for p in model.parameters()):
-        raise ValueError("model is on the meta device (shapes, no weights): load its weights "
-                         "before generating, e.g. model.to_empty(device='cpu') then a checkpoint")
-
-
 # ---- prompts: text or token ids ------------------------------------------------------------
 def encode_prompts(prompts, tokenizer: TokenizerLike | None, vocab_size: int) -> list[list[int]]:
     """Token ids for each prompt, with clear errors for anything the model cannot take."""
-    out = []
-    for i, p in enumerate(_as_prompt_list(prompts)):
-        ids = _text_ids(i, p, tokenizer) if isinstance(p, str) else _token_ids(i, p)
-        if not ids or not 0 <= min(ids) <= max(ids) < vocab_size:
-            raise _unusable_ids(i, ids, vocab_size)
-        out.append(ids)
-    return out
+    return [prompt_ids(i, p, tokenizer, vocab_size) for i, p in enumerate(_as_prompt_list(prompts))]
+
+
+def prompt_ids(i: int, prompt, tokenizer: TokenizerLike | None, vocab_size: int) -> list[int]:
+    """Prompt `i`'s token ids (from text or ids), checked to lie in the vocabulary."""
+    ids = _text_ids(i, prompt, tokenizer) if isinstance(prompt, str) else _token_ids(i, prompt)
+    if not ids or not 0 <= min(ids) <= max(ids) < vocab_size:
+        raise _unusable_ids(i, ids, vocab_size)
+    return ids
 
 
 def _unusable_ids(i: int, ids: list[int], vocab_size: int) -> ValueError:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from ..sampling import SamplingParams
-from ..sequence import check_weights
+from ..sequence import check_model
 from ..tokenizer import TokenizerLike
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -81,9 +81,7 @@ class LLMEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: TokenizerLike | None = None,
                  config: EngineConfig | None = None, **options) -> None:
-        if not hasattr(model, "config"):
-            raise TypeError(f"model must be a minifer GPT, got {type(model).__name__}")
-        check_weights(model)
+        check_model(model)
         self.config = c = dataclasses.replace(config or EngineConfig(), **options).resolved(model)
         self.model, self.tokenizer = model, tokenizer
         self.device = torch.device(c.device)
@@ -216,7 +214,7 @@ class LLMEngine:
         try:
             for p, sp in zip(prompts, params):
                 ids.append(self.add_request(p, sp))
-            while self.has_unfinished():
+            while self.requests:  # the unfinished ones
                 final.update((o.request_id, o) for o in self.step() if o.finished)
         except BaseException:
             for rid in ids:  # a refused request, a step that raised: leave nothing behind

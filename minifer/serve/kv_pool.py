@@ -131,15 +131,20 @@ class PackedBatch:
 
     `read` (`READS`) names the faster way `minifer.fast.paged` reads the pool: ``"blocks"``,
     ``"kernel"``; ``"slots"``, or the speed-ups off, runs the reference here.
+
+    The rows and `read` are checked (ValueErrors) unless `checked`: the `ModelRunner` passes
+    rows the scheduler built, which hold by construction.
     """
 
     packed = True  # GPT.forward: run the packed path (see `minifer.cache.PackedKVCache`)
 
     def __init__(self, pool: PagedKVPool, tables: Sequence[Sequence[int]],
                  context: Sequence[int], num_new: Sequence[int],
-                 logits_rows: Sequence[int] | None = None, read: str = "blocks") -> None:
-        check_read(read)
-        _check_rows(pool, tables, context, num_new)
+                 logits_rows: Sequence[int] | None = None, read: str = "blocks", *,
+                 checked: bool = False) -> None:
+        if not checked:
+            check_read(read)
+            _check_rows(pool, tables, context, num_new)
         dev = pool.device
         self.pool, self.read = pool, read
         self.tables, self.context, self.num_new = tables, context, num_new

@@ -61,7 +61,8 @@ class ModelRunner:
         due = [j for j, c in enumerate(rows) if c.completes]
         ids = [t for c in rows for t in c.request.tokens[c.start:c.start + c.num_new]]
         batch = PackedBatch(self.pool, [c.block_table for c in rows], [c.start for c in rows],
-                            [c.num_new for c in rows], logits_rows=due, read=self.read)
+                            [c.num_new for c in rows], logits_rows=due, read=self.read,
+                            checked=True)  # the scheduler's rows: they fit their blocks
         self._count(rows)
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -69,8 +70,6 @@ class ModelRunner:
             logits = self.model(idx, cache=batch)  # (len(due), vocab): the rows that sample
             self.forward_time_s += time.perf_counter() - t0
             self.num_forward_calls += 1
-            if not due:
-                return []
             picked = self.sample([rows[j].request for j in due], logits)
         token_of = {id(rows[j]): t for j, t in zip(due, picked)}  # back in the order of `chunks`
         return [token_of[id(c)] for c in chunks if c.completes]

@@ -20,7 +20,8 @@ import torch
 
 from ..checks import check_int, check_number
 from ..sampling import SamplingParams
-from ..sequence import prepare
+from ..sequence import Sequence as SequenceState
+from ..sequence import check_context, check_types, eos_ids, prompt_ids, usable_vocab
 from .logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from .scheduler import PRIORITY_LIMIT
 
@@ -36,8 +37,7 @@ def generate_arguments(prompts, params) -> tuple[list, list]:
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts (texts or id lists)")
-    if params is None:
-        params = SamplingParams()
+    params = SamplingParams() if params is None else params
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     if len(params) != len(prompts):
@@ -50,25 +50,30 @@ def prepare_request(model, tokenizer, prompt, params: SamplingParams | None, *,
                     request_id: str | None = None, logprobs: int | None = None,
                     min_tokens: int = 0):
     """The one check of a request, for every front (`LLMEngine`, `DisaggregatedEngine`): its
-    `Sequence` and the vocabulary it may sample from, or a ValueError naming what is wrong."""
+    `Sequence` and the vocabulary it may sample from, or a ValueError naming what is wrong.
+    `sequence.prepare`'s checks of one prompt; the front checked `model` once (`check_model`)."""
     check_request(prompt, priority)
     if arrival_time is not None:
         check_number("arrival_time", arrival_time, finite=True,
                      why=" (time.perf_counter() seconds)")
     if request_id is not None and (not isinstance(request_id, str) or not request_id):
         raise ValueError(f"request_id must be a non-empty string, got {request_id!r:.60}")
-    prep = prepare(model, [prompt], params, tokenizer)  # no tensor made: no device to check
-    seq = prep.sequences[0]
+    params = SamplingParams() if params is None else params
+    check_types(params, tokenizer)
+    cfg = model.config
+    ids = prompt_ids(0, prompt, tokenizer, cfg.vocab_size)
+    vocab = usable_vocab(cfg, tokenizer, params)
+    check_context(0, len(ids), params.max_new_tokens, {"model": cfg.context_length})
+    seq = SequenceState(0, ids, params, tokenizer, eos_ids(cfg, tokenizer))
     check_options(seq, logprobs, min_tokens)
-    return seq, prep.vocab
+    return seq, vocab
 
 
 def check_request(prompt, priority) -> None:
     """ValueErrors naming `priority` or `prompt` (before the prompt is encoded)."""
     check_int("priority", priority, -PRIORITY_LIMIT, PRIORITY_LIMIT,
               allowed="be an integer in [-2**53, 2**53]", why=" (lower = served first)")
-    if isinstance(prompt, (list, tuple)) and prompt and not all(
-            isinstance(p, int) or hasattr(p, "__index__") for p in prompt):
+    if isinstance(prompt, (list, tuple)) and not all(hasattr(p, "__index__") for p in prompt):
         raise ValueError("add_request takes one prompt (text or a flat list of token ids); "
                          "use generate() for a list of prompts")
     if not isinstance(prompt, (str, list, tuple, torch.Tensor)) or (

@@ -32,6 +32,7 @@ from ...config import GPTConfig, kv_token_bytes
 from ...parallel.launch import WorkerError, Workers
 from ...pretrained import PRETRAINED, model_files, save_checkpoint
 from ...sampling import SamplingParams
+from ...sequence import check_model
 from ...tokenizer import Tokenizer
 from ..handoff import params_to_dict
 from ..metrics import RequestMetrics
@@ -132,6 +133,7 @@ class DisaggregatedEngine:
             self.dtype = "fp32"
         elif isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
                                                                GPTConfig):
+            check_model(model)  # once here: `prepare_request` trusts the model it is given
             self.name, self.model = None, model
             self.dtype = _DTYPE_NAMES.get(next(model.parameters()).dtype)
             if self.dtype is None:
