@@ -21,7 +21,6 @@ own, in a form `torch.compile` can take, and passes them as ``inputs=``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -400,7 +399,7 @@ class GPT(nn.Module):
         if self.transformer.wpe is not None:  # learned positions (GPT-2): added to the input
             x = x + self.transformer.wpe(inputs.positions)
         else:  # rotary positions: every layer turns q and k by the same angles, computed here
-            inputs = dataclasses.replace(inputs, rotation=self.rotary(inputs.positions, x.dtype))
+            inputs.rotation = self.rotary(inputs.positions, x.dtype)
         for block in self.transformer.h:
             x = block(x, inputs)
         return x
