@@ -93,14 +93,14 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = N
     with the BOS token where the checkpoint's tokenizer adds one (Llama's), as transformers'
     ``tokenizer(text)`` does. The tokenizer carries the checkpoint's chat template, if any.
     """
-    if device is not None:
-        as_device(device)  # a device this machine lacks: fail before reading any file
+    # a device this machine lacks: fail before reading any file
+    device = None if device is None else as_device(device)
     folder = Path(folder).expanduser()
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face checkpoint folder "
                                 f"has config.json, model.safetensors and tokenizer.json)")
     hc = _read_json(folder / "config.json")
-    model = GPT.from_hf_state(hc, read_hf_tensors(folder), dtype)
+    model = GPT.from_hf_state(hc, read_hf_tensors(folder), dtype, device)
     tc = _read_json(folder / "tokenizer_config.json")
     eos = _token_text(tc.get("eos_token"))
     tokenizer = Tokenizer.from_file(folder / "tokenizer.json", eos_token=eos or "<|endoftext|>")
@@ -114,5 +114,4 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = N
     tokenizer.more_eos_token_ids = frozenset(_eos_ids(folder, hc)) - {tokenizer.eos_token_id}
     tokenizer.special_tokens_text = {k: _token_text(tc.get(k)) for k in
                                      ("bos_token", "eos_token", "pad_token", "unk_token")}
-    device = None if device is None else as_device(device)
-    return model.ready(device), tokenizer
+    return model, tokenizer

@@ -246,7 +246,7 @@ class GPT(nn.Module):
             config = GPTConfig.preset(config)
         if device is not None and as_device(device).type == "meta":  # shapes only, no memory:
             with torch.device("meta"):  # the size of a 70B model, say, without its weights
-                return cls(config).to(dtype=dtype).eval()
+                return cls(config).ready(dtype=dtype)
         with torch.device("cpu"):
             model = cls(config)
         gen = torch.Generator().manual_seed(seed)
@@ -284,10 +284,11 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf_state(cls, hc: dict, tensors: dict[str, torch.Tensor],
-                      dtype: torch.dtype | None = None) -> GPT:
-        """A model (eval mode) from a Hugging Face config dict (``config.json``) and its tensors
-        by Hugging Face names, which it takes over (no copy where the dtype is already `dtype`;
-        default: the tensors' own). A tensor missing, left over or of another shape than the
+                      dtype: torch.dtype | None = None,
+                      device: torch.device | None = None) -> GPT:
+        """A model (eval mode, on `device`) from a Hugging Face config dict (``config.json``) and
+        its tensors by Hugging Face names, which it takes over (no copy where the dtype is already
+        `dtype`; default: the tensors' own). A tensor missing, left over or of another shape than the
         config implies is a ValueError naming it."""
         from .hf_convert import config_from_hf, state_from_hf
 
@@ -304,7 +305,7 @@ class GPT(nn.Module):
                 raise ValueError(f"Hugging Face checkpoint: {name} has shape {got}, the config "
                                  f"implies {expected.get(name)}")
         model.take_weights({k: v.detach().to(dtype) for k, v in state.items()})
-        return model.ready()
+        return model.ready(device)
 
     def take_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Make `state`'s tensors this model's weights, without a copy (a tied model's state
