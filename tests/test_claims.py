@@ -75,8 +75,10 @@ def mentioned_ids(text: str) -> set[str]:
 
 
 def is_executed(nb: dict) -> bool:
-    """Every code cell has a stored execution (cells marked NBVAL_SKIP excepted)."""
+    """Every code cell has a stored execution (cells marked NBVAL_SKIP, or tagged nbval-skip,
+    excepted)."""
     return all(cell.get("execution_count") is not None or "NBVAL_SKIP" in _source(cell)
+               or "nbval-skip" in cell.get("metadata", {}).get("tags", [])
                for cell in nb["cells"] if cell["cell_type"] == "code")
 
 

@@ -1,17 +1,20 @@
-"""The lessons' diagrams: drawn by tools/draw_diagrams.py, committed as SVG, shown by each lesson."""
+"""The lessons' diagrams: drawn by tools/draw_diagrams.py, committed as SVG package data, shown by
+each lesson from a code cell whose stored output is the picture (so it shows without a kernel and
+on Colab), with every text fitting its box in the widest common fallback font."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import pathlib
+import re
 import xml.etree.ElementTree as ET
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
-DIAGRAMS = NOTEBOOKS / "diagrams"
+DIAGRAMS = ROOT / "minifer" / "lessons" / "diagrams"
 SVG = "{http://www.w3.org/2000/svg}"
 
 
@@ -26,7 +29,7 @@ def test_committed_diagrams_are_what_the_script_draws(tmp_path: pathlib.Path) ->
     draw = _draw_module()
     written = draw.draw_all(tmp_path)
     assert sorted(p.name for p in written) == sorted(p.name for p in DIAGRAMS.glob("*.svg")), \
-        "notebooks/diagrams/ and tools/draw_diagrams.py disagree: run python tools/draw_diagrams.py"
+        "minifer/lessons/diagrams/ and tools/draw_diagrams.py disagree: run python tools/draw_diagrams.py"
     for path in written:
         assert path.read_text() == (DIAGRAMS / path.name).read_text(), \
             f"{path.name} is stale: run python tools/draw_diagrams.py"
@@ -44,15 +47,57 @@ def test_diagram_is_valid_svg_with_a_title(path: pathlib.Path) -> None:
 LESSONS = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb") if not p.name.startswith("00_"))
 
 
+def test_every_text_fits_its_box_in_dejavu_sans() -> None:
+    draw = _draw_module()
+    for name, make in draw.DIAGRAMS.items():
+        assert make().overflowing() == [], name
+    wide = draw.Canvas(100, 50, "a canvas to test the check")
+    wide.box(10, 10, 40, 20, "far too long a label")
+    assert len(wide.overflowing()) == 1
+    # DejaVu Sans sets "m" wider than "i": 974 and 278 thousandths of an em
+    assert draw.text_width("m", 10) == 9.74 and draw.text_width("i", 10) == 2.78
+
+
+def test_no_claim_ids_inside_the_pictures() -> None:
+    for path in DIAGRAMS.glob("*.svg"):
+        texts = [t.text or "" for t in ET.parse(path).getroot().iter(f"{SVG}text")]
+        assert not [t for t in texts if re.search(r"\b[A-Z]{2,5}-\d+\b", t)], path.name
+
+
+def _shown(lesson: pathlib.Path) -> dict[str, str]:
+    """name -> the stored SVG of each `diagram("name")` code cell of the lesson."""
+    shown = {}
+    for c in json.loads(lesson.read_text())["cells"]:
+        m = re.search(r'diagram\("([0-9a-z_]+)"\)', "".join(c["source"]))
+        if c["cell_type"] == "code" and m:
+            outputs = [o["data"]["image/svg+xml"] for o in c.get("outputs", [])
+                       if "image/svg+xml" in o.get("data", {})]
+            shown[m.group(1)] = "".join(outputs[0]) if outputs else ""
+    return shown
+
+
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
-def test_every_lesson_shows_its_diagram(lesson: pathlib.Path) -> None:
+def test_every_lesson_shows_its_diagram_from_a_code_cell(lesson: pathlib.Path) -> None:
     number = lesson.name[:2]
-    expected = [p.name for p in DIAGRAMS.glob(f"{number}_*.svg")]
-    assert expected, f"no diagram for lesson {number} in notebooks/diagrams/"
-    cells = json.loads(lesson.read_text())["cells"]
-    markdown = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    expected = sorted(p.stem for p in DIAGRAMS.glob(f"{number}_*.svg"))
+    assert expected, f"no diagram for lesson {number} in minifer/lessons/diagrams/"
+    shown = _shown(lesson)
+    text = lesson.read_text()
+    assert "](diagrams/" not in text, f"{lesson.name} links an image by a relative path"
     for name in expected:
-        assert f"](diagrams/{name})" in markdown, f"{lesson.name} does not show diagrams/{name}"
+        assert name in shown, f'{lesson.name} does not show diagram("{name}")'
+        # the stored output is the picture itself, as the package draws it today
+        assert shown[name], f'{lesson.name}: diagram("{name}") has no stored SVG output'
+        assert ET.canonicalize(shown[name]) == ET.canonicalize((DIAGRAMS / f"{name}.svg")
+                                                               .read_text()), name
+
+
+def test_diagram_refuses_an_unknown_name() -> None:
+    from minifer.lessons.common import diagram
+
+    assert "<svg" in diagram("01_generation_loop").data
+    with pytest.raises(ValueError, match="01_generation_loop"):
+        diagram("01_generation")
 
 
 def test_the_diagrams_numbers_are_computed_by_minifer() -> None:

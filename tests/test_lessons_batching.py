@@ -2,6 +2,7 @@
 numbers, and the batch slider drives the figure."""
 
 import pytest
+import torch
 
 from minifer.lessons import batching as B
 from minifer.lessons import scheduling as S
@@ -55,3 +56,25 @@ def test_measure_sweep_tiny_model():
     assert sweep.batches == (1, 2) and all(t > 0 for t in sweep.step_s)
     costs = S.measure_costs(model, sweep, prompt_tokens=8, repeats=1)
     assert costs.prefill_s_per_token > 0
+
+
+def test_step_work_figure_is_flat_in_bytes_and_linear_in_flops():
+    from minifer.lessons.batching import step_work_figure
+
+    fig = step_work_figure(1_000_000, batches=(1, 4, 64))
+    read, flops, intensity = (list(t.y) for t in fig.data)
+    assert read == [4.0, 4.0, 4.0] and flops == [2.0, 8.0, 128.0] and intensity == [0.5, 2.0, 32.0]
+    with pytest.raises(ValueError, match="batches"):
+        step_work_figure(1000, batches=(0, 2))
+
+
+def test_mask_figure_marks_padding_attended_and_future_slots():
+    from minifer.lessons.batching import mask_figure
+
+    start = [0, 2]
+    slots = torch.arange(5)
+    visible = ((slots >= torch.tensor(start)[:, None]) & (slots <= 3)) | (slots == 3)
+    kinds = mask_figure(visible, start, slot=3).data[0].z
+    assert [list(r) for r in kinds] == [[1, 1, 1, 1, 2], [0, 0, 1, 1, 2]]
+    with pytest.raises(ValueError, match="slot"):
+        mask_figure(visible, start, slot=5)

@@ -1,15 +1,17 @@
-"""Draw the lessons' conceptual diagrams as SVG files in notebooks/diagrams/.
+"""Draw the lessons' conceptual diagrams as SVG files, package data in minifer/lessons/diagrams/.
 
 One picture per lesson of the mechanism it teaches (the generation loop, prefill vs decode, the
 KV cache growing, the roofline, the KV cache's bytes, sampling, a batched decode step, paged
 blocks, static vs continuous batching, quantization, speculative decoding, the server's request
-path, the tensor-parallel split). They
-are plain SVG, so they render on GitHub, nbviewer and in JupyterLab from a markdown cell
-(``![...](diagrams/NN_name.svg)``), and they are drawn by this script rather than by hand so that
-a change of style is one edit. ``tests/test_diagrams.py`` checks that the committed files are what
-this script draws and that every lesson shows its diagram.
+path, the tensor-parallel split). A lesson shows its diagram from a code cell,
+``minifer.lessons.diagram("01_generation_loop")``, whose stored output is the SVG itself: it shows
+on GitHub, nbviewer, in JupyterLab and on Colab (a saved copy included), where a relative image
+link would break. Every text is checked to fit its box when set in DejaVu Sans, the widest of the
+common fallbacks for Helvetica and Arial. They are drawn by this script rather than by hand so
+that a change of style is one edit; ``tests/test_diagrams.py`` checks that the committed files are
+what this script draws and that every lesson shows its diagram.
 
-    python tools/draw_diagrams.py [--out notebooks/diagrams]
+    python tools/draw_diagrams.py [--out minifer/lessons/diagrams]
 """
 
 from __future__ import annotations
@@ -29,12 +31,45 @@ LIGHT = {BLUE: "#dbe7f3", ORANGE: "#fde6cf", GREEN: "#dcefd8", RED: "#f9dcdc", G
 INK = "#333333"
 
 
+# Advance widths, in thousandths of an em, of DejaVu Sans (regular, bold) for the characters 32-126,
+# read from the fonts' hmtx tables. DejaVu Sans is what "Helvetica, Arial, sans-serif" becomes on a
+# machine without Arial (most Linux desktops, Binder), and it is wider than Arial, Helvetica and
+# Liberation Sans: a text that fits in its box with these widths fits with those fonts too.
+DEJAVU = [
+    318, 401, 460, 838, 636, 950, 780, 275, 390, 390, 500, 838, 318, 361, 318, 337, 636, 636, 636,
+    636, 636, 636, 636, 636, 636, 636, 337, 337, 838, 838, 838, 531, 1000, 684, 686, 698, 770,
+    632, 575, 775, 752, 295, 295, 656, 557, 863, 748, 787, 603, 787, 695, 635, 611, 732, 684, 989,
+    685, 611, 685, 390, 337, 390, 838, 500, 500, 613, 635, 550, 635, 615, 352, 635, 634, 278, 278,
+    579, 278, 974, 634, 612, 635, 635, 411, 521, 392, 634, 592, 818, 592, 592, 525, 636, 337, 636,
+    838,
+]
+DEJAVU_BOLD = [
+    348, 456, 521, 838, 696, 1002, 872, 306, 457, 457, 523, 838, 380, 415, 380, 365, 696, 696,
+    696, 696, 696, 696, 696, 696, 696, 696, 400, 400, 838, 838, 838, 580, 1000, 774, 762, 734,
+    830, 683, 683, 821, 837, 372, 372, 775, 637, 995, 837, 850, 733, 850, 770, 720, 682, 812, 774,
+    1103, 771, 724, 725, 457, 365, 457, 838, 500, 500, 675, 716, 593, 716, 678, 435, 716, 712,
+    343, 343, 665, 343, 1042, 712, 687, 716, 716, 493, 595, 478, 712, 652, 924, 645, 652, 582,
+    712, 365, 712, 838,
+]
+DEJAVU_OTHER = {"·": (318, 380), "×": (838, 838), "–": (500, 500), "—": (1000, 1000), "→": (838, 838), "−": (838, 838), "∝": (714, 712), "≈": (838, 838), "≤": (838, 838), "≥": (838, 838), "✓": (838, 838), "✗": (838, 838)}  # (regular, bold)
+
+
+def text_width(s: str, size: float, bold: bool = False) -> float:
+    """The width of `s` in pixels at font size `size`, set in DejaVu Sans (an unknown character
+    counts as a full em)."""
+    table = DEJAVU_BOLD if bold else DEJAVU
+    units = sum(table[ord(ch) - 32] if 32 <= ord(ch) < 127 else DEJAVU_OTHER.get(ch, (1000, 1000))[bold]
+                for ch in s)
+    return units * size / 1000
+
+
 class Canvas:
     """A few SVG primitives: boxes with centred text, arrows, text and lines."""
 
     def __init__(self, width: int, height: int, title: str) -> None:
         self.width, self.height, self.title = width, height, title
         self.parts: list[str] = []
+        self.texts: list[tuple[str, float, float, float, float]] = []  # text, left, right, bounds
 
     def box(self, x: float, y: float, w: float, h: float, text: str = "", color: str = BLUE, *,
             size: int = 13, bold: bool = False, dashed: bool = False, fill: str | None = None) -> None:
@@ -45,7 +80,7 @@ class Canvas:
         lines = text.split("\n") if text else []
         for i, line in enumerate(lines):
             ty = y + h / 2 + (i - (len(lines) - 1) / 2) * (size + 3) + size * 0.35
-            self.text(x + w / 2, ty, line, size=size, bold=bold)
+            self.text(x + w / 2, ty, line, size=size, bold=bold, within=(x + 3, x + w - 3))
 
     def cell(self, x: float, y: float, w: float, h: float, color: str, text: str = "", *,
              size: int = 11) -> None:
@@ -53,10 +88,17 @@ class Canvas:
         self.parts.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" fill="{color}" '
                           f'stroke="#ffffff" stroke-width="1"/>')
         if text:
-            self.text(x + w / 2, y + h / 2 + size * 0.35, text, size=size, color="#ffffff")
+            self.text(x + w / 2, y + h / 2 + size * 0.35, text, size=size, color="#ffffff",
+                      within=(x + 1, x + w - 1))
 
     def text(self, x: float, y: float, s: str, *, size: int = 13, anchor: str = "middle",
-             bold: bool = False, color: str = INK, italic: bool = False) -> None:
+             bold: bool = False, color: str = INK, italic: bool = False,
+             within: tuple[float, float] | None = None) -> None:
+        """A line of text at (x, y); `within` is the span it must fit in (default: the canvas)."""
+        width = text_width(s, size, bold)
+        left = {"start": x, "middle": x - width / 2, "end": x - width}[anchor]
+        lo, hi = within or (2, self.width - 2)
+        self.texts.append((s, left, left + width, lo, hi))
         weight = ' font-weight="bold"' if bold else ""
         style = ' font-style="italic"' if italic else ""
         self.parts.append(f'<text x="{x}" y="{y}" font-size="{size}" text-anchor="{anchor}" '
@@ -82,9 +124,14 @@ class Canvas:
         dash = ' stroke-dasharray="5,3"' if dashed else ""
         self.parts.append(f'<path d="{d}" fill="none" stroke="{color}" stroke-width="1.5"{head}{dash}/>')
 
+    def overflowing(self) -> list[str]:
+        """The texts that would not fit their box (or the canvas) if set in DejaVu Sans."""
+        return [f"{s!r} spans {left:.0f}-{right:.0f}, room {lo:.0f}-{hi:.0f}"
+                for s, left, right, lo, hi in self.texts if left < lo - 0.5 or right > hi + 0.5]
+
     def svg(self) -> str:
         head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width}" height="{self.height}" '
-                f'viewBox="0 0 {self.width} {self.height}" font-family="Helvetica, Arial, sans-serif">\n'
+                f'viewBox="0 0 {self.width} {self.height}" font-family="Helvetica, Arial, Liberation Sans, DejaVu Sans, sans-serif">\n'
                 f'<title>{escape(self.title)}</title>\n'
                 '<defs><marker id="head" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
                 'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
@@ -98,13 +145,13 @@ def generation_loop() -> Canvas:
     c.text(380, 24, "The generation loop (lesson 01)", size=15, bold=True)
     c.box(20, 60, 110, 50, '"To be, or"', GREY)
     c.box(170, 60, 100, 50, "tokenizer\nencode", BLUE)
-    c.box(305, 60, 135, 50, "model\n(one forward pass)", BLUE, bold=True)
-    c.box(470, 60, 110, 50, "logits → next-\ntoken probabilities", BLUE, size=12)
+    c.box(305, 60, 135, 50, "model\n(one forward pass)", BLUE, size=12, bold=True)
+    c.box(464, 60, 122, 50, "logits → next-\ntoken probabilities", BLUE, size=12)
     c.box(620, 60, 120, 50, "sample\n(greedy: argmax)", ORANGE)
     c.arrow(130, 85, 170, 85)
     c.arrow(270, 85, 305, 85, "ids")
-    c.arrow(440, 85, 470, 85)
-    c.arrow(580, 85, 620, 85)
+    c.arrow(440, 85, 464, 85)
+    c.arrow(586, 85, 620, 85)
     c.path("M680,110 L680,160 L370,160 L370,112")
     c.text(520, 150, "append the id; repeat until EOS or max_new_tokens", size=12, color=ORANGE)
     c.box(470, 195, 120, 40, "tokenizer decode", BLUE, size=12)
@@ -113,7 +160,7 @@ def generation_loop() -> Canvas:
     c.path("M420,160 L420,215 L470,215", dashed=True)
     c.text(20, 150, "one pass per new token:", size=12, anchor="start")
     c.text(20, 166, "a 500-token answer is", size=12, anchor="start")
-    c.text(20, 182, "~500 forward passes (REQ-4)", size=12, anchor="start")
+    c.text(20, 182, "~500 forward passes", size=12, anchor="start")
     return c
 
 
@@ -205,7 +252,7 @@ def kv_bytes() -> Canvas:
     c.text(535, 150, "Llama-3-8B, FP16: 2 × 32 × 8 × 128 × 2 = 131,072 B = 128 KiB", size=12)
     c.box(330, 175, 410, 44, "cache = bytes per token × tokens × sequences", GREEN, size=13, bold=True)
     c.text(535, 244, "linear in every factor: a 4K-token context of 32 sequences", size=12)
-    c.text(535, 260, "is 16 GiB, as much as the model's weights (KV-11)", size=12)
+    c.text(535, 260, "is 16 GiB, as much as the model's weights", size=12)
     return c
 
 
@@ -277,7 +324,7 @@ def paged_blocks() -> Canvas:
     c.arrow(400, 145, 450, 150)
     c.text(380, 270, "a reservation per sequence for the whole context wastes most of the cache;",
            size=12)
-    c.text(380, 286, "blocks on demand waste about half a block per sequence (KV-12)", size=12)
+    c.text(380, 286, "blocks on demand waste about half a block per sequence", size=12)
     return c
 
 
@@ -357,8 +404,7 @@ def batching() -> Canvas:
     c.text(120, 261, "a request's decode steps", size=12, anchor="start")
     c.cell(310, 250, 14, 14, LIGHT[ORANGE])
     c.text(330, 261, "slot held, finished: nobody may join", size=12, anchor="start")
-    c.text(100, 288, "same tokens, fewer steps: the gain grows with the spread of answer lengths "
-           "(BATCH-4, BATCH-5)", size=12, anchor="start")
+    c.text(100, 288, "same tokens, fewer steps: the gain grows with the spread of answer lengths", size=12, anchor="start")
     return c
 
 
@@ -393,8 +439,8 @@ def quantization() -> Canvas:
     c.text(150, 222, "w' ≈ w", size=12, anchor="end")
     for i, v in enumerate(d):
         c.cell(160 + i * 62, 202, 58, 30, GREEN, v, size=12)
-    c.text(430, 222, "error ≤ scale / 2 per weight; 4× fewer bytes to read per step", size=12,
-           anchor="start")
+    c.text(430, 214, "error ≤ scale / 2 per weight;", size=12, anchor="start")
+    c.text(430, 230, "4× fewer bytes to read per step", size=12, anchor="start")
     return c
 
 
@@ -421,7 +467,7 @@ def speculative() -> Canvas:
     c.text(440, 182, "probability min(1, p_target / p_draft)", size=12, anchor="start")
     c.text(440, 214, "here: 2 accepted + 1 from the target =", size=12, anchor="start")
     c.text(440, 230, "3 tokens for one target pass; output", size=12, anchor="start")
-    c.text(440, 246, "identical to the target alone (SPEC-1)", size=12, anchor="start", bold=True)
+    c.text(440, 246, "identical to the target alone", size=12, anchor="start", bold=True)
     return c
 
 
@@ -441,9 +487,9 @@ def server() -> Canvas:
     c.arrow(580, 118, 530, 118, "tokens", above=False)
     c.arrow(390, 118, 340, 118)
     c.arrow(190, 118, 140, 118, "SSE", above=False)
-    c.text(80, 160, 'data: {"choices":[{"text":" To"}]}', size=11)
-    c.text(80, 176, 'data: {"choices":[{"text":" be"}]}', size=11)
-    c.text(80, 192, "data: [DONE]", size=11)
+    c.text(20, 160, 'data: {"choices":[{"text":" To"}]}', size=11, anchor="start")
+    c.text(20, 176, 'data: {"choices":[{"text":" be"}]}', size=11, anchor="start")
+    c.text(20, 192, "data: [DONE]", size=11, anchor="start")
     c.text(330, 235, "the first line arrives after the prefill (TTFT); each later one after a decode step (TPOT)",
            size=12)
     return c
@@ -471,7 +517,31 @@ def tensor_parallel() -> Canvas:
     c.arrow(640, 135, 670, 135)
     c.text(380, 262, "each rank holds half of W1 (by columns) and half of W2 (by rows): half the weight "
            "bytes per step,", size=12)
-    c.text(380, 278, "and one all-reduce of the activations per layer — equal to the full layer (PAR-1)",
+    c.text(380, 278, "and one all-reduce of the activations per layer — equal to the full layer",
+           size=12)
+    return c
+
+
+def fast_seam() -> Canvas:
+    c = Canvas(760, 300, "The core calls plain functions in one seam, minifer.hooks; minifer.fast "
+               "puts faster versions there, each tested equal to the plain one")
+    c.text(380, 24, "Where the speed-ups plug in (appendix, lesson 13)", size=15, bold=True)
+    c.text(120, 55, "the core (lessons 01-12)", size=12, bold=True, color=BLUE)
+    c.text(380, 55, "minifer.hooks: the seam", size=12, bold=True, color=GREY)
+    c.text(640, 55, "minifer.fast: the speed-ups", size=12, bold=True, color=GREEN)
+    rows = [("generate: threads", "generation_threads", "thread governor"),
+            ("one decode step", "decode_function", "lean / compiled step"),
+            ("linear layers", "prepare_bf16, int8_matmul", "prepacked, C++ GEMV"),
+            ("greedy pick", "argmax", "argmax in chunks"),
+            ("serving attention", "packed_attention", "planned once per step")]
+    for i, (core, hook, fast) in enumerate(rows):
+        y = 68 + i * 40
+        c.box(30, y, 180, 30, core, BLUE, size=12)
+        c.box(270, y, 220, 30, hook, GREY, size=11)
+        c.box(550, y, 180, 30, fast, GREEN, size=12)
+        c.arrow(210, y + 15, 270, y + 15)
+        c.arrow(550, y + 15, 490, y + 15, dashed=True)
+    c.text(380, 286, "speed-ups off: the seam keeps the plain reference, with the same greedy tokens",
            size=12)
     return c
 
@@ -490,6 +560,7 @@ DIAGRAMS = {
     "10_speculative.svg": speculative,
     "11_server.svg": server,
     "12_tensor_parallel.svg": tensor_parallel,
+    "13_fast_seam.svg": fast_seam,
 }
 
 
@@ -498,8 +569,11 @@ def draw_all(out: pathlib.Path) -> list[pathlib.Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, draw in DIAGRAMS.items():
+        canvas = draw()
+        if canvas.overflowing():
+            raise ValueError(f"{name}: text does not fit: " + "; ".join(canvas.overflowing()))
         path = out / name
-        path.write_text(draw().svg(), encoding="utf-8")
+        path.write_text(canvas.svg(), encoding="utf-8")
         paths.append(path)
     return paths
 
@@ -507,7 +581,7 @@ def draw_all(out: pathlib.Path) -> list[pathlib.Path]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=pathlib.Path,
-                    default=pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "diagrams")
+                    default=pathlib.Path(__file__).resolve().parent.parent / "minifer" / "lessons" / "diagrams")
     for path in draw_all(ap.parse_args().out):
         print(path)
 

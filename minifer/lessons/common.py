@@ -42,6 +42,25 @@ from .figures import (  # noqa: F401 (lessons import the figure style from here)
 )
 
 
+def diagram(name: str):
+    """The lesson's schematic ``name`` (``minifer/lessons/diagrams/NAME.svg``, drawn by
+    ``tools/draw_diagrams.py``) as an SVG for a code cell to show.
+
+    A code cell stores the picture in the notebook, so it shows on GitHub, nbviewer, in JupyterLab
+    and on Colab, a saved copy included; a relative image link in markdown breaks on Colab.
+    """
+    from importlib.resources import files
+
+    from IPython.display import SVG
+
+    folder = files("minifer.lessons") / "diagrams"
+    path = folder / f"{name}.svg"
+    if not path.is_file():
+        known = sorted(p.name[:-4] for p in folder.iterdir() if p.name.endswith(".svg"))
+        raise ValueError(f"no diagram named {name!r}; the diagrams are {known}")
+    return SVG(data=path.read_text(encoding="utf-8"))
+
+
 def setup(threads: int | None = None, seed: int = 0) -> torch.device:
     """Pin what makes stored notebook outputs stable, and return the device used for timing.
 
@@ -231,7 +250,7 @@ def record(lesson: str, **figures: str | int | float) -> None:
     measured on. ``tools/write_claims.py`` reads these lines from the stored outputs and writes
     them into notebooks/CLAIMS.md (the numbers marked ‡), so that file quotes the run the
     notebooks show. Pass each figure as the claims file prints it (a formatted string). Call it
-    in a cell marked ``# NBVAL_IGNORE_OUTPUT``: the figures differ from machine to machine."""
+    in a cell tagged ``nbval-ignore-output``: the figures differ from machine to machine."""
     row = {"lesson": lesson, "figures": {k: v if isinstance(v, str) else repr(v)
                                          for k, v in figures.items()}, "machine": machine()}
     print(MEASURED_TAG + json.dumps(row, ensure_ascii=False))
