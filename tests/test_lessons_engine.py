@@ -125,3 +125,17 @@ def test_kv_panel_measures_once_then_redraws(tiny):
 def test_table_formats():
     text = table([{"a": 1234, "b": 0.5, "c": "x"}])
     assert text.splitlines() == ["    a     b  c", "1,234  0.50  x"]
+
+
+def test_step_probs_figure_draws_each_step_of_the_loop():
+    rows = [{"step": 0, "token": "E", "prob": 0.013, "eos prob": 0.002},
+            {"step": 1, "token": "(", "prob": 0.011, "eos prob": 0.003}]
+    fig = gen.step_probs_figure(rows, 257)
+    bars, eos = fig.data
+    assert list(bars.x) == ["0: E", "1: ("] and list(bars.y) == [0.013, 0.011]
+    assert list(eos.y) == [0.002, 0.003]
+    line = next(s for s in fig.layout.shapes if s.type == "line")
+    assert line.y0 == line.y1 == 1 / 257  # an even spread, for comparison
+    assert fig.layout.yaxis.range[0] == 0 and fig.layout.yaxis.range[1] > 0.013
+    with pytest.raises(ValueError, match="at least one step"):
+        gen.step_probs_figure([], 257)

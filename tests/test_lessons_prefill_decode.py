@@ -171,3 +171,16 @@ def test_busy_warning(monkeypatch):
     assert common.busy_warning(1) is None
     monkeypatch.setattr(common.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
     assert common.busy_warning(2) is None
+
+
+def test_run_figure_one_bar_per_pass():
+    fig = PD.run_figure([0.120, 0.010, 0.011, 0.012], prompt_tokens=256)
+    prefill, decode = fig.data
+    assert list(prefill.x) == [0] and list(prefill.y) == [120.0]
+    assert list(decode.x) == [1, 2, 3] and list(decode.y) == [10.0, 11.0, 12.0]
+    assert "prefill of 256 tokens 120.0 ms" in fig.layout.title.text
+    assert "~11.0 ms" in fig.layout.title.text  # the median decode step
+    with pytest.raises(ValueError, match="at least one decode step"):
+        PD.run_figure([0.1], 8)
+    with pytest.raises(ValueError, match="> 0"):
+        PD.run_figure([0.1, 0.0], 8)

@@ -269,3 +269,31 @@ def test_mbu_sentence_follows_the_measurement():
     assert "within about 3×" in roofline.mbu_sentence(0.42)
     assert "overheads" in roofline.mbu_sentence(0.12)
     assert "caches" in roofline.mbu_sentence(1.3)
+
+
+def test_linear_bytes_figure_labels_shares():
+    rows = [{"layer": "mlp.c_fc", "MB": 30.0, "MFLOP": 15.0},
+            {"layer": "lm_head", "MB": 10.0, "MFLOP": 5.0}]
+    fig = roofline.linear_bytes_figure(rows)
+    bars = fig.data[0]
+    assert list(bars.x) == ["mlp.c_fc", "lm_head"] and list(bars.y) == [30.0, 10.0]
+    assert bars.text[0].startswith("75%") and "5.0 MFLOP" in bars.text[1]
+    assert "40.0 MB" in fig.layout.title.text
+    with pytest.raises(ValueError):
+        roofline.linear_bytes_figure([])
+
+
+def test_own_roofline_figure_places_points_under_the_roof():
+    points = [{"batch": 1, "FLOP/byte": 0.5, "GFLOP/s": 4.0},
+              {"batch": 64, "FLOP/byte": 30.0, "GFLOP/s": 90.0}]
+    fig = roofline.own_roofline_figure(10e9, 160e9, points)
+    roof, measured = fig.data
+    assert list(roof.x)[1] == 16.0 and max(roof.y) == 160.0  # the ridge: 160 / 10 FLOP per byte
+    assert list(measured.x) == [0.5, 30.0] and list(measured.y) == [4.0, 90.0]
+    assert list(measured.text) == ["batch 1", "batch 64"]
+    lo, hi = fig.layout.yaxis.range
+    assert 10 ** lo <= 2.0 and 10 ** hi >= 160.0  # every point and the roof fit
+    with pytest.raises(ValueError):
+        roofline.own_roofline_figure(0, 1, points)
+    with pytest.raises(ValueError):
+        roofline.own_roofline_figure(1, 1, [])

@@ -15,7 +15,7 @@ import torch
 from ..cache import StaticKVCache
 from ..generation import Completion, decode_step, generate, prefill
 from ..sampling import SamplingParams
-from .common import control, reference_line, style, token_label
+from .common import control, reference_line, sig, style, token_label
 from .common import panel as _panel
 
 
@@ -169,3 +169,28 @@ def panel(model, prompt_ids: list[int], max_tokens: int = 128, value: int = 16
 
     return _panel(figure, new_tokens=control("int", "new tokens", value=value, min=2,
                                              max=max_tokens, step=2))
+
+
+def step_probs_figure(rows: list[dict], vocab_size: int) -> go.Figure:
+    """The loop a learner just ran, step by step: the probability the model gave the token
+    the loop chose (greedy: the largest) and the end-of-text token's, against an even spread.
+
+    ``rows``: one dict per step with ``step``, ``token`` (a readable label), ``prob`` and
+    ``eos prob``. The y axis starts at 0, so a flat distribution looks flat."""
+    if not rows:
+        raise ValueError("rows must hold at least one step")
+    steps = [r["step"] for r in rows]
+    labels = [f"{r['step']}: {r['token']}" for r in rows]
+    fig = go.Figure(go.Bar(x=labels, y=[sig(r["prob"], 4) for r in rows],
+                           name="the chosen token (the argmax)", marker=dict(color="#1F77B4")))
+    fig.add_trace(go.Scatter(x=labels, y=[sig(r["eos prob"], 4) for r in rows],
+                             mode="markers", name="end-of-text token",
+                             marker=dict(size=10, color="#D62728", symbol="diamond")))
+    even = 1 / vocab_size
+    reference_line(fig, y=even, text=f"an even spread: 1/{vocab_size:,}",
+                   position="bottom right")
+    top = max(max(r["prob"] for r in rows), max(r["eos prob"] for r in rows), even)
+    fig.update_yaxes(range=[0, sig(top * 1.25, 4)])
+    fig.update_xaxes(tickangle=0 if len(steps) <= 10 else -45)
+    return style(fig, f"The {len(rows)} steps of the loop: how likely the model found each "
+                 "token it chose", "step: chosen token", "probability")

@@ -198,3 +198,27 @@ def panel(sweep: Sweep, context: int = 512, output_tokens: int = 100) -> widgets
         context=control("select", "context", options=list(sweep.lengths), value=context),
         output_tokens=control("int", "new tokens", value=output_tokens, min=1, max=1000),
     )
+
+
+def run_figure(step_s: Sequence[float], prompt_tokens: int) -> go.Figure:
+    """One generation, pass by pass: ``step_s[0]`` is the prefill of a ``prompt_tokens``-token
+    prompt (it also yields the first new token), ``step_s[1:]`` the decode steps, one token
+    each. One bar per forward pass, in order: the first bar is the long one."""
+    step_s = list(step_s)
+    if len(step_s) < 2:
+        raise ValueError("step_s needs the prefill and at least one decode step")
+    if any(t <= 0 for t in step_s):
+        raise ValueError("measured step times must be > 0 seconds")
+    ms = [sig(t * 1e3, 4) for t in step_s]
+    decode = sorted(ms[1:])
+    median = decode[len(decode) // 2]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=[0], y=[ms[0]], name=f"prefill: {prompt_tokens:,} tokens in",
+                         marker=dict(color="#1f77b4")))
+    fig.add_trace(go.Bar(x=list(range(1, len(ms))), y=ms[1:], name="decode: 1 token in",
+                         marker=dict(color="#d62728")))
+    fig.update_xaxes(title_text="forward pass (0 = the prefill)", dtick=max(1, len(ms) // 8))
+    fig.update_yaxes(title_text="ms", rangemode="tozero")
+    title = (f"prefill of {prompt_tokens:,} tokens {ms[0]:,.1f} ms, then {len(ms) - 1} decode "
+             f"steps of ~{median:,.1f} ms each (median)")
+    return style(fig, title, width=720, height=340)

@@ -7,6 +7,8 @@ analytic model, rounded to 6 significant digits so a stored figure compares equa
 
 from __future__ import annotations
 
+import math
+
 import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -308,3 +310,58 @@ def mbu_sentence(mbu: float, batch: int = 1) -> str:
         verdict = ("well above the roofline's time: overheads (small kernels, threads, a busy "
                    "machine) cost more than the reading")
     return f"At batch {batch} this machine's step reached MBU {mbu:.0%}: {verdict}."
+
+
+# --------------------------------------------------------------------------------------------
+# The learner's own count: one decode step, linear layer by linear layer
+# --------------------------------------------------------------------------------------------
+
+def linear_bytes_figure(rows: list[dict]) -> go.Figure:
+    """Where one decode step's weight reads go: MB read per kind of linear layer (all layers
+    summed), each bar labelled with its share and its MFLOP per token.
+
+    ``rows``: one dict per kind with ``layer``, ``MB`` and ``MFLOP`` (a learner's count)."""
+    if not rows:
+        raise ValueError("rows must hold at least one kind of layer")
+    total = sum(r["MB"] for r in rows)
+    fig = go.Figure(go.Bar(
+        x=[r["layer"] for r in rows], y=[sig(r["MB"], 4) for r in rows],
+        text=[f"{r['MB'] / total:.0%} · {r['MFLOP']:,.1f} MFLOP" for r in rows],
+        textposition="outside", marker=dict(color="#1F77B4"), cliponaxis=False))
+    fig.update_yaxes(range=[0, sig(max(r["MB"] for r in rows) * 1.2, 4)])
+    return style(fig, f"One decode step reads {total:,.1f} MB of linear-layer weights "
+                 "(bars: MB per kind of layer, all layers together)", "linear layer", "MB read")
+
+
+def own_roofline_figure(bandwidth: float, peak_flops: float, points: list[dict],
+                        title: str = "") -> go.Figure:
+    """A roofline drawn from two measured ceilings, with measured decode steps placed on it.
+
+    ``points``: one dict per step with ``batch``, ``FLOP/byte`` (the step's intensity) and
+    ``GFLOP/s`` (its FLOPs over its measured time). The roof is min(peak, intensity ×
+    bandwidth); a point under it is slower than the roofline allows."""
+    if bandwidth <= 0 or peak_flops <= 0:
+        raise ValueError("bandwidth and peak_flops must be > 0")
+    if not points:
+        raise ValueError("points must hold at least one measured step")
+    ridge = peak_flops / bandwidth
+    lo = min(0.1, min(p["FLOP/byte"] for p in points) / 2)
+    hi = max(10 * ridge, max(p["FLOP/byte"] for p in points) * 2)
+    xs = [lo, ridge, hi]
+    fig = go.Figure(go.Scatter(x=[sig(x) for x in xs],
+                               y=[sig(min(peak_flops, x * bandwidth) / 1e9) for x in xs],
+                               mode="lines", name="roof: min(peak, intensity × bandwidth)",
+                               line=dict(color="black")))
+    fig.add_trace(go.Scatter(
+        x=[sig(p["FLOP/byte"], 4) for p in points], y=[sig(p["GFLOP/s"], 4) for p in points],
+        mode="markers+text", text=[f"batch {p['batch']}" for p in points],
+        textposition=["top left" if i % 2 == 0 else "bottom right" for i in range(len(points))],
+        name="your measured steps", marker=dict(size=10, color="crimson")))
+    fig.add_vline(x=sig(ridge), line=dict(color="gray", dash="dot", width=1.5))
+    fig.update_xaxes(type="log", title_text="FLOP per byte (your count)")
+    fig.update_yaxes(type="log", title_text="GFLOP/s achieved",
+                     range=[math.log10(min(lo * bandwidth, *(p["GFLOP/s"] * 1e9 / 2 for p in points))
+                                       / 1e9), math.log10(peak_flops / 1e9 * 3)])
+    return style(fig, title or f"Your roofline: {bandwidth / 1e9:,.1f} GB/s, "
+                 f"{peak_flops / 1e9:,.0f} GFLOP/s, ridge {ridge:,.1f} FLOP/byte (dotted)",
+                 width=720, height=400)
