@@ -120,3 +120,13 @@ def test_stream_figure():
     assert list(streamed.y) == [0, 1, 2] and list(streamed.x) == [0, 10, 20]
     assert list(whole.x) == [0, 50, 50] and list(whole.y) == [0, 0, 2]
     assert "first after 10 ms" in fig.layout.title.text
+
+
+def test_priority_figure():
+    from minifer.lessons.contention import PriorityRun
+    runs = [PriorityRun(0.0, ["high"] * 3 + ["low"], 0.5, [0.1, 0.2, 0.1]),
+            PriorityRun(0.1, ["high", "low", "high", "high"], 0.2, [0.1, 0.3, 0.2])]
+    fig = S.priority_figure(runs)
+    highs, low = fig.data
+    assert list(low.x) == ["strict priority", "aging 0.1 per step"] and list(low.y) == [500, 200]
+    assert len(highs.y) == 6 and "before the low one: 3 vs 1" in fig.layout.title.text

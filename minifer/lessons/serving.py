@@ -22,7 +22,13 @@ from plotly.subplots import make_subplots
 from ..bench.serve_load import LoadResult, run_load
 from ..serve.api import running_server
 from .common import REFERENCE, control, log_axis, panel, reference_line, sig_or_none, style
-from .contention import InterferenceRun, PriorityRun, interference, interference_figure, priorities  # noqa: F401 (the lesson's S.*)
+from .contention import (  # noqa: F401 (the lesson's S.*)
+    InterferenceRun,
+    PriorityRun,
+    interference,
+    interference_figure,
+    priorities,
+)
 from .http_client import (  # noqa: F401 (the lesson's S.*)
     MODEL_NAME,
     Streamed,
@@ -212,3 +218,24 @@ def stream_figure(streamed: Streamed, whole_s: float) -> go.Figure:
     return style(fig, f"The same {n} tokens: streamed, the first after {streamed.first_text_s * 1e3:.0f} ms; "
                       f"whole, all after {whole_s * 1e3:.0f} ms", "ms after the request was sent",
                  "tokens the reader has", width=760)
+
+
+# ---- priorities (BATCH-9) -------------------------------------------------------------------
+def priority_figure(runs: Sequence[PriorityRun]) -> go.Figure:
+    """Each run's time to first token: every high-priority request (blue dots) and the one
+    low-priority request (red diamond), strict priority beside aging."""
+    names = [("strict priority" if r.aging == 0 else f"aging {r.aging:g} per step") for r in runs]
+    fig = go.Figure([
+        go.Box(x=[n for n, r in zip(names, runs) for _ in r.high_ttft_s],
+               y=[sig_or_none(t * 1e3) for r in runs for t in r.high_ttft_s],
+               name="high priority (each request)", boxpoints="all", jitter=0.5, pointpos=0,
+               fillcolor="rgba(0,0,0,0)", line=dict(color="rgba(0,0,0,0)"),
+               marker=dict(color="#1f77b4", size=6)),
+        go.Scatter(x=names, y=[sig_or_none(r.low_ttft_s * 1e3) for r in runs], mode="markers",
+                   name="the low-priority request",
+                   marker=dict(color="#d62728", symbol="diamond", size=13)),
+    ])
+    waits = " vs ".join(str(r.highs_before_low) for r in runs)
+    return style(fig, f"Time to first token; high-priority requests started before the low one: "
+                      f"{waits}", None,
+                 "TTFT (ms)", width=620)
