@@ -83,3 +83,25 @@ def test_continuations_seeded(tiny, tok):
     a = S.continuations(tiny, tok, "ab", (0, 1.0), max_new_tokens=8, seed=1)
     b = S.continuations(tiny, tok, "ab", (0, 1.0), max_new_tokens=8, seed=1)
     assert a == b and [r["temperature"] for r in a] == [0, 1.0]
+
+
+def test_temperature_figure(tok):
+    fig = S.temperature_figure(LOGITS, tok, (0.5, 1.0, 2.0), show=8)
+    assert [len(t.y) for t in fig.data] == [8, 8, 8]
+    assert fig.data[0].y[0] > fig.data[1].y[0] > fig.data[2].y[0]  # T < 1 sharpens the top token
+    assert fig.data[0].name.startswith("T=0.5 (these 8 hold")
+
+
+def test_cumulative_figure_marks_the_top_p_cut():
+    fig = S.cumulative_figure(LOGITS, (0.5, 0.9))
+    curve, *cuts = fig.data
+    assert curve.x[-1] == 257 and abs(curve.y[-1] - 1) < 1e-3
+    for p, trace in zip((0.5, 0.9), cuts):
+        assert trace.x[0] == S.reshape(LOGITS, top_p=p).n_kept
+        assert trace.name == f"top-p={p:g}: keeps {trace.x[0]}"
+
+
+def test_steps_figure():
+    fig = S.steps_figure([3, 1, 40], [0.5, 1.0, 0.02], ["a", "b", "c"])
+    assert list(fig.data[0].y) == [3, 1, 40] and list(fig.data[1].x) == [1, 2, 3]
+    assert "1–40 tokens left" in fig.layout.title.text

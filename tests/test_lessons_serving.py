@@ -38,11 +38,18 @@ def test_rate_figure_and_slider_follow_the_sweep():
     assert rows[1]["TTFT p50 ms"] == pytest.approx(900)
     fig = S.latency_figure(sweep, 10)
     assert "10 requests/s (2× capacity): 4 done, 0 within the chat SLO" in fig.layout.title.text
-    # the SLO labels sit at the SLO lines: log10 of the value on these log axes, not 10**value
-    labels = {a.text: a.y for a in fig.layout.annotations if "SLO" in a.text}
-    assert labels == {"TTFT SLO 500 ms": pytest.approx(math.log10(500)),
-                      "TPOT SLO 50 ms": pytest.approx(math.log10(50))}
+    # the SLO lines are named in the legend (a label beside the line could sit on a box)
+    assert not [a for a in fig.layout.annotations if "SLO" in a.text]
+    assert "red lines: the chat SLO, TTFT 500 ms and TPOT 50 ms" in [t.name for t in fig.data]
     assert fig.layout.yaxis.type == "log" and fig.layout.yaxis.ticktext
+    # the boxes' axes stay put as the rate changes: ranges and ticks cover every rate and the SLO
+    other = S.latency_figure(sweep, 1)
+    for axis in ("yaxis", "yaxis2"):
+        assert fig.layout[axis].range == other.layout[axis].range
+        assert fig.layout[axis].tickvals == other.layout[axis].tickvals
+    lo, hi = fig.layout.yaxis.range
+    assert lo < math.log10(100) and hi > math.log10(900 + 4 * 80)  # 0.1 s TTFT … 1.22 s E2EL
+    assert fig.layout.yaxis2.range[1] > math.log10(80)
     # the capacity line is labelled where it is, on the log rate axis
     marks = {a.text: a.x for a in fig.layout.annotations if a.xref == "x3"}
     assert marks == {"selected": pytest.approx(1.0), "capacity 5.0 req/s": pytest.approx(math.log10(5))}
@@ -103,3 +110,23 @@ def test_interference_run_records_every_gap(shakespeare):
     assert 8 <= run.others_tokens_during_long_prefill <= run.others_tokens_within(1e9)
     fig = S.interference_figure([run])
     assert fig.data[0].name == "chunked prefill"
+
+
+def test_stream_figure():
+    events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}, {"choices": [], "usage": {}}]
+    st = S.Streamed(events, [0.01, 0.02, 0.021], 0.03)
+    fig = S.stream_figure(st, 0.05)
+    streamed, whole = fig.data
+    assert list(streamed.y) == [0, 1, 2] and list(streamed.x) == [0, 10, 20]
+    assert list(whole.x) == [0, 50, 50] and list(whole.y) == [0, 0, 2]
+    assert "first after 10 ms" in fig.layout.title.text
+
+
+def test_priority_figure():
+    from minifer.lessons.contention import PriorityRun
+    runs = [PriorityRun(0.0, ["high"] * 3 + ["low"], 0.5, [0.1, 0.2, 0.1]),
+            PriorityRun(0.1, ["high", "low", "high", "high"], 0.2, [0.1, 0.3, 0.2])]
+    fig = S.priority_figure(runs)
+    highs, low = fig.data
+    assert list(low.x) == ["strict priority", "aging 0.1 per step"] and list(low.y) == [500, 200]
+    assert len(highs.y) == 6 and "before the low one: 3 vs 1" in fig.layout.title.text

@@ -112,3 +112,11 @@ def test_round_robin():
     with pytest.raises(ValueError, match="calls"):
         round_robin([lambda: None], calls=0)
     assert SpecStats(k=1).merge(SpecStats(k=1)).prompts == 2
+
+
+def test_rounds_figure():
+    fig = L.rounds_figure([0, 4, 2, 1], k=4)
+    accepted, own = fig.data[:2]
+    assert list(accepted.y) == [0, 4, 2, 1] and list(own.y) == [1, 1, 1, 1]
+    assert "11 tokens from 4 verification passes" in fig.layout.title.text
+    assert fig.layout.yaxis.range[1] > 5  # room above the k + 1 line

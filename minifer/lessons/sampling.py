@@ -3,6 +3,7 @@ top-k, top-p and the repetition penalty, with the kept set highlighted."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import ipywidgets as widgets
@@ -11,7 +12,7 @@ import torch
 
 from ..generation import generate
 from ..sampling import SamplingParams, process_logits
-from .common import control, style
+from .common import control, log_axis, sig, style
 from .common import panel as _panel
 from .generation import show_token
 from .generation import top_tokens as top_tokens  # the lesson's table of the likeliest tokens
@@ -138,3 +139,67 @@ def continuations(model, tokenizer, prompt: str, temperatures, *, max_new_tokens
         c = generate(model, prompt, sp, tokenizer)[0]
         rows.append({"temperature": t, "text": c.text})
     return rows
+
+
+def temperature_figure(logits: torch.Tensor, tokenizer, temperatures=(0.5, 1.0, 2.0), *,
+                       show: int = 12) -> go.Figure:
+    """The `show` most likely tokens' probabilities after ``softmax(logits / T)``, one bar group
+    per token and one colour per temperature: T < 1 piles the mass on the top tokens, T > 1
+    spreads it into the tail (the shown tokens' share of all the probability is in the legend)."""
+    ranked = logits.float().argsort(descending=True)[:show].tolist()
+    labels = _unique([show_token(tokenizer, i) for i in ranked])
+    fig = go.Figure()
+    for t in temperatures:
+        probs = (logits.double() / t).softmax(-1)  # float64: the same 4 digits on every CPU
+        shown = float(probs[ranked].sum())
+        fig.add_trace(go.Bar(x=labels, y=[sig(float(probs[i]), 4) for i in ranked],
+                             name=f"T={t:g} (these {show} hold {shown:.0%})"))
+    fig.update_layout(barmode="group", bargap=0.2, bargroupgap=0.0)
+    return style(fig, f"Temperature reshapes one distribution: the {show} likeliest tokens at "
+                 f"T = {', '.join(f'{t:g}' for t in temperatures)}",
+                 "token (most likely first; ⏎ newline, ␣ space)", "probability", width=820)
+
+
+def cumulative_figure(logits: torch.Tensor, ps=(0.5, 0.9, 0.95)) -> go.Figure:
+    """Top-p's cut: the cumulative probability of the tokens, most likely first (log rank), and
+    for each p the rank where it is reached: the number of tokens top-p keeps."""
+    ranked = logits.float().softmax(-1).sort(descending=True).values
+    before = ranked.cumsum(0) - ranked  # above each token: float32, as minifer's top-p cuts
+    # the curve in float64: float32 sums differ in their 4th digit between CPUs' kernels
+    mass = logits.double().softmax(-1).sort(descending=True).values.cumsum(0)
+    V = mass.shape[0]
+    ranks = sorted({int(r) for r in torch.logspace(0, math.log10(V), 120).round().tolist()} | {V})
+    fig = go.Figure(go.Scatter(x=ranks, y=[sig(float(mass[r - 1]), 4) for r in ranks],
+                               mode="lines", name="probability of the top r tokens",
+                               line=dict(color="#1f77b4", width=2)))
+    kept = []
+    for p in ps:
+        n = max(int((before < p).sum()), 1)
+        kept.append(n)
+        fig.add_trace(go.Scatter(x=[n, n], y=[0, sig(float(mass[n - 1]), 4)], mode="lines+markers",
+                                 name=f"top-p={p:g}: keeps {n}", line=dict(dash="dot", width=2)))
+    log_axis(fig, "xaxis")
+    fig.update_yaxes(range=[0, 1.02])
+    return style(fig, f"Top-p keeps tokens until their probability reaches p: "
+                 f"{', '.join(map(str, kept))} of {V:,}", "rank r (log)",
+                 "cumulative probability", width=760)
+
+
+def steps_figure(kept: list[int], drawn_prob: list[float], labels: list[str]) -> go.Figure:
+    """A sampled generation, step by step: how many tokens the processors left to draw from
+    (bars, log scale) and the probability the drawn token had (line, right axis)."""
+    steps = list(range(1, len(kept) + 1))
+    fig = go.Figure([
+        go.Bar(x=steps, y=kept, name="tokens left to draw from", marker_color="#9ecae1",
+               hovertext=labels),
+        go.Scatter(x=steps, y=[sig(p, 3) for p in drawn_prob], name="probability of the drawn token",
+                   mode="lines+markers", yaxis="y2", line=dict(color="#d62728", width=2),
+                   hovertext=labels),
+    ])
+    fig.update_layout(yaxis2=dict(overlaying="y", side="right", range=[0, 1.02], showgrid=False,
+                                  tickmode="array", tickvals=[0, 0.25, 0.5, 0.75, 1],
+                                  title=dict(text="probability of the drawn token"),
+                                  tickfont=dict(size=12)))
+    log_axis(fig, "yaxis", title_text="tokens left (log)")
+    return style(fig, f"Your sampler at each of the {len(kept)} steps: "
+                 f"{min(kept)}–{max(kept)} tokens left after top-k and top-p", "step", width=820)

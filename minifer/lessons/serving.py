@@ -22,7 +22,13 @@ from plotly.subplots import make_subplots
 from ..bench.serve_load import LoadResult, run_load
 from ..serve.api import running_server
 from .common import REFERENCE, control, log_axis, panel, reference_line, sig_or_none, style
-from .contention import InterferenceRun, PriorityRun, interference, interference_figure, priorities  # noqa: F401 (the lesson's S.*)
+from .contention import (  # noqa: F401 (the lesson's S.*)
+    InterferenceRun,
+    PriorityRun,
+    interference,
+    interference_figure,
+    priorities,
+)
 from .http_client import (  # noqa: F401 (the lesson's S.*)
     MODEL_NAME,
     Streamed,
@@ -117,22 +123,32 @@ def latency_figure(sweep: Sweep, rate: float) -> go.Figure:
         specs=[[{}, {}, {"secondary_y": True}]])
     series = {"ttft": [m.ttft for m in done], "e2el": [m.e2el for m in done],
               "tpot": [m.tpot for m in done], "itl": [g for m in done for g in m.itl]}
+    every = {key: [v for r in sweep.results for m in r.metrics if m.completed
+                   for v in ([getattr(m, key)] if key != "itl" else m.itl)] for key in series}
     for col, keys in ((1, ("ttft", "e2el")), (2, ("tpot", "itl"))):
         for key in keys:
             vals = [sig_or_none(v * 1e3) for v in series[key]]
             fig.add_trace(go.Box(y=vals, name=key.upper(), showlegend=False,
                                  boxpoints="all" if key != "itl" else "outliers", jitter=0.4,
                                  marker=dict(size=3)), 1, col)
-        slo_key = keys[0]
-        if slo_key in sweep.slo:
-            slo_ms = sweep.slo[slo_key] * 1e3
-            reference_line(fig, y=slo_ms, color="red", row=1, col=col)
-            # labelled by hand: plotly puts an hline's own label at 10**y on a log axis
-            axis = "" if col == 1 else str(col)
-            fig.add_annotation(x=1, xref=f"x{axis} domain", y=math.log10(slo_ms), yref=f"y{axis}",
-                               text=f"{slo_key.upper()} SLO {slo_ms:g} ms", showarrow=False,
-                               xanchor="right", yanchor="bottom", font=dict(color="red"))
-        log_axis(fig, "y", row=1, col=col)  # ticks cover the boxes and the SLO line
+        # the same axis at every rate: its range and ticks cover every rate's values and the SLO
+        span = [v * 1e3 for key in keys for v in every[key] if v and v > 0]
+        if keys[0] in sweep.slo:
+            span.append(sweep.slo[keys[0]] * 1e3)
+            reference_line(fig, y=sweep.slo[keys[0]] * 1e3, color="red", row=1, col=col)
+        if span:
+            lo, hi = min(span), max(span)
+            fig.add_trace(go.Scatter(x=[keys[0].upper()] * 2, y=[sig_or_none(lo), sig_or_none(hi)],
+                                     mode="markers", marker=dict(opacity=0), showlegend=False,
+                                     hoverinfo="skip"), 1, col)
+            log_axis(fig, "y", row=1, col=col)
+            fig.update_yaxes(range=[math.log10(lo) - 0.1, math.log10(hi) + 0.1], autorange=False,
+                             row=1, col=col)
+    if sweep.slo:
+        # the SLO lines are named in the legend, not beside the line, where a box may stand
+        slo_text = " and ".join(f"{k.upper()} {v * 1e3:g} ms" for k, v in sweep.slo.items())
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"red lines: the chat SLO, {slo_text}",
+                                 line=dict(color="red", dash="dash", width=2)), 1, 1)
     rows = sweep.rows()
     x = [r["rate req/s"] for r in rows]
     # two y axes, told apart by colour: throughput (left axis) green, TTFT (right axis) purple
@@ -181,3 +197,45 @@ def rate_panel(sweep: Sweep, rate: float | None = None) -> widgets.interactive:
                                       value=rate))
 
 
+
+
+# ---- streaming (REQ-5) ----------------------------------------------------------------------
+def stream_figure(streamed: Streamed, whole_s: float) -> go.Figure:
+    """What a reader has, against time: the streamed answer's tokens as their events arrived,
+    and the same answer sent whole, all of it at once when it is done (``whole_s``)."""
+    times = [sig_or_none(t * 1e3) for e, t in zip(streamed.events, streamed.times)
+             if e.get("choices")]
+    n, whole_ms = len(times), sig_or_none(whole_s * 1e3)
+    fig = go.Figure([
+        go.Scatter(x=[0, *times], y=list(range(n + 1)), mode="lines", line_shape="hv",
+                   name="streamed: each token when its event arrives", line=dict(width=2)),
+        go.Scatter(x=[0, whole_ms, whole_ms], y=[0, 0, n], mode="lines", line_shape="hv",
+                   name="whole: every token when the answer is done", line=dict(width=2, dash="dash")),
+    ])
+    end = max(whole_ms or 0, *(t for t in times if t is not None), 1)
+    fig.update_xaxes(range=[-0.02 * end, 1.06 * end])  # both lines clear of the axes
+    fig.update_yaxes(range=[-0.04 * n, 1.06 * n])
+    return style(fig, f"The same {n} tokens: streamed, the first after {streamed.first_text_s * 1e3:.0f} ms; "
+                      f"whole, all after {whole_s * 1e3:.0f} ms", "ms after the request was sent",
+                 "tokens the reader has", width=760)
+
+
+# ---- priorities (BATCH-9) -------------------------------------------------------------------
+def priority_figure(runs: Sequence[PriorityRun]) -> go.Figure:
+    """Each run's time to first token: every high-priority request (blue dots) and the one
+    low-priority request (red diamond), strict priority beside aging."""
+    names = [("strict priority" if r.aging == 0 else f"aging {r.aging:g} per step") for r in runs]
+    fig = go.Figure([
+        go.Box(x=[n for n, r in zip(names, runs) for _ in r.high_ttft_s],
+               y=[sig_or_none(t * 1e3) for r in runs for t in r.high_ttft_s],
+               name="high priority (each request)", boxpoints="all", jitter=0.5, pointpos=0,
+               fillcolor="rgba(0,0,0,0)", line=dict(color="rgba(0,0,0,0)"),
+               marker=dict(color="#1f77b4", size=6)),
+        go.Scatter(x=names, y=[sig_or_none(r.low_ttft_s * 1e3) for r in runs], mode="markers",
+                   name="the low-priority request",
+                   marker=dict(color="#d62728", symbol="diamond", size=13)),
+    ])
+    waits = " vs ".join(str(r.highs_before_low) for r in runs)
+    return style(fig, f"Time to first token; high-priority requests started before the low one: "
+                      f"{waits}", None,
+                 "TTFT (ms)", width=620)

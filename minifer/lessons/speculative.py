@@ -27,7 +27,8 @@ from .common import control, reference_line, sig, style
 from .common import panel as _panel
 
 __all__ = ["reference_rows", "stats_row", "sweep", "verify_cost", "speedup_figure",
-           "point_figure", "panel", "sweep_notes", "acceptance_figure", "accept_hist_figure", "toy_pair",
+           "point_figure", "panel", "sweep_notes", "acceptance_figure", "accept_hist_figure", "rounds_figure",
+           "toy_pair",
            "exact_last_token", "target_counts", "spec_counts", "always_accept",
            "distribution_figure", "tv_distance"]
 
@@ -220,6 +221,23 @@ def accept_hist_figure(stats: dict[str, SpecStats]) -> go.Figure:
     for name, s in stats.items():
         fig.add_trace(go.Bar(x=list(range(s.k + 1)), y=s.accept_hist, name=name))
     return style(fig, "Accepted drafts per target pass", "accepted in the round", "rounds")
+
+
+def rounds_figure(rounds: Sequence[int], k: int) -> go.Figure:
+    """One greedy speculative run, round by round: the drafts each target pass accepted (blue)
+    and the one token of the target's own that every pass adds (orange), against k + 1."""
+    x = list(range(1, len(rounds) + 1))
+    fig = go.Figure([
+        go.Bar(x=x, y=list(rounds), name="drafts accepted", marker_color="#1f77b4"),
+        go.Bar(x=x, y=[1] * len(rounds), name="the target's own token", marker_color="#ff7f0e"),
+    ])
+    fig.update_layout(barmode="stack", bargap=0.15)
+    fig.update_yaxes(range=[0, k + 1.5], dtick=1)
+    reference_line(fig, y=k + 1, text=f"most a pass can give: k + 1 = {k + 1}")
+    tokens = sum(rounds) + len(rounds)
+    return style(fig, f"Your loop, one bar per target pass: {tokens} tokens from {len(rounds)} "
+                      f"verification passes (after the prefill's one)", "verification pass",
+                 "tokens gained", width=820)
 
 
 # ---- the distribution check -------------------------------------------------------------------
