@@ -177,4 +177,4 @@ def test_codes_and_channel_error_figures():
     assert sum(fig.data[0].y) == 64 and list(fig.layout.xaxis.range) == [-132, 132]
     err = (q.float() * scale[:, None] - w).abs().amax(1)
     fig = Q.channel_error_figure(err, scale)
-    assert len(fig.data) == 2 and all(a <= b for a, b in zip(fig.data[0].y, fig.data[1].y))
+    assert len(fig.data) == 2 and all(e <= b for e, b in zip(fig.data[1].y, fig.data[0].y))

@@ -120,8 +120,9 @@ def governor_figure(timeline: list[dict]) -> go.Figure:
     ``{"t": s, "others": cores, "threads": n}``."""
     t = [r["t"] for r in timeline]
     fig = go.Figure([
+        # a row's load is the load of the half second that ends at its time: drawn before it
         go.Scatter(name="cores other programs use", x=t, y=[r["others"] for r in timeline],
-                   mode="lines", line=dict(shape="hv", dash="dot")),
+                   mode="lines", line=dict(shape="vh", dash="dot")),
         go.Scatter(name="torch threads the governor sets", x=t, y=[r["threads"] for r in timeline],
                    mode="lines+markers", line=dict(shape="hv"))])
     style(fig, "minifer's thread governor on a simulated 2-core machine", "time (s)", "cores")
@@ -177,7 +178,7 @@ def kernel_figure(ms_by_threads: dict[int, dict[str, float]], threads: int) -> g
     ms = ms_by_threads[threads]
     top = max(v for d in ms_by_threads.values() for v in d.values()) * 1.2
     names = list(ms)
-    fig = go.Figure(go.Bar(x=names, y=[sig(ms[n], 3) for n in names],
+    fig = go.Figure(go.Bar(x=[n.replace(" (", "<br>(") for n in names], y=[sig(ms[n], 3) for n in names],
                            text=[f"{ms[n]:.2f}" for n in names], textposition="outside",
                            cliponaxis=False))
     style(fig, f"One row through every matrix of the model, {threads} thread(s)", None,
@@ -245,7 +246,7 @@ def peer_figure(rows: list[dict], threads: int) -> go.Figure:
     """Tokens/s of minifer and its peers per precision and batch at ``threads`` threads (log y
     axis, the same range for every thread count)."""
     shown = [r for r in rows if r["threads"] == threads]
-    x = [f"{r['precision']} · batch {r['batch']}" for r in shown]
+    x = [f"{r['precision']}<br>batch {r['batch']}" for r in shown]
     fig = go.Figure([go.Bar(name=e, x=x, y=[r[e] for r in shown]) for e in ENGINES])
     values = [r[e] for r in rows for e in ENGINES if r[e]]
     style(fig, f"GPT-2 124M on another machine, {threads} thread(s): tokens/s", None,

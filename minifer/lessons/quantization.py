@@ -330,10 +330,10 @@ def channel_error_figure(err: torch.Tensor, scale: torch.Tensor, first: int = 25
     n = min(first, len(scale))
     x = list(range(n))
     fig = go.Figure([
-        go.Scatter(name="largest |error| of the row", x=x, y=[sig(v, 3) for v in err[:n].tolist()],
-                   mode="markers", marker=dict(size=4)),
         go.Scatter(name="half a step: scale / 2", x=x, y=[sig(v, 3) for v in (scale[:n] / 2).tolist()],
-                   mode="lines", line=dict(width=1.5))])
+                   mode="lines", line=dict(width=1.5)),
+        go.Scatter(name="largest |error| of the row", x=x, y=[sig(v, 3) for v in err[:n].tolist()],
+                   mode="markers", marker=dict(size=4))])
     return style(fig, f"Rounding error of the first {n} output channels, and its bound",
                  "output channel (row)", "weight units")
 
