@@ -165,3 +165,16 @@ def test_int16_pair_saturation_model_is_exact_for_small_operands_and_clips_large
     said = IM.int_mm_verdict(clipped, exact, a, b)
     assert "DIFFERS" in said and "pair-saturating" in said
     assert "not modelled" in IM.int_mm_verdict(exact + 1, exact, a, b)
+
+
+def test_codes_and_channel_error_figures():
+    from minifer.quantization import quantize_int8
+
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_int8(w)
+    fig = Q.codes_figure(q, rows=(0, 1))
+    assert [t.name for t in fig.data] == ["row 0", "row 1"]
+    assert sum(fig.data[0].y) == 64 and list(fig.layout.xaxis.range) == [-132, 132]
+    err = (q.float() * scale[:, None] - w).abs().amax(1)
+    fig = Q.channel_error_figure(err, scale)
+    assert len(fig.data) == 2 and all(e <= b for e, b in zip(fig.data[1].y, fig.data[0].y))

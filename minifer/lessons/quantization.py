@@ -24,7 +24,7 @@ from ..quality import (
     validation_perplexity,
 )
 from ..quantization import PRECISIONS, fused_available, model_bytes, quantize
-from .common import control, precision_options, style, table
+from .common import control, precision_options, sig, style, table
 from .common import panel as _panel
 from .int_math import (  # noqa: F401 (the lesson's Q.*)
     int8_operands,
@@ -41,7 +41,7 @@ __all__ = ["PrecisionRow", "quantized_models", "precision_rows", "rows_table", "
            "int8_operands", "int_mm_verdict", "pair_saturating_mm",
            "measure_speed", "speed_figure", "roofline_rows", "roofline_figure", "outlier_rows",
            "outlier_figure", "panel_figure", "QuantPanel", "panel", "speed_notes", "greedy_note",
-           "BATCHES"]
+           "BATCHES", "codes_figure", "channel_error_figure"]
 
 BATCHES = (1, 8, 32)  # the panel's batch slider: each measured once, before the panel
 COLORS = {"fp32": "#1f77b4", "bf16": "#2ca02c", "fp16": "#98df8a", "int8": "#ff7f0e",
@@ -306,6 +306,36 @@ def roofline_figure(rows: list[dict], title: str = "LLaMA-7B on an A100: TPOT mo
     style(fig, title, "weight precision", "ms (roofline prediction)")
     fig.update_layout(barmode="group")
     return fig
+
+
+# ---- section 1: the learner's int8, drawn ------------------------------------------------------
+def codes_figure(q: torch.Tensor, rows: tuple[int, ...] = (0, 1), bin_width: int = 8) -> go.Figure:
+    """How the int8 codes of a few weight rows spread over [-127, 127]: counts per bin of
+    ``bin_width`` codes, one bar series per row (fixed x axis: every code int8 allows)."""
+    edges = list(range(-128, 128, bin_width))
+    fig = go.Figure()
+    for r in rows:
+        counts = torch.histc(q[r].float(), bins=len(edges), min=-128, max=-128 + bin_width * len(edges))
+        fig.add_trace(go.Bar(name=f"row {r}", x=[e + bin_width / 2 for e in edges],
+                             y=[int(c) for c in counts.tolist()], width=bin_width * 0.45))
+    style(fig, f"int8 codes of {len(rows)} weight rows ({q.shape[1]} weights each)",
+          f"int8 code q (bins of {bin_width})", "weights")
+    fig.update_layout(barmode="group", xaxis_range=[-132, 132])
+    return fig
+
+
+def channel_error_figure(err: torch.Tensor, scale: torch.Tensor, first: int = 256) -> go.Figure:
+    """Per output channel (row), the first ``first`` of them: the largest |w - q·scale| and the
+    bound half a step, scale / 2."""
+    n = min(first, len(scale))
+    x = list(range(n))
+    fig = go.Figure([
+        go.Scatter(name="half a step: scale / 2", x=x, y=[sig(v, 3) for v in (scale[:n] / 2).tolist()],
+                   mode="lines", line=dict(width=1.5)),
+        go.Scatter(name="largest |error| of the row", x=x, y=[sig(v, 3) for v in err[:n].tolist()],
+                   mode="markers", marker=dict(size=4))])
+    return style(fig, f"Rounding error of the first {n} output channels, and its bound",
+                 "output channel (row)", "weight units")
 
 
 # ---- the panel -----------------------------------------------------------------------------
