@@ -150,9 +150,9 @@ def temperature_figure(logits: torch.Tensor, tokenizer, temperatures=(0.5, 1.0, 
     labels = _unique([show_token(tokenizer, i) for i in ranked])
     fig = go.Figure()
     for t in temperatures:
-        probs = (logits.double() / t).softmax(-1)  # float64: the same 4 digits on every CPU
+        probs = (logits.double() / t).softmax(-1)  # shown to 3 digits: logits differ by CPU
         shown = float(probs[ranked].sum())
-        fig.add_trace(go.Bar(x=labels, y=[sig(float(probs[i]), 4) for i in ranked],
+        fig.add_trace(go.Bar(x=labels, y=[sig(float(probs[i]), 3) for i in ranked],
                              name=f"T={t:g} (these {show} hold {shown:.0%})"))
     fig.update_layout(barmode="group", bargap=0.2, bargroupgap=0.0)
     return style(fig, f"Temperature reshapes one distribution: the {show} likeliest tokens at "
