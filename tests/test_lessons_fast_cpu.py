@@ -75,3 +75,9 @@ def test_peer_rows_read_the_stored_benchmark():
     one, two = F13.peer_figure(rows, 1), F13.peer_figure(rows, 2)
     assert one.layout.yaxis.range == two.layout.yaxis.range
     assert [t.name for t in one.data] == ["minifer", "CTranslate2", "OpenVINO"]
+
+
+def test_the_shipped_peers_file_is_the_benchmarks_result():
+    """Lesson 13 reads a copy shipped with the package (it runs where there is no clone, e.g.
+    Colab); it must stay the file BENCHMARKS.md cites."""
+    assert F13.PEERS_FILE.read_bytes() == (F13.ROOT / "benchmarks" / "2026-12-05-cpu-bench.json").read_bytes()

@@ -32,7 +32,9 @@ __all__ = ["busy_core", "step_ms", "thread_grid", "thread_figure", "SimulatedCPU
            "peer_machine", "peer_figure", "source_lines"]
 
 ROOT = Path(__file__).resolve().parents[2]
-PEERS_FILE = ROOT / "benchmarks" / "2026-12-05-cpu-bench.json"
+# a copy of benchmarks/2026-12-05-cpu-bench.json shipped with the package, so that the lesson
+# reads it wherever minifer is installed (Colab has no clone of the repository)
+PEERS_FILE = Path(__file__).with_name("data") / "cpu-bench-2026-12-05.json"
 PEERS_SECTION = "bf16 at batch 1 on minifer's own AVX512-BF16 kernel"
 
 
