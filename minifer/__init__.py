@@ -2,8 +2,8 @@
 
 The engine (this package's top-level modules) imports only torch and the tokenizer libraries;
 its CPU speed-ups live apart in `minifer.fast`, plugged in below at one seam (`minifer.hooks`);
-measuring lives in `minifer.bench`, how the shipped models were made in `minifer.training`, and
-the figures and sliders of the course in `minifer.lessons`.
+measuring lives in `minifer_course.bench`, how the shipped models were made in `minifer_course.training`, and
+the figures and sliders of the course in `minifer_course.lessons`.
 """
 
 # The speed-ups (minifer.fast) plug into the core here; MINIFER_SPEEDUPS=0 leaves them out.
@@ -62,7 +62,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     """`LLMEngine` and `RequestOutput` load on first use, so `import minifer` stays light."""
     if name in ("LLMEngine", "RequestOutput"):
-        from .serve import engine
+        from .engine import llm_engine as engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'minifer' has no attribute {name!r}")

@@ -80,7 +80,7 @@ class PackedKVCache(Protocol):
       tokens attending only to that row's cached and new tokens, causally;
     - `logits_index`: the packed indices whose next-token logits the caller wants.
 
-    `minifer.serve.kv_pool.PackedBatch` implements it over the paged pool.
+    `minifer.engine.kv_pool.PackedBatch` implements it over the paged pool.
     """
 
     packed: bool

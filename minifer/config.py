@@ -151,7 +151,7 @@ class GPTConfig:
 
     def kv_bytes_per_token(self, bytes_per_value: float = 4) -> float:
         """KV-cache bytes one token costs (`kv_token_bytes`); the default, 4 bytes, is fp32,
-        the dtype minifer builds models in (`minifer.roofline` assumes a 16-bit served model)."""
+        the dtype minifer builds models in (`minifer_course.roofline` assumes a 16-bit served model)."""
         return kv_token_bytes(self.n_layer, self.kv_heads, self.head_dim, bytes_per_value)
 
     def replace(self, **changes) -> GPTConfig:
@@ -198,7 +198,7 @@ PRESETS: dict[str, GPTConfig] = {
                       eos_token_id=256),
     "tiny-gqa": GPTConfig(vocab_size=257, context_length=128, n_layer=2, n_head=4, n_embd=32,
                           n_kv_head=2, eos_token_id=256),
-    # The shipped Shakespeare models (trained by `python -m minifer.training`, loaded with
+    # The shipped Shakespeare models (trained by `python -m minifer_course.training`, loaded with
     # `minifer.load_pretrained`). Same 2048-token BPE tokenizer; <|endoftext|> is its last id.
     # Target: 8,791,040 parameters.
     "shakespeare": GPTConfig(vocab_size=2048, context_length=256, n_layer=6, n_head=5, n_embd=320,
@@ -224,7 +224,7 @@ PRESETS.update({
     "tiny-llama": GPTConfig(vocab_size=257, context_length=128, n_layer=2, n_head=4, n_embd=32,
                             n_kv_head=2, intermediate_size=64, eos_token_id=256, **LLAMA),
     # The shapes of real checkpoints, for analytic lessons (build them on the meta device; the
-    # names match `minifer.roofline.MODELS`). Llama-3-8B: 8,030,261,248 parameters, GQA 32 → 8.
+    # names match `minifer_course.roofline.MODELS`). Llama-3-8B: 8,030,261,248 parameters, GQA 32 → 8.
     "llama-3-8b": GPTConfig(vocab_size=128256, context_length=8192, n_layer=32, n_head=32,
                             n_embd=4096, n_kv_head=8, intermediate_size=14336,
                             rope_theta=500000.0, **LLAMA),

@@ -8,7 +8,7 @@ prompt; `stream` yields each token the moment it exists (claim REQ-1). Per-reque
 
 `advance` is the loop itself, the one place a batch of Sequences takes new tokens: it asks a
 *step* for each row's next tokens until every row has finished. `run_batch` gives it the plain
-step (decode, sample); tensor parallelism (`minifer.parallel.generate_tp`) runs the same
+step (decode, sample); tensor parallelism (`minifer.distributed.parallel.generate_tp`) runs the same
 `run_batch` with its own sampler, and speculative decoding (`minifer.speculative`) gives
 `advance` a step that drafts, verifies and returns several tokens.
 

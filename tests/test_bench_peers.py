@@ -1,4 +1,4 @@
-"""`python -m minifer.bench peers`: the arithmetic always; the engines where the extra is installed."""
+"""`python -m minifer_course.bench peers`: the arithmetic always; the engines where the extra is installed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import lively_model
-from minifer.bench import peers
+from minifer_course.bench import peers
 
 
 def test_agreement_counts_equal_positions():
@@ -109,7 +109,7 @@ def test_without_the_extra_it_says_how_to_install_it(monkeypatch):
 
 
 def test_command_without_the_extra_says_so_and_succeeds(monkeypatch, capsys):
-    from minifer.bench.__main__ import main
+    from minifer_course.bench.__main__ import main
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert main(["peers", "--batches", "1"]) == 0
@@ -148,7 +148,7 @@ def test_the_timed_rounds_can_run_beside_busy_cores(monkeypatch):
         loads.append(cores)
         yield
 
-    import minifer.bench.common as common
+    import minifer_course.bench.common as common
 
     monkeypatch.setattr(common, "background_load", fake_load)
     monkeypatch.setattr(peers, "peer_problems", lambda pythons=None: {"ctranslate2": None, "openvino": None})
@@ -224,7 +224,7 @@ def _script(path, body: str) -> str:
     ("openvino=/nonexistent/bin/python", "is not an executable file"),
 ])
 def test_peer_python_option_says_what_is_wrong(capsys, value, error):
-    from minifer.bench.__main__ import main
+    from minifer_course.bench.__main__ import main
 
     with pytest.raises(SystemExit) as exit:
         main(["peers", "--peer-python", value])
@@ -234,7 +234,7 @@ def test_peer_python_option_says_what_is_wrong(capsys, value, error):
 
 
 def test_peer_python_option_refuses_a_peer_twice_and_the_shared_process(tmp_path):
-    from minifer.bench.__main__ import main
+    from minifer_course.bench.__main__ import main
 
     ov = f"openvino={sys.executable}"
     with pytest.raises(SystemExit, match="--peer-python names a peer twice"):

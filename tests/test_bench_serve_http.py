@@ -1,12 +1,12 @@
-"""`python -m minifer.bench serve --http`: a real server process per run, and the report."""
+"""`python -m minifer_course.bench serve --http`: a real server process per run, and the report."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from minifer.bench import serve_http as H
-from minifer.bench.serve_load import make_requests
+from minifer_course.bench import serve_http as H
+from minifer_course.bench.serve_load import make_requests
 
 
 def test_a_run_starts_a_server_sends_the_load_and_stops_it():
@@ -26,7 +26,7 @@ def test_a_run_starts_a_server_sends_the_load_and_stops_it():
 def test_cpu_seconds_count_a_process_and_its_children():
     import time
 
-    from minifer.bench.common import background_load, cpu_seconds
+    from minifer_course.bench.common import background_load, cpu_seconds
 
     if sys.platform != "linux":
         assert cpu_seconds([os.getpid()]) is None

@@ -165,8 +165,8 @@ def test_every_cache_keeps_the_written_contract(tiny):
     import typing
 
     from minifer.cache import KVCache, PackedKVCache
+    from minifer.engine.kv_pool import PackedBatch, PagedKVPool
     from minifer.model import GPT
-    from minifer.serve.kv_pool import PackedBatch, PagedKVPool
 
     pool = PagedKVPool.for_model(tiny, num_blocks=4, block_size=4)
     assert isinstance(StaticKVCache.for_model(tiny, 2, 8), KVCache)

@@ -29,7 +29,7 @@ def test_committed_diagrams_are_what_the_script_draws(tmp_path: pathlib.Path) ->
     draw = _draw_module()
     written = draw.draw_all(tmp_path)
     assert sorted(p.name for p in written) == sorted(p.name for p in DIAGRAMS.glob("*.svg")), \
-        "minifer/lessons/diagrams/ and tools/draw_diagrams.py disagree: run python tools/draw_diagrams.py"
+        "course/minifer_course/lessons/diagrams/ and tools/draw_diagrams.py disagree: run python tools/draw_diagrams.py"
     for path in written:
         assert path.read_text() == (DIAGRAMS / path.name).read_text(), \
             f"{path.name} is stale: run python tools/draw_diagrams.py"
@@ -80,7 +80,7 @@ def _shown(lesson: pathlib.Path) -> dict[str, str]:
 def test_every_lesson_shows_its_diagram_from_a_code_cell(lesson: pathlib.Path) -> None:
     number = lesson.name[:2]
     expected = sorted(p.stem for p in DIAGRAMS.glob(f"{number}_*.svg"))
-    assert expected, f"no diagram for lesson {number} in minifer/lessons/diagrams/"
+    assert expected, f"no diagram for lesson {number} in course/minifer_course/lessons/diagrams/"
     shown = _shown(lesson)
     text = lesson.read_text()
     assert "](diagrams/" not in text, f"{lesson.name} links an image by a relative path"
@@ -93,7 +93,7 @@ def test_every_lesson_shows_its_diagram_from_a_code_cell(lesson: pathlib.Path) -
 
 
 def test_diagram_refuses_an_unknown_name() -> None:
-    from minifer.lessons.common import diagram
+    from minifer_course.lessons.common import diagram
 
     assert "<svg" in diagram("01_generation_loop").data
     with pytest.raises(ValueError, match="01_generation_loop"):

@@ -129,7 +129,7 @@ def test_tensor_parallel_two_ranks_equal_one(family):
 
 def test_tensor_parallel_two_processes_on_a_llama_preset():
     """Two real processes (gloo): the checkpoint the workers load carries the family switches."""
-    from minifer.parallel import run_local
+    from minifer.distributed.parallel import run_local
 
     model = GPT.from_config("tiny-llama", seed=1)
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)

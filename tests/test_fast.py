@@ -69,8 +69,8 @@ def test_the_chunked_argmax_is_the_reference_argmax():
 def _paged_step(model):
     """A pool holding five rows' cached K/V (blocks of 4, interleaved), and a packed step that
     feeds three decode rows of different lengths, a whole prompt and a prompt's second chunk."""
-    from minifer.serve.block_manager import BlockManager
-    from minifer.serve.kv_pool import PackedBatch, PagedKVPool
+    from minifer.engine.block_manager import BlockManager
+    from minifer.engine.kv_pool import PackedBatch, PagedKVPool
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 23, 2, 16, 30)]

@@ -3,7 +3,7 @@
 Eager lean step (filled slots only) == fixed-shape step (every slot, masked) == compiled step ==
 the checked forward pass, with and without left padding, for plain and grouped-query attention
 and the int8 cache; the baselines the benchmark compares against give the same greedy tokens.
-No timing here: that lives in `python -m minifer.bench decode --table`.
+No timing here: that lives in `python -m minifer_course.bench decode --table`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 
 import minifer as mf
 from conftest import on_device
-from minifer.bench.baselines import MinifierDecoder, TextbookEngine, hf_available
 from minifer.fast.compiled import compiled_decode
 from minifer.fast.decode import LeanStep
+from minifer_course.bench.baselines import MinifierDecoder, TextbookEngine, hf_available
 
 GREEDY = mf.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 PROMPTS = [[72, 101, 108, 108, 111], [7], list(range(40, 75)), [200, 3, 3, 3, 250, 1, 9]]
@@ -226,7 +226,7 @@ def test_textbook_engine_and_minifer_decoder_agree(tiny):
 
 @pytest.mark.skipif(not hf_available(), reason="missing package: transformers (minifer[hf])")
 def test_transformers_baseline_agrees(make_lively):
-    from minifer.bench.baselines import HFDecoder, to_hf
+    from minifer_course.bench.baselines import HFDecoder, to_hf
 
     model = make_lively("tiny", scale=5.0)
     prompt = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -245,7 +245,7 @@ def test_engine_table_runs_and_writes_json(tmp_path, capsys):
     """The benchmark's machinery on a tiny model (what it measures is not asserted)."""
     import json
 
-    from minifer.bench.__main__ import main as bench_main
+    from minifer_course.bench.__main__ import main as bench_main
 
     out = tmp_path / "decode.json"
     assert bench_main(["decode", "--table", "--presets", "tiny", "--dtypes", "fp32", "bf16",

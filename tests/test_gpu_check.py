@@ -1,4 +1,4 @@
-"""The prepared GPU check (tools/gpu_check.py, `make test-gpu`) and `python -m minifer.bench gpu`,
+"""The prepared GPU check (tools/gpu_check.py, `make test-gpu`) and `python -m minifer_course.bench gpu`,
 run on a CPU: the cuda cases skip without counting as a missing package, the check says there is
 no GPU and exits 0, and its plumbing (the benchmark's quick plan, results written as they come,
 stored and loaded) works end to end."""
@@ -17,7 +17,7 @@ from strict_deps import MISSING_PACKAGE
 from tool_modules import load_tool
 
 from conftest import NO_CUDA
-from minifer.bench.results import gpu_headline, gpu_runs, latest_gpu_run
+from minifer_course.bench.results import gpu_headline, gpu_runs, latest_gpu_run
 
 ROOT = Path(__file__).resolve().parent.parent
 gpu_check = load_tool("gpu_check")
@@ -71,7 +71,7 @@ def test_the_benchmark_quick_on_a_cpu_writes_stores_and_loads(tmp_path):
     assert "projected_speedup_at_alpha" in result["speculative"]["sized"]["points"][0]
     assert "== decode" in (out / "gpu-bench.log").read_text()
 
-    from minifer.bench.gpu import format_report
+    from minifer_course.bench.gpu import format_report
 
     table = format_report(result)
     assert "decode step at context" in table and "serving tiny" in table
@@ -89,7 +89,7 @@ def test_no_stored_run_is_none(tmp_path):
 
 
 def test_the_bench_command_is_listed():
-    out = subprocess.run([sys.executable, "-m", "minifer.bench", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "minifer_course.bench", "--help"], cwd=ROOT,
                          env=gpu_check._env(), capture_output=True, text=True, timeout=120)
     assert "gpu" in out.stdout
 
@@ -120,7 +120,7 @@ def _gpu_like_result() -> dict:
 
 
 def test_the_report_and_headline_merge_the_cuda_only_sections():
-    from minifer.bench.gpu import format_report
+    from minifer_course.bench.gpu import format_report
 
     r = _gpu_like_result()
     table = format_report(r)
@@ -134,7 +134,7 @@ def test_the_report_and_headline_merge_the_cuda_only_sections():
 
 
 def test_graph_rows_stop_at_the_first_failed_capture(monkeypatch):
-    from minifer.bench import gpu
+    from minifer_course.bench import gpu
 
     calls = []
 

@@ -57,7 +57,7 @@ def test_no_module_uses_another_modules_private_attributes():
 
 
 def test_the_engine_never_imports_plotly_or_widgets():
-    engine = [m for m in MODULES if not m.startswith("minifer.lessons")]
+    engine = [m for m in MODULES if not m.startswith("minifer_course.lessons")]
     code = ("import sys, importlib\n"
             f"for m in {engine!r}: importlib.import_module(m)\n"
             "bad = {'plotly', 'ipywidgets'} & set(sys.modules)\n"
@@ -175,10 +175,10 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path)
 
 
 def test_no_lesson_imports_a_benchmark_command():
-    """The lessons measure through `minifer.bench`'s library modules, never its command line."""
+    """The lessons measure through `minifer_course.bench`'s library modules, never its command line."""
     graph = import_graph(PACKAGE)
-    bad = [f"{m} imports {t}" for m, ts in graph.items() if m.startswith("minifer.lessons")
-           for t in ts if t.startswith(("minifer.bench.commands", "minifer.bench.__main__"))]
+    bad = [f"{m} imports {t}" for m, ts in graph.items() if m.startswith("minifer_course.lessons")
+           for t in ts if t.startswith(("minifer_course.bench.commands", "minifer_course.bench.__main__"))]
     assert not bad, "\n".join(bad)
 
 

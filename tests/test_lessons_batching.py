@@ -4,8 +4,8 @@ numbers, and the batch slider drives the figure."""
 import pytest
 import torch
 
-from minifer.lessons import batching as B
-from minifer.lessons import scheduling as S
+from minifer_course.lessons import batching as B
+from minifer_course.lessons import scheduling as S
 
 
 def controls(ui) -> dict:
@@ -59,7 +59,7 @@ def test_measure_sweep_tiny_model():
 
 
 def test_step_work_figure_is_flat_in_bytes_and_linear_in_flops():
-    from minifer.lessons.batching import step_work_figure
+    from minifer_course.lessons.batching import step_work_figure
 
     fig = step_work_figure(1_000_000, batches=(1, 4, 64))
     read, flops, intensity = (list(t.y) for t in fig.data)
@@ -69,7 +69,7 @@ def test_step_work_figure_is_flat_in_bytes_and_linear_in_flops():
 
 
 def test_mask_figure_marks_padding_attended_and_future_slots():
-    from minifer.lessons.batching import mask_figure
+    from minifer_course.lessons.batching import mask_figure
 
     start = [0, 2]
     slots = torch.arange(5)

@@ -1,4 +1,4 @@
-"""The source's torch.cat KV cache (minifer.lessons.cat_cache): the same logits as minifer's
+"""The source's torch.cat KV cache (minifer_course.lessons.cat_cache): the same logits as minifer's
 in-place cache through the same forward call, and its timing helper runs."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import minifer as mf
-from minifer.lessons.cat_cache import CatKVCache, time_cat_vs_static
+from minifer_course.lessons.cat_cache import CatKVCache, time_cat_vs_static
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_gqa"])

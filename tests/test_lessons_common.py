@@ -9,7 +9,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import pytest
 
-from minifer.lessons import common
+from minifer_course.lessons import common
 
 LESSONS = pathlib.Path(common.__file__).parent
 
@@ -192,7 +192,7 @@ def test_setup_uses_colab_renderer_only_on_colab(monkeypatch):
 
     import plotly.io as pio
 
-    from minifer.lessons import common
+    from minifer_course.lessons import common
 
     common.setup()
     assert pio.renderers.default == "plotly_mimetype"

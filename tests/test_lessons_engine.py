@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import minifer as mf
-from minifer.lessons import generation as gen
-from minifer.lessons import kv_cache as kv
-from minifer.lessons.common import table
+from minifer_course.lessons import generation as gen
+from minifer_course.lessons import kv_cache as kv
+from minifer_course.lessons.common import table
 
 
 def test_trace_loop_matches_generate(tiny, tok):

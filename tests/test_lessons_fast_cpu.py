@@ -7,7 +7,7 @@ import plotly.graph_objects as go
 import torch
 
 import minifer as mf
-from minifer.lessons import fast_cpu as F13
+from minifer_course.lessons import fast_cpu as F13
 
 
 def test_busy_core_runs_a_process_and_ends_it():

@@ -1,9 +1,9 @@
-"""minifer.lessons.kernels: the twin that measures overhead (OPT-1) and attention's bytes (OPT-2)."""
+"""minifer_course.lessons.kernels: the twin that measures overhead (OPT-1) and attention's bytes (OPT-2)."""
 
 import pytest
 
 from minifer.config import GPTConfig
-from minifer.lessons import kernels as KN
+from minifer_course.lessons import kernels as KN
 
 
 def test_twin_keeps_the_graph_and_drops_the_arithmetic():

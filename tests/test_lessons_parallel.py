@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from minifer import roofline as rl
-from minifer.lessons import parallel as P
-from minifer.parallel import RankReport, TPResult
+from minifer.distributed.parallel import RankReport, TPResult
+from minifer_course import roofline as rl
+from minifer_course.lessons import parallel as P
 
 
 def controls(ui) -> dict:

@@ -1,4 +1,4 @@
-"""Lesson 02 (prefill vs decode) and `python -m minifer.bench decode`: tiny models, no timing
+"""Lesson 02 (prefill vs decode) and `python -m minifer_course.bench decode`: tiny models, no timing
 asserts beyond "a positive number came back"."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import minifer as mf
-from minifer.bench import decode as bench_decode
-from minifer.bench.__main__ import COMMANDS
-from minifer.bench.__main__ import main as bench_main
-from minifer.lessons import prefill_decode as PD
+from minifer_course.bench import decode as bench_decode
+from minifer_course.bench.__main__ import COMMANDS
+from minifer_course.bench.__main__ import main as bench_main
+from minifer_course.lessons import prefill_decode as PD
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_figures_and_panel():
 
 
 def test_busy_warning(monkeypatch):
-    from minifer.bench import common
+    from minifer_course.bench import common
 
     assert bench_decode.busy_warning is common.busy_warning  # the old home still has it
     monkeypatch.setattr(common.os, "cpu_count", lambda: 2)

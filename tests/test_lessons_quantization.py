@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import minifer as mf
-from minifer.lessons import quantization as Q
+from minifer_course.lessons import quantization as Q
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_greedy_note(rows):
 
 
 def test_top1_tokens_batches_windows_like_one_at_a_time(draft):
-    from minifer.quality import top1_agreement, top1_tokens
+    from minifer_course.quality import top1_agreement, top1_tokens
 
     model, tok = draft
     ids = tok.encode(mf.pretrained.load_validation_text()[:3_000])
@@ -153,7 +153,7 @@ def test_perplexity_and_top1_in_one_pass(draft):
 def test_int16_pair_saturation_model_is_exact_for_small_operands_and_clips_large_ones():
     """The model of a non-VNNI int8 kernel (lesson 09, QUANT-6) is exact where no pair sum
     leaves int16 and clips where one does, so the lesson's verdict can tell the two apart."""
-    from minifer.lessons import int_math as IM
+    from minifer_course.lessons import int_math as IM
 
     small = IM.int8_operands(8, 64, 8, limit=63)
     assert torch.equal(IM.pair_saturating_mm(*small), small[0].int() @ small[1].int())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from minifer import roofline as rl
-from minifer.lessons import kv_memory, roofline
+from minifer_course import roofline as rl
+from minifer_course.lessons import kv_memory, roofline
 
 
 def controls(ui) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minifer.lessons import sampling as S
+from minifer_course.lessons import sampling as S
 
 LOGITS = torch.randn(257, generator=torch.Generator().manual_seed(3)) * 3
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from minifer.lessons import scheduling as S
-from minifer.serve.workload import LogNormal, Request, poisson_workload
+from minifer_course.lessons import scheduling as S
+from minifer_course.workload import LogNormal, Request, poisson_workload
 
 
 def controls(ui) -> dict:

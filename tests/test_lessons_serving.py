@@ -10,13 +10,13 @@ import pytest
 import minifer as mf
 from conftest import lively_model
 
-pytest.importorskip("minifer.serve.workload")
-pytest.importorskip("minifer.serve.engine")
-metrics = pytest.importorskip("minifer.serve.metrics")
+pytest.importorskip("minifer_course.workload")
+pytest.importorskip("minifer.engine.llm_engine")
+metrics = pytest.importorskip("minifer.engine.metrics")
 RequestMetrics, summarize = metrics.RequestMetrics, metrics.summarize
-from minifer.bench.serve_load import LoadResult  # noqa: E402
-from minifer.lessons import serving as S  # noqa: E402
 from minifer.serve.api import running_server  # noqa: E402
+from minifer_course.bench.serve_load import LoadResult  # noqa: E402
+from minifer_course.lessons import serving as S  # noqa: E402
 
 
 def fake_result(ttft: float, gap: float, n: int = 4) -> LoadResult:
@@ -123,7 +123,7 @@ def test_stream_figure():
 
 
 def test_priority_figure():
-    from minifer.lessons.contention import PriorityRun
+    from minifer_course.lessons.contention import PriorityRun
     runs = [PriorityRun(0.0, ["high"] * 3 + ["low"], 0.5, [0.1, 0.2, 0.1]),
             PriorityRun(0.1, ["high", "low", "high", "high"], 0.2, [0.1, 0.3, 0.2])]
     fig = S.priority_figure(runs)

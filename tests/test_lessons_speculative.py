@@ -6,10 +6,10 @@ import pytest
 
 from conftest import lively_model
 from minifer import SamplingParams
-from minifer.bench.spec import SpecPoint, measure
-from minifer.bench.timing import round_robin
-from minifer.lessons import speculative as L
 from minifer.speculative import PromptLookupDrafter, SpecStats, speculative_generate
+from minifer_course.bench.spec import SpecPoint, measure
+from minifer_course.bench.timing import round_robin
+from minifer_course.lessons import speculative as L
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import minifer as mf
-from minifer.parallel import (
+from minifer.distributed.parallel import (
     Comm,
     WorkerError,
     config_digest,
@@ -33,7 +33,7 @@ from minifer.parallel import (
     shard_plan,
     weight_bytes,
 )
-from minifer.parallel.layers import sharded_parameter_names
+from minifer.distributed.parallel.layers import sharded_parameter_names
 
 LOGIT_ATOL = 1e-4
 GREEDY = mf.SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)

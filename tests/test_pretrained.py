@@ -130,7 +130,7 @@ def test_unknown_name_lists_known_ones():
 @pytest.mark.parametrize("missing", ["draft.safetensors", "draft.json", "tokenizer.json"])
 def test_missing_file_says_where_and_how_to_regenerate(data_copy, missing):
     (data_copy / missing).unlink()
-    with pytest.raises(FileNotFoundError, match="python -m minifer.training") as err:
+    with pytest.raises(FileNotFoundError, match="python -m minifer_course.training") as err:
         load_pretrained("shakespeare-draft")
     assert missing in str(err.value) and str(data_copy) in str(err.value)
 

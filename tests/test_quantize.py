@@ -8,7 +8,6 @@ import torch.nn as nn
 
 import minifer as mf
 from conftest import lively_model, on_device
-from minifer.quality import greedy_agreement, max_logit_diff
 from minifer.quantization import (
     QuantizedLinear,
     fused_available,
@@ -20,6 +19,7 @@ from minifer.quantization import (
     quantize_int8,
     unpack_int4,
 )
+from minifer_course.quality import greedy_agreement, max_logit_diff
 
 # QUANT-1 is about weight-only int8: torch's fused kernel where this torch has one
 FUSED8 = "fused" if fused_available(8) else "reference"
@@ -521,7 +521,7 @@ def test_integer_layer_survives_copy_load_and_move():
 def test_integer_int8_model_within_bounds_of_fp32_and_weight_only():
     """QUANT-3 for W8A8 on the shipped model: held-out perplexity barely moves, and the top-1
     token mostly agrees with fp32 — less often than weight-only int8 does (activation rounding)."""
-    from minifer.quality import top1_agreement, validation_perplexity
+    from minifer_course.quality import top1_agreement, validation_perplexity
 
     model, tok = mf.load_pretrained("shakespeare")
     text = mf.pretrained.load_validation_text()[:4000]
@@ -634,7 +634,7 @@ def test_int8_default_gives_each_prompt_the_same_tokens_batched_or_alone():
 def test_int8_default_within_quant3_bounds_on_the_shipped_model():
     """Whichever kernel each layer gets here, the default int8 model keeps QUANT-3's bounds:
     perplexity within 0.5% of fp32 and top-1 agreement >= 0.9 on held-out text."""
-    from minifer.quality import top1_agreement, validation_perplexity
+    from minifer_course.quality import top1_agreement, validation_perplexity
 
     model, tok = mf.load_pretrained("shakespeare")
     text = mf.pretrained.load_validation_text()[:4000]

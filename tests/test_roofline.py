@@ -1,4 +1,4 @@
-"""The analytic claims (PD-*, KV-*, BATCH-2/3, MET-2, QUANT-2/5), recomputed with minifer.roofline.
+"""The analytic claims (PD-*, KV-*, BATCH-2/3, MET-2, QUANT-2/5), recomputed with minifer_course.roofline.
 
 Each figure is asserted to the rounding the claim prints it with.
 """
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minifer import roofline as rl
-from minifer.roofline import (
+from minifer_course import roofline as rl
+from minifer_course.roofline import (
     BYTES_PER_VALUE,
     GB,
     HARDWARE,
@@ -307,14 +307,14 @@ def test_from_config_matches_the_engines_gptconfig():
 
 
 def test_roofline_is_pure_python_and_the_engine_never_imports_plotly():
-    # The module imports neither torch nor plotly (it never measures: minifer.bench.probes does);
+    # The module imports neither torch nor plotly (it never measures: minifer_course.bench.probes does);
     # the package `minifer` may import torch, but never plotly or ipywidgets.
     tree = ast.parse(inspect.getsource(rl))
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     names = {a.name.split(".")[0] for n in top if isinstance(n, ast.Import) for a in n.names}
     names |= {(n.module or "").split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}
     assert not names & {"torch", "numpy", "plotly", "ipywidgets", "minifer"}, names
-    code = ("import sys, minifer.roofline; "
+    code = ("import sys, minifer_course.roofline; "
             "bad = {'plotly', 'ipywidgets'} & set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

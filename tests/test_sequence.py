@@ -99,7 +99,7 @@ def test_speculative_at_the_edge_of_the_context_equals_generate(tiny, draft):
 def test_min_tokens_bans_every_end_of_sequence_id():
     import torch
 
-    from minifer.serve.options import ban_early_eos
+    from minifer.engine.options import ban_early_eos
 
     seq = Sequence(0, [1], SamplingParams(max_new_tokens=4), eos_ids={3, 5})
     seq.min_tokens = 2

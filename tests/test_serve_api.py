@@ -28,7 +28,7 @@ from minifer.serve.protocol import APIError, CompletionBody, Limits, parse_compl
 openai = pytest.importorskip("openai")
 
 try:
-    from minifer.serve.engine import LLMEngine
+    from minifer.engine.llm_engine import LLMEngine
 except ImportError:  # the serving engine is not on this branch yet
     LLMEngine = None
 

@@ -1,4 +1,4 @@
-"""`python -m minifer.bench serve` runs on a tiny preset and reports both comparisons (no
+"""`python -m minifer_course.bench serve` runs on a tiny preset and reports both comparisons (no
 assertion on how fast anything is)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from minifer.bench.__main__ import main as bench_main
-from minifer.bench.serve import mixed_workload
+from minifer_course.bench.__main__ import main as bench_main
+from minifer_course.bench.serve import mixed_workload
 
 
 def test_serve_command_runs_on_a_tiny_preset(capsys):
@@ -38,7 +38,7 @@ def test_mixed_workload_is_seeded_and_fits_the_context():
 
 
 def test_long_tail_workload_is_seeded_with_the_issue_shape():
-    from minifer.bench.serve_offline import long_tail_workload
+    from minifer_course.bench.serve_offline import long_tail_workload
 
     work = long_tail_workload(400, vocab_size=50, seed=3)
     assert work == long_tail_workload(400, vocab_size=50, seed=3) != long_tail_workload(
@@ -61,7 +61,7 @@ def test_serve_offline_command_runs_on_a_tiny_preset(capsys):
 
 
 def test_offline_runs_count_every_output_token_and_time_the_forward_calls(tiny):
-    from minifer.bench.serve_offline import format_offline, serve_offline
+    from minifer_course.bench.serve_offline import format_offline, serve_offline
 
     work = [([1, 2, 3], 4), ([5] * 9, 7), ([7, 8], 2)]
     runs = [serve_offline(tiny, work, p, max_num_seqs=2, engine="x")
@@ -79,7 +79,7 @@ def test_compare_roots_runs_each_checkout_from_itself():
     from pathlib import Path
 
     import minifer
-    from minifer.bench.serve_offline import compare_roots
+    from minifer_course.bench.serve_offline import compare_roots
 
     root = str(Path(minifer.__file__).parent.parent)
     runs = compare_roots({"here": root}, "tiny", rounds=1, requests=4, max_num_seqs=2,
@@ -89,7 +89,7 @@ def test_compare_roots_runs_each_checkout_from_itself():
 
 
 def test_engine_vs_generate_times_each_pool_read_and_checks_their_tokens(tiny):
-    from minifer.bench.serve_offline import engine_vs_generate
+    from minifer_course.bench.serve_offline import engine_vs_generate
 
     times = engine_vs_generate(tiny, batch=3, prompt_len=5, new_tokens=4, rounds=2,
                                kv_reads=("blocks", "kernel"))

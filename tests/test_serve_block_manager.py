@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minifer.serve.block_manager import BlockManager, block_hash
+from minifer.engine.block_manager import BlockManager, block_hash
 
 
 def test_allocate_sizes_tables_and_free_returns_every_block():

@@ -16,17 +16,17 @@ import pytest
 import torch
 
 import minifer as mf
-from minifer.parallel import WorkerError, running
-from minifer.serve.disagg import DisaggregatedEngine
-from minifer.serve.engine import LLMEngine
-from minifer.serve.handoff import (
+from minifer.distributed.disagg import DisaggregatedEngine
+from minifer.distributed.handoff import (
     Handoff,
     add_prefilled,
     export_prefilled,
     params_from_dict,
     params_to_dict,
 )
-from minifer.serve.kv_pool import PagedKVPool
+from minifer.distributed.parallel import WorkerError, running
+from minifer.engine.kv_pool import PagedKVPool
+from minifer.engine.llm_engine import LLMEngine
 
 GREEDY = mf.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 LENGTHS = (5, 30, 60, 12, 45, 8)
@@ -203,7 +203,7 @@ def test_a_failing_worker_ends_both_processes(tiny, fault):
 
 # ---- the benchmark's and the lesson's helpers (in one process) ------------------------------
 def test_bench_colocated_and_chunked_modes_on_a_tiny_load(tiny):
-    from minifer.bench.disagg import format_report, mixed_load, run_mode
+    from minifer_course.bench.disagg import format_report, mixed_load, run_mode
 
     load = mixed_load(tiny.config.vocab_size, chats=2, chat_prompt=8, chat_tokens=60,
                       long_prompts=1, long_prompt=60, long_tokens=2, first_long_s=0.005,
@@ -222,7 +222,7 @@ def test_bench_colocated_and_chunked_modes_on_a_tiny_load(tiny):
 
 
 def test_lesson_transfer_rows_are_the_roofline():
-    from minifer.lessons import disaggregation as D
+    from minifer_course.lessons import disaggregation as D
 
     rows = D.transfer_rows()
     assert [r["K/V MiB"] for r in rows] == [512.0] * len(D.LINKS)

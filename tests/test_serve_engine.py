@@ -10,8 +10,8 @@ import torch
 import minifer as mf
 from conftest import on_device
 from minifer import LLMEngine, SamplingParams
+from minifer.engine.llm_engine import RequestOutput
 from minifer.fast.native import build_tools_problem
-from minifer.serve.engine import RequestOutput
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
 
@@ -274,9 +274,9 @@ def test_top_level_names_load_lazily():
     import subprocess
     import sys
 
-    code = ("import sys, minifer; assert 'minifer.serve.engine' not in sys.modules; "
+    code = ("import sys, minifer; assert 'minifer.engine.llm_engine' not in sys.modules; "
             "from minifer import LLMEngine, RequestOutput; "
-            "assert LLMEngine.__module__ == 'minifer.serve.engine'; "
+            "assert LLMEngine.__module__ == 'minifer.engine.llm_engine'; "
             "assert 'LLMEngine' in minifer.__all__ and 'RequestOutput' in minifer.__all__")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     with pytest.raises(AttributeError, match="no attribute"):

@@ -15,11 +15,11 @@ from process_double import FileSteeredGPT
 
 import minifer as mf
 from conftest import lively_model
+from minifer.distributed.engine_process import EngineProcess
+from minifer.engine.errors import APIError
+from minifer.engine.llm_engine import LLMEngine
 from minifer.sampling import SamplingParams
 from minifer.serve.api import create_app, running_server
-from minifer.serve.engine import LLMEngine
-from minifer.serve.engine_process import EngineProcess
-from minifer.serve.errors import APIError
 
 PROMPTS = ["Hello", "To be, or not", "a", "The quick brown fox", "0123456789", "zz top"]
 

@@ -21,8 +21,8 @@ from serve_double import Slow
 
 import minifer as mf
 from conftest import lively_model
+from minifer.engine.llm_engine import LLMEngine
 from minifer.serve.api import running_server
-from minifer.serve.engine import LLMEngine
 
 openai = pytest.importorskip("openai")
 

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minifer import GPT, GPTConfig, LLMEngine, SamplingParams
-from minifer.serve.async_engine import AsyncEngine
-from minifer.serve.errors import APIError
+from minifer.engine.async_engine import AsyncEngine
+from minifer.engine.errors import APIError
 
 V = 64  # a small vocabulary: one prompt can hold every id
 
@@ -128,8 +128,8 @@ async def _serve(aengine, jobs):
 
 @pytest.mark.parametrize("where", ["thread", "process", "replicas"])
 def test_the_server_fronts_end_only_the_bad_request(small, where):
-    from minifer.serve.engine_process import EngineProcess
-    from minifer.serve.replicas import EngineReplicas
+    from minifer.distributed.engine_process import EngineProcess
+    from minifer.distributed.replicas import EngineReplicas
 
     engine = LLMEngine(small, block_size=4)
     front = (AsyncEngine(engine) if where == "thread" else EngineProcess(engine)
@@ -220,7 +220,7 @@ def test_a_huge_block_size_is_a_value_error_before_allocating(small):
 def test_handing_over_between_engines_ends_only_the_bad_request(small):
     """Disaggregated serving in one process (the workers' loops without the wire): a hostile
     request fails at its first token on the prefill engine and is handed over finished."""
-    from minifer.serve.handoff import add_prefilled, export_prefilled
+    from minifer.distributed.handoff import add_prefilled, export_prefilled
 
     pre, dec = LLMEngine(small, block_size=4), LLMEngine(small, block_size=4)
     rids = [pre.add_request(p, sp) for p, sp in
@@ -242,7 +242,7 @@ def test_handing_over_between_engines_ends_only_the_bad_request(small):
 
 
 def test_the_disaggregated_processes_end_only_the_bad_request(small):
-    from minifer.serve.disagg import DisaggregatedEngine
+    from minifer.distributed.disagg import DisaggregatedEngine
 
     with DisaggregatedEngine(small, block_size=4, timeout_s=60) as eng:
         outs = eng.generate([VICTIMS[0], HOSTILE_PROMPT, VICTIMS[1]],

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import minifer as mf
-from minifer.serve.block_manager import BlockManager
-from minifer.serve.kv_pool import PackedBatch, PagedKVPool
+from minifer.engine.block_manager import BlockManager
+from minifer.engine.kv_pool import PackedBatch, PagedKVPool
 
 
 def _prompts(n_tokens, seed=1):

@@ -16,9 +16,9 @@ import minifer as mf
 from conftest import lively_model
 from minifer.serve.api import running_server
 
-pytest.importorskip("minifer.serve.workload")
-pytest.importorskip("minifer.serve.engine")
-from minifer.bench.serve_load import format_report, make_requests, parse_slo, run_load  # noqa: E402
+pytest.importorskip("minifer_course.workload")
+pytest.importorskip("minifer.engine.llm_engine")
+from minifer_course.bench.serve_load import format_report, make_requests, parse_slo, run_load  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_failed_requests_are_reported_not_raised(server):
 
 
 def test_cli_writes_json(server, tmp_path):
-    from minifer.bench.__main__ import main
+    from minifer_course.bench.__main__ import main
 
     url, *_ = server
     out = tmp_path / "load.json"

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from minifer.serve.metrics import RequestMetrics, percentile, summarize
+from minifer.engine.metrics import RequestMetrics, percentile, summarize
 
 APPROX = dict(rel=1e-12, abs=1e-12)
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from minifer import LLMEngine, SamplingParams
+from minifer.engine.block_manager import BlockManager
+from minifer.engine.kv_pool import PackedBatch, PagedKVPool
 from minifer.fast.paged import PlannedAttention, group_rows
-from minifer.serve.block_manager import BlockManager
-from minifer.serve.kv_pool import PackedBatch, PagedKVPool
 
 
 def _prompts(n_tokens, seed=4):

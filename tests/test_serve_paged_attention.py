@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minifer.fast import paged_attention as PA
 from minifer.fast.native import build_tools_problem
-from minifer.serve import paged_attention as PA
 
 # the C++ kernel needs a compiler and ninja; without them the engine falls back (tested below)
 needs_build_tools = pytest.mark.skipif(build_tools_problem() is not None,

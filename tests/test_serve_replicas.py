@@ -16,10 +16,10 @@ from test_serve_engine_process import _metric
 
 import minifer as mf
 from conftest import lively_model
+from minifer.distributed.replicas import EngineReplicas, replica_options, split
+from minifer.engine.errors import APIError
+from minifer.engine.llm_engine import LLMEngine
 from minifer.serve.api import running_server
-from minifer.serve.engine import LLMEngine
-from minifer.serve.errors import APIError
-from minifer.serve.replicas import EngineReplicas, replica_options, split
 
 PROMPTS = ["Hello", "To be, or not", "a", "The quick brown fox", "0123456789", "zz top",
            "One more", "and the last"]

@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 import minifer as mf
-from minifer.serve.workload import (
+from minifer_course.workload import (
     LogNormal,
     Request,
     Uniform,

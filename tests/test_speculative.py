@@ -109,7 +109,7 @@ def test_several_prompts_run_one_by_one(tiny, draft, tok):
 
 
 @pytest.mark.skipif(not model_files("shakespeare")[0].is_file(),
-                    reason="shipped target checkpoint not written yet (python -m minifer.training)")
+                    reason="shipped target checkpoint not written yet (python -m minifer_course.training)")
 def test_shipped_pair_greedy_identical(device):
     target, tokenizer = mf.load_pretrained("shakespeare", device=device)
     draft_model, draft_tok = mf.load_pretrained("shakespeare-draft", device=device)

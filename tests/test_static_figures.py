@@ -109,7 +109,7 @@ def test_renderer_makes_a_png_of_the_figures_size():
 
 
 PANEL_NB = [
-    "import plotly.graph_objects as go\nfrom minifer.lessons import common\ncommon.setup()\n"
+    "import plotly.graph_objects as go\nfrom minifer_course.lessons import common\ncommon.setup()\n"
     "def f(n: int = 3):\n    return go.Figure(go.Bar(y=list(range(n))), layout=dict(width=400))",
     "ui = common.panel(f, n=common.control('int', 'n', min=1, max=9, value=5))\ndisplay(ui)",
     "ui.children[0].value = 7  # moves the shown panel: its saved view stays the default\n"

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from minifer.bench import threads as BT
 from minifer.fast import threads as T
+from minifer_course.bench import threads as BT
 
 
 @pytest.mark.parametrize("idle,cpus,expected", [(0.0, 2, 1), (0.3, 2, 1), (0.6, 2, 1),
@@ -53,7 +53,7 @@ def test_apply_threads_sets_a_count_and_none_leaves_it():
 
 
 def test_the_benchmark_options_take_auto():
-    from minifer.bench.commands import add_machine_options
+    from minifer_course.bench.commands import add_machine_options
 
     parser = argparse.ArgumentParser()
     add_machine_options(parser)
@@ -247,8 +247,8 @@ def test_the_server_takes_threads_from_its_command_line():
 def test_the_engine_loop_sets_its_threads_and_auto_keeps_a_governor():
     import minifer as mf
     from conftest import lively_model
-    from minifer.serve.async_engine import AsyncEngine
-    from minifer.serve.engine import LLMEngine
+    from minifer.engine.async_engine import AsyncEngine
+    from minifer.engine.llm_engine import LLMEngine
 
     with pytest.raises(ValueError, match="threads"):
         AsyncEngine(LLMEngine(lively_model("tiny"), mf.ByteTokenizer()), threads=0)

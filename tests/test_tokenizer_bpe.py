@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from minifer.pretrained import data_dir
 from minifer.tokenizer import Tokenizer
-from minifer.training.train import VOCAB_SIZE, train_tokenizer
+from minifer_course.training.train import VOCAB_SIZE, train_tokenizer
 
 TOKENIZER_JSON = data_dir() / "shakespeare" / "tokenizer.json"
 

@@ -11,8 +11,8 @@ import torch
 
 from minifer.config import GPTConfig
 from minifer.pretrained import data_dir
-from minifer.training import corpus
-from minifer.training.train import (
+from minifer_course.training import corpus
+from minifer_course.training.train import (
     TrainSpec,
     get_batch,
     lr_at,
@@ -168,13 +168,13 @@ def test_model_card_renders_from_its_template(tmp_path):
     import shutil
 
     from minifer.pretrained import data_dir
-    from minifer.training.train import write_model_card
+    from minifer_course.training.train import write_model_card
 
     shipped = data_dir() / "shakespeare"
     out = tmp_path / "shakespeare"
     shutil.copytree(shipped, out)
     text = write_model_card(out).read_text(encoding="utf-8")
-    assert "$" not in text and "minifer/training/corpus.py" in text
+    assert "$" not in text and "course/minifer_course/training/corpus.py" in text
     want = (shipped / "MODEL_CARD.md").read_text(encoding="utf-8")
 
     def stable(card: str) -> list[str]:  # the samples and this machine's CPU differ by machine

@@ -18,7 +18,7 @@ wc = load_tool("write_claims")
 
 def test_claims_and_readme_equal_the_stored_outputs():
     runs = wc.recorded()
-    assert runs, "no lesson records its measured figures (minifer.lessons.common.record)"
+    assert runs, "no lesson records its measured figures (minifer_course.lessons.common.record)"
     claims = wc.CLAIMS.read_text(encoding="utf-8")
     new, problems = wc.write_claims(claims, runs)
     assert not problems, "\n".join(problems)

@@ -1,7 +1,7 @@
 """Give each lesson notebook a first code cell that installs minifer on Google Colab only.
 
 Colab opens a notebook straight from GitHub, without this package. The inserted cell installs it
-(with the lessons' Colab extra) from the repository named in pyproject.toml's
+(with the lessons' Colab extra) and the course's helpers (`course/`, minifer-course) from the repository named in pyproject.toml's
 ``[project.urls] Repository``; anywhere else it does nothing and prints nothing, so a local
 kernel, Binder and the tests run it as a no-op.
 
@@ -35,7 +35,8 @@ def cell_source(url: str) -> str:
             "import sys\n"
             "\n"
             'if "google.colab" in sys.modules:\n'
-            f'    %pip install --quiet "minifer[{EXTRA}] @ git+{url}"\n')
+            f'    %pip install --quiet "minifer[{EXTRA}] @ git+{url}" '
+            f'"minifer-course @ git+{url}#subdirectory=course"\n')
 
 
 def _is_colab_cell(cell) -> bool:

@@ -1,17 +1,17 @@
-"""Draw the lessons' conceptual diagrams as SVG files, package data in minifer/lessons/diagrams/.
+"""Draw the lessons' conceptual diagrams as SVG files, package data in course/minifer_course/lessons/diagrams/.
 
 One picture per lesson of the mechanism it teaches (the generation loop, prefill vs decode, the
 KV cache growing, the roofline, the KV cache's bytes, sampling, a batched decode step, paged
 blocks, static vs continuous batching, quantization, speculative decoding, the server's request
 path, the tensor-parallel split). A lesson shows its diagram from a code cell,
-``minifer.lessons.diagram("01_generation_loop")``, whose stored output is the SVG itself: it shows
+``minifer_course.lessons.diagram("01_generation_loop")``, whose stored output is the SVG itself: it shows
 on GitHub, nbviewer, in JupyterLab and on Colab (a saved copy included), where a relative image
 link would break. Every text is checked to fit its box when set in DejaVu Sans, the widest of the
 common fallbacks for Helvetica and Arial. They are drawn by this script rather than by hand so
 that a change of style is one edit; ``tests/test_diagrams.py`` checks that the committed files are
 what this script draws and that every lesson shows its diagram.
 
-    python tools/draw_diagrams.py [--out minifer/lessons/diagrams]
+    python tools/draw_diagrams.py [--out course/minifer_course/lessons/diagrams]
 """
 
 from __future__ import annotations

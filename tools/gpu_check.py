@@ -8,7 +8,7 @@
    serving engine equal to one request at a time under preemption, every precision (bf16, fp16,
    int8, int4) and the int8 KV cache, the fixed-shape step and the compiled step (a CUDA graph)
    equal to eager, and the Llama/Qwen families' parity with transformers.
-2. ``python -m minifer.bench gpu`` (see `minifer.bench.gpu`).
+2. ``python -m minifer_course.bench gpu`` (see `minifer_course.bench.gpu`).
 
 Everything lands in `--out` (default: ``$OUT``, else ``gpu-check/``) as it happens:
 ``gpu-tests.log`` and ``gpu-tests.xml`` (JUnit), ``gpu-bench.json`` and ``gpu-bench.log``, and
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         why = ("this torch is built without CUDA" if torch.version.cuda is None
                else "no CUDA GPU is visible")
         print(f"gpu check: {why} (torch {torch.__version__}): nothing to check here. On a GPU "
-              f"machine this runs the tests' cuda cases and `python -m minifer.bench gpu`.")
+              f"machine this runs the tests' cuda cases and `python -m minifer_course.bench gpu`.")
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_bench:
         left = args.budget_s - (time.monotonic() - start)
         # the compiled steps stop starting a minute before the end (one may take that long)
-        cmd = [sys.executable, "-m", "minifer.bench", "gpu", "--device", args.device, "--out",
+        cmd = [sys.executable, "-m", "minifer_course.bench", "gpu", "--device", args.device, "--out",
                str(out), "--budget-s", str(max(0.0, left - 75))]
         rc, secs = run_logged(cmd, out / "gpu-bench-stdout.log", left)
         summary["bench"] = {"exit": rc, "seconds": round(secs, 1)}

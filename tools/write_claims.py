@@ -6,7 +6,7 @@
 (`make notebooks` runs it after re-executing the lessons.) Where the numbers come from:
 
 - **CLAIMS.md's ‡ numbers**: each lesson that measures something ends with a cell that calls
-  ``minifer.lessons.common.record("NN", name="value", ...)``; it prints one line
+  ``minifer_course.lessons.common.record("NN", name="value", ...)``; it prints one line
   ``minifer-measured {"lesson": "NN", "figures": {...}, "machine": {...}}`` into the stored
   outputs. In CLAIMS.md a measured number is written between markers,
   ``<!--NN.name-->value<!--/-->`` (invisible when rendered), and this script puts the stored
@@ -34,7 +34,7 @@ CLAIMS = NOTEBOOKS / "CLAIMS.md"
 README = ROOT / "README.md"
 RUNTIMES = NOTEBOOKS / "RUNTIMES.json"
 
-TAG = "minifer-measured "  # minifer.lessons.common.MEASURED_TAG (not imported: no torch here)
+TAG = "minifer-measured "  # minifer_course.lessons.common.MEASURED_TAG (not imported: no torch here)
 END = "<!--/-->"
 FIGURE_RE = re.compile(r"<!--(\d\d)\.(\w+)-->(.*?)" + re.escape(END))
 MACHINE_RE = re.compile(r"(<!--machine-->)(.*?)(" + re.escape(END) + ")", re.DOTALL)

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..serve.kv_pool import PackedBatch, PagedKVPool, sdpa
-from ..serve.paged_attention import KERNEL
+from ..engine.kv_pool import PackedBatch, PagedKVPool, sdpa
+from .paged_attention import KERNEL
 
 __all__ = ["GROUP_COST", "PlannedAttention", "packed_attention", "group_rows"]
 

@@ -4,7 +4,7 @@ Eager decoding runs ~150 small operations per token, and torch splits each one a
 threads, which then wait for each other at the end of every operation. When another program
 holds one of the cores, the thread that landed there arrives late at *every* one of those
 waits, and a 2-thread decode can run several times slower than a 1-thread one
-(`python -m minifer.bench threads` measures it). Students' laptops are such machines.
+(`python -m minifer_course.bench threads` measures it). Students' laptops are such machines.
 
 `auto_threads` picks the number of cores that are idle right now (read from the kernel's CPU
 counters over a short interval, not the load average, which trails by a minute), and
@@ -18,7 +18,7 @@ default only to go *below* the count in force (a busy core takes a thread away, 
 back when it is free again; a count you set is a ceiling, restored after the call);
 ``threads=n`` fixes the count, and ``threads="auto"`` lets it use every idle core.
 ``OMP_WAIT_POLICY=passive`` (set before torch starts) makes threads sleep instead of spinning
-while they wait; `python -m minifer.bench threads` measures it beside the counts.
+while they wait; `python -m minifer_course.bench threads` measures it beside the counts.
 """
 
 from __future__ import annotations

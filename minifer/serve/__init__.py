@@ -1,2 +1,3 @@
-"""Serving: many requests through one model (block manager, scheduler, `LLMEngine`), the
-serving benchmark's metrics (:mod:`.metrics`) and synthetic workloads (:mod:`.workload`)."""
+"""The OpenAI-compatible HTTP server (``python -m minifer.serve``) on the serving engine
+(`minifer.engine`): routes, the protocol's request checks and replies, the chat endpoint, the
+guards between the network and the routes, and Prometheus metrics."""

@@ -23,6 +23,9 @@ API_KEY_ENV = "MINIFER_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..distributed.engine_process import ENGINES
+    from ..engine.async_engine import DEFAULT_MAX_WAITING
+    from ..engine.kv_pool import READS
     from .api import (
         MAX_CONNECTIONS,
         MAX_HEADER_BYTES,
@@ -30,9 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
         SCHEDULING_POLICIES,
         SHUTDOWN_GRACE_S,
     )
-    from .async_engine import DEFAULT_MAX_WAITING
-    from .engine_process import ENGINES
-    from .kv_pool import READS
 
     p = argparse.ArgumentParser(prog="python -m minifer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,8 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import minifer as mf
 
+    from ..engine.llm_engine import LLMEngine
     from .api import create_app, make_server, server_config
-    from .engine import LLMEngine
 
     device = args.device or str(mf.default_device())
     model, tok = load_model(args.model, device)

@@ -57,8 +57,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..checks import check_int, check_number
-from .async_engine import DEFAULT_MAX_WAITING, AsyncEngine, engine_max_model_len
-from .engine_process import ENGINES, EngineProcess
+from ..distributed.engine_process import ENGINES, EngineProcess
+from ..distributed.replicas import EngineReplicas
+from ..engine.async_engine import DEFAULT_MAX_WAITING, AsyncEngine, engine_max_model_len
 from .guard import (
     LOOPBACK_HOSTS,
     MAX_BODY_BYTES,
@@ -68,7 +69,6 @@ from .guard import (
     h11_protocol,
 )
 from .prometheus import ServerMetrics
-from .replicas import EngineReplicas
 
 __all__ = ["create_app", "running_server", "server_config", "make_server", "ServerMetrics",
            "DEFAULT_HOST", "LOOPBACK_HOSTS", "SHUTDOWN_GRACE_S"]
@@ -324,7 +324,7 @@ def running_server(model=None, tokenizer=None, *, engine: Any = None,
     if engine is None:
         if model is None:
             raise ValueError("give a model (and tokenizer) or a ready engine=")
-        from .engine import LLMEngine
+        from ..engine.llm_engine import LLMEngine
 
         engine = LLMEngine(model, tokenizer, **options)
     elif options or model is not None:

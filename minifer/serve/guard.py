@@ -25,7 +25,7 @@ import time
 import traceback
 from typing import Any
 
-from .errors import APIError
+from ..engine.errors import APIError
 
 __all__ = ["Guard", "h11_protocol", "json_bytes", "LOOPBACK_HOSTS", "MAX_BODY_BYTES",
            "MAX_HEADER_BYTES", "READ_TIMEOUT_S"]

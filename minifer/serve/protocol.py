@@ -43,11 +43,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from ..chat_template import chat_prompt
 from ..checks import check_int, check_number
+from ..engine.errors import APIError, error_body
+from ..engine.logprobs import MAX_TOP_LOGPROBS
+from ..engine.scheduler import PRIORITY_LIMIT
 from ..sampling import SEED_RANGE, SamplingParams
 from ..sequence import encode_prompts
-from .errors import APIError, error_body
-from .logprobs import MAX_TOP_LOGPROBS
-from .scheduler import PRIORITY_LIMIT
 
 __all__ = ["APIError", "CompletionRequest", "Limits", "CompletionBody", "ChatCompletionBody",
            "parse_completion_request", "parse_completion_requests", "parse_chat_request", "validation_error", "error_body"]

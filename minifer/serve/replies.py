@@ -3,7 +3,7 @@ streamed chunk, built from the engine's `RequestOutput`s.
 
 **Replies.** OpenAI's ``finish_reason`` is ``"stop"`` for a natural end (the end-of-sequence
 token or a stop string) and ``"length"`` when ``max_tokens`` ran out. Logprobs are the model's
-own (see `minifer.serve.logprobs`); a token is shown as its text (``token_to_text``), or as
+own (see `minifer.engine.logprobs`); a token is shown as its text (``token_to_text``), or as
 ``token_id:N`` when the server has no tokenizer; -inf is reported as -9999.0 (JSON has no
 infinity).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from .logprobs import TokenLogprob
+from ..engine.logprobs import TokenLogprob
 from .protocol import NEG_INF_LOGPROB, CompletionRequest
 
 __all__ = ["openai_finish_reason", "usage_body", "token_text", "token_bytes", "completion_body",

@@ -27,10 +27,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..engine.errors import APIError
 from . import protocol as P
 from . import replies as R
 from . import schema as S
-from .errors import APIError
 from .guard import json_bytes
 
 __all__ = ["router", "ServerState", "add_error_handlers"]

@@ -1,0 +1,332 @@
+"""The two ranks of disaggregated serving: rank 0 prefills, rank 1 decodes.
+
+Both are `LLMEngine`s over paged pools of their own, in separate processes joined by
+`torch.distributed` (gloo on the CPU, NCCL on GPUs):
+
+- **prefill** (rank 0) takes requests (JSON lines on stdin from the front, or prompts given on
+  the command line under `torchrun`), runs their prompts with chunked prefill — several prompts
+  batched in one step, long ones split across steps — samples each first token, takes the
+  request out of its engine (`serve.handoff.export_prefilled`) and sends the prompt's K/V, first
+  token and sampling state to rank 1 (`serve.handoff.send_handoff`). It never decodes.
+- **decode** (rank 1) receives handoffs on a thread (`dist.recv` blocks, the decode steps must
+  not), inserts each into its engine when it fits (`serve.handoff.add_prefilled`: blocks allocated
+  in its own pool, K/V written) and decodes everything with continuous batching. A request
+  preempted here recomputes its tokens here (the engine's recompute mode), never going back to
+  rank 0; requests it preempted are admitted again before new handoffs. Finished requests
+  leave as JSON lines on stdout.
+
+Each rank records a timeline (one span per step: start, end, kind, tokens; one per transfer)
+and writes a final report line. The protocol lines go to the process's original stdout; the
+rest of its output (warnings, prints) goes to stderr, so nothing else can corrupt the stream.
+A failure raises in the rank, which exits non-zero; its peer's `recv` then fails or the front
+ends it (`minifer.distributed.parallel.Workers`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ...engine.driver import drive
+from ...sampling import SamplingParams
+from ..handoff import (
+    Handoff,
+    add_prefilled,
+    export_prefilled,
+    finished_handoff,
+    params_from_dict,
+    recv_handoff,
+    send_alive,
+    send_done,
+    send_handoff,
+)
+
+PREFILL, DECODE = 0, 1
+FAULT_ENV = "MINIFER_DISAGG_FAULT"
+"""Fault injection for tests: ``"prefill:N"`` or ``"decode:N"`` makes that rank raise at its
+N-th step (a worker that fails mid-run, to check that every process still ends)."""
+
+
+@dataclass
+class Span:
+    """One interval of a worker's timeline (``time.perf_counter()`` seconds)."""
+
+    start: float
+    end: float
+    kind: str  # "prefill" | "decode" | "send" | "recv"
+    tokens: int = 0  # tokens fed to the model (steps) or whose K/V moved (transfers)
+    nbytes: int = 0  # K/V bytes moved (transfers)
+    requests: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"start": self.start, "end": self.end, "kind": self.kind, "tokens": self.tokens,
+                "nbytes": self.nbytes, "requests": self.requests}
+
+
+class Lines:
+    """JSON lines on the original stdout (flushed at once), whatever else the process prints."""
+
+    def __init__(self) -> None:
+        self.out = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)  # print() and C-level writes to fd 1 now land in the log
+        sys.stdout = sys.stderr
+        self.lock = threading.Lock()
+
+    def write(self, obj: dict) -> None:
+        with self.lock:
+            self.out.write(json.dumps(obj) + "\n")
+            self.out.flush()
+
+
+def _drain(q: queue.Queue, block: bool) -> list:
+    """Everything in `q` now; with `block`, first wait up to 50 ms for one item."""
+    items = []
+    try:
+        items.append(q.get(timeout=0.05) if block else q.get_nowait())
+        while True:
+            items.append(q.get_nowait())
+    except queue.Empty:
+        pass
+    return items
+
+
+def _span(engine, role: str) -> Span:
+    """The last step's span on the timeline: kind "prefill" on the prefill rank, "decode" or
+    "recompute" (a preempted request's prompt fed again) on the decode rank."""
+    st = engine.last_step
+    end = time.perf_counter()
+    kind = "prefill" if role == "prefill" else "recompute" if st.prefill else "decode"
+    return Span(end - st.duration_s, end, kind, st.num_tokens,
+                requests=list(st.decode) + [r for r, _ in st.prefill])
+
+
+def _fault(role: str) -> int | None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec.startswith(role + ":"):
+        return int(spec.split(":", 1)[1])
+    return None
+
+
+class StdinRequests:
+    """Requests from the front: JSON lines on stdin, read by a thread into a queue.
+
+    ``{"op": "add", "request_id", "prompt_ids", "params", "arrival_time", "priority"}`` queues a
+    request; ``{"op": "close"}`` (or the end of stdin: the front is gone) means no more.
+    """
+
+    def __init__(self) -> None:
+        self.q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in sys.stdin:
+            line = line.strip()
+            if line:
+                self.q.put(json.loads(line))
+                if self.q.queue[-1].get("op") == "close":
+                    return
+        self.q.put({"op": "close"})
+
+    def poll(self, block: bool) -> list[dict]:
+        return _drain(self.q, block)
+
+
+class ListRequests:
+    """A fixed list of requests (``torchrun`` runs): all arrive at once, then close."""
+
+    def __init__(self, requests: list[dict]) -> None:
+        self.msgs = [*requests, {"op": "close"}]
+
+    def poll(self, block: bool) -> list[dict]:
+        msgs, self.msgs = self.msgs, []
+        return msgs
+
+
+def run_prefill(engine, source, lines: Lines, device, *, dst: int = DECODE,
+                keepalive_s: float = 10.0) -> dict:
+    """Rank 0's loop (`serve.driver.drive`): admit requests, step, hand every prefilled
+    request to rank `dst`.
+
+    While idle it sends rank `dst` a keep-alive every `keepalive_s` seconds, so a front that
+    stays open without requests for longer than the group's timeout does not fail the decode
+    worker's waiting ``recv``. A request the engine refuses, or one that fails in a step,
+    goes to rank `dst` as a finished handoff with reason "error"."""
+    timeline: list[Span] = []
+    transfers: list[dict] = []
+    params_of: dict[str, SamplingParams] = {}
+    crash_at = _fault("prefill")
+    state = {"closing": False, "steps": 0, "last_sent": time.monotonic()}
+
+    def send(h: Handoff) -> None:
+        t0 = time.perf_counter()
+        send_handoff(h, dst, device=device)
+        tokens = h.num_prompt_tokens if h.kv is not None else 0
+        timeline.append(Span(t0, time.perf_counter(), "send", tokens, h.kv_bytes,
+                             [h.request_id]))
+        transfers.append({"request_id": h.request_id, "prompt_tokens": h.num_prompt_tokens,
+                          "kv_bytes": h.kv_bytes, "send_s": h.transfer_s})
+        state["last_sent"] = time.monotonic()
+
+    def take(idle: bool) -> bool:
+        for msg in source.poll(block=idle and not state["closing"]):
+            if msg["op"] == "close":
+                state["closing"] = True
+            elif msg["op"] == "add":
+                params = params_from_dict(msg["params"])
+                try:
+                    rid = engine.add_request(msg["prompt_ids"], params,
+                                             request_id=msg["request_id"],
+                                             arrival_time=msg.get("arrival_time"),
+                                             priority=msg.get("priority", 0))
+                    params_of[rid] = params
+                except (ValueError, TypeError) as err:  # the front checks first: a safety net
+                    send(_refused(msg, params, err))
+        idle = not engine.has_unfinished()
+        if idle and state["closing"]:
+            return False
+        if idle and time.monotonic() - state["last_sent"] > keepalive_s:
+            send_alive(dst, device=device)
+            state["last_sent"] = time.monotonic()
+        if not idle:
+            state["steps"] += 1
+            if crash_at is not None and state["steps"] >= crash_at:
+                raise RuntimeError(f"fault injection: the prefill worker fails at step "
+                                   f"{state['steps']}")
+        return True
+
+    def deliver(outputs: list) -> None:
+        timeline.append(_span(engine, "prefill"))
+        for out in outputs:
+            params = params_of.pop(out.request_id)
+            send(finished_handoff(out, params) if out.finished
+                 else export_prefilled(engine, out.request_id))
+
+    drive(engine, take, deliver)
+    send_done(dst, device=device)
+    return {"role": "prefill", "timeline": [s.to_dict() for s in timeline],
+            "transfers": transfers, "bytes_per_token": engine.pool.bytes_per_token,
+            "steps": state["steps"], "prefill_tokens": engine.num_prefill_tokens}
+
+
+def _refused(msg: dict, params: SamplingParams, err: Exception) -> Handoff:
+    now = time.perf_counter()
+    arrival = msg.get("arrival_time") or now
+    return Handoff(msg["request_id"], list(msg["prompt_ids"]), None, params, None, arrival, now,
+                   now, finish_reason="error",
+                   error=f"request {msg['request_id']!r} refused: {type(err).__name__}: {err}")
+
+
+def run_decode(engine, lines: Lines, device, *, src: int = PREFILL, text=None) -> dict:
+    """Rank 1's loop (`serve.driver.drive`): insert received handoffs when they fit, decode,
+    emit finished requests (a request that fails here alone ends with reason "error")."""
+    pool = engine.pool
+    # The receiver thread needs the interpreter lock between its recv calls; Python's default
+    # 5 ms switch interval would add up to that much to every message while a step runs.
+    sys.setswitchinterval(0.0005)
+    inbox: queue.Queue = queue.Queue()
+    timeline: list[Span] = []
+    recv_spans: list[Span] = []
+    transfers: dict[str, dict] = {}
+
+    def receive() -> None:
+        try:
+            while True:
+                h = recv_handoff(src, (pool.n_layer, pool.n_kv_head, pool.head_dim), pool.dtype,
+                                 device=device)
+                if h is None:
+                    inbox.put(None)
+                    return
+                end = time.perf_counter()
+                recv_spans.append(Span(end - h.transfer_s, end, "recv", h.num_prompt_tokens
+                                       if h.kv is not None else 0, h.kv_bytes, [h.request_id]))
+                inbox.put(h)
+        except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
+            inbox.put(e)
+
+    threading.Thread(target=receive, daemon=True).start()
+    pending: list[Handoff] = []
+    crash_at = _fault("decode")
+    state = {"producer_done": False, "steps": 0}
+
+    def emit(rid: str, prompt_ids, token_ids, reason, metrics, preemptions: int,
+             error: str | None = None) -> None:
+        t = transfers.get(rid, {})
+        lines.write({"event": "finished", "request_id": rid, "prompt_ids": list(prompt_ids),
+                     "token_ids": list(token_ids), "finish_reason": reason, "error": error,
+                     "arrival_time": metrics["arrival_time"],
+                     "first_scheduled_time": metrics["first_scheduled_time"],
+                     "token_times": metrics["token_times"],
+                     "finished_time": metrics["finished_time"], "preemptions": preemptions,
+                     "kv_bytes": t.get("kv_bytes", 0), "recv_s": t.get("recv_s", 0.0),
+                     "received_time": t.get("received_time")})
+
+    def admit(h: Handoff) -> bool:
+        """Start decoding `h` here (or emit it, finished at its first token); False: no room."""
+        if h.finish_reason is not None:
+            tokens = [] if h.first_token is None else [h.first_token]
+            times = [h.first_token_time] if tokens else []
+            emit(h.request_id, h.prompt_ids, tokens, h.finish_reason,
+                 {"arrival_time": h.arrival_time, "first_scheduled_time":
+                  h.first_scheduled_time, "token_times": times,
+                  "finished_time": h.first_token_time}, 0, h.error)
+            return True
+        try:
+            if not add_prefilled(engine, h):
+                if not engine.has_unfinished():
+                    raise RuntimeError(f"request {h.request_id!r} does not fit the decode "
+                                       f"worker's empty pool ({engine!r})")
+                return False
+        except ValueError as err:  # it can never run here: it alone fails
+            now = time.perf_counter()
+            emit(h.request_id, h.prompt_ids, [h.first_token], "error",
+                 {"arrival_time": h.arrival_time, "first_scheduled_time":
+                  h.first_scheduled_time, "token_times": [h.first_token_time],
+                  "finished_time": now}, 0, f"request {h.request_id!r} failed: {err}")
+        return True
+
+    def take(idle: bool) -> bool:
+        for item in _drain(inbox, idle and not pending and not state["producer_done"]):
+            if item is None:
+                state["producer_done"] = True
+            elif isinstance(item, BaseException):
+                raise RuntimeError("the decode worker's receiver failed") from item
+            else:
+                transfers[item.request_id] = {"kv_bytes": item.kv_bytes,
+                                              "recv_s": item.transfer_s,
+                                              "received_time": time.perf_counter()}
+                pending.append(item)
+        # Preempted requests (waiting here) go first; new handoffs join in arrival order.
+        while pending and not engine.scheduler.num_waiting and admit(pending[0]):
+            pending.pop(0)
+        if engine.has_unfinished():
+            state["steps"] += 1
+            if crash_at is not None and state["steps"] >= crash_at:
+                raise RuntimeError(f"fault injection: the decode worker fails at step "
+                                   f"{state['steps']}")
+            return True
+        return not (state["producer_done"] and not pending and inbox.empty())
+
+    def deliver(outputs: list) -> None:
+        timeline.append(_span(engine, "decode"))
+        for out in outputs:
+            if out.finished:
+                m = out.metrics
+                emit(out.request_id, out.prompt_token_ids, out.token_ids, out.finish_reason,
+                     {"arrival_time": m.arrival_time,
+                      "first_scheduled_time": m.first_scheduled_time,
+                      "token_times": m.token_times, "finished_time": m.finished_time},
+                     m.preemptions, out.error)
+                if text is not None:
+                    text(out)
+
+    drive(engine, take, deliver)
+    return {"role": "decode", "timeline": [s.to_dict() for s in timeline],
+            "recv": [s.to_dict() for s in recv_spans], "bytes_per_token": pool.bytes_per_token,
+            "steps": state["steps"], "preemptions": engine.scheduler.num_preemptions,
+            "recompute_tokens": engine.num_prefill_tokens,
+            "num_blocks": pool.num_blocks}

@@ -1,0 +1,296 @@
+"""Run tensor-parallel generation as N local processes, from Python or a notebook.
+
+This is a small `torchrun` for one machine: it starts N copies of ``python -m minifer.distributed.parallel``
+with the environment torchrun would give them (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), waits for them, reads back each rank's JSON
+report, and **always** ends them: on success, on a failing rank (the others would otherwise wait
+in a collective until their timeout), on a timeout and on Ctrl-C / a kernel interrupt.
+
+Subprocesses (not `multiprocessing`) keep this working inside a Jupyter kernel, where functions
+defined in the notebook cannot be sent to a child, and keep the child free of the kernel's state.
+The model travels as a safetensors checkpoint in a temporary folder, never as a pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...checks import check_int, check_number, max_threads
+from ...config import GPTConfig
+from ...pretrained import PRETRAINED, model_files, save_checkpoint
+from ...sampling import SamplingParams
+from ...sequence import encode_prompts
+from ...tokenizer import Tokenizer
+from .layers import shard_plan
+from .runtime import PARENT_ENV, RankReport
+
+
+class WorkerError(RuntimeError):
+    """A rank failed (or the run timed out); `pids` are the processes, all ended by now."""
+
+    def __init__(self, message: str, pids: list[int]) -> None:
+        super().__init__(message)
+        self.pids = pids
+
+
+@dataclass
+class TPResult:
+    """The outcome of :func:`run_local`: the tokens (from rank 0) and every rank's report."""
+
+    token_ids: list[list[int]]  # generated ids, one list per prompt
+    reports: list[RankReport]  # one per rank, in rank order
+    pids: list[int]  # the worker processes (all ended)
+    wall_s: float  # the whole run, process start-up and model loading included
+    text: list[str] | None = None  # decoded completions, when a tokenizer was known
+
+
+def running(pids: list[int]) -> list[int]:
+    """Those of `pids` that still exist as processes (after a run: none)."""
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            continue
+        except PermissionError:  # exists, owned by someone else (a recycled pid)
+            pass
+        alive.append(pid)
+    return alive
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Workers:
+    """N local processes started with torchrun's environment, watched and always ended.
+
+    The process-management core shared by tensor parallelism (:func:`launch`) and the
+    disaggregated prefill/decode pair (`minifer.distributed.disagg`): rank ``r`` runs
+    ``python -m MODULE *argv_per_rank[r]`` with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``OMP_NUM_THREADS=threads`` and this
+    process's pid (so a worker whose launcher dies exits). Its stderr (and its stdout unless
+    `pipes`) go to ``rankR.log`` in `logdir`; with `pipes` each worker's stdin and stdout are
+    pipes the caller talks through (``procs[r].stdin`` / ``.stdout``). `extra_env` adds variables to
+    every worker's environment (this process's own is left as it is).
+
+    Use it as a context manager, or call :meth:`end` in a ``finally``: every process is
+    terminated, then killed, and reaped. :meth:`check` raises :class:`WorkerError` as soon as
+    one rank has failed, with the output of every failed rank.
+    """
+
+    def __init__(self, argv_per_rank: list[list[str]], logdir: str | Path, *,
+                 module: str = "minifer.distributed.parallel", threads: int = 1, pipes: bool = False,
+                 what: str = "tensor-parallel run", extra_env: dict[str, str] | None = None
+                 ) -> None:
+        world = len(argv_per_rank)
+        if world < 1:
+            raise ValueError("argv_per_rank must hold one argument list per rank (at least one)")
+        check_int("threads", threads, 1, max_threads())
+        self.what = what
+        self.procs: list[subprocess.Popen] = []
+        self.logs = []
+        port = free_port()
+        try:
+            for rank, args in enumerate(argv_per_rank):
+                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads),
+                           PYTHONUNBUFFERED="1", **{PARENT_ENV: str(os.getpid())},
+                           **(extra_env or {}))
+                log = open(Path(logdir) / f"rank{rank}.log", "w+b")  # noqa: SIM115 (closed in end)
+                self.logs.append(log)
+                pipe = subprocess.PIPE if pipes else None
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", module, *args], env=env,
+                    stdout=pipe if pipes else log, stderr=log,
+                    stdin=pipe if pipes else subprocess.DEVNULL))
+        except BaseException:
+            self.end()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.end()
+
+    def tail(self, rank: int, n: int = 3000) -> str:
+        """The last `n` characters rank `rank` wrote to its log."""
+        return _tail(self.logs[rank], n)
+
+    def check(self) -> list[int | None]:
+        """Each rank's exit code (None: still running); raise WorkerError if one failed.
+
+        One failure usually brings down the ranks waiting on it ("connection reset"): give
+        them a moment, then show every failed rank's output, first failure first.
+        """
+        codes = [p.poll() for p in self.procs]
+        if any(c not in (None, 0) for c in codes):
+            first = next(r for r, c in enumerate(codes) if c not in (None, 0))
+            time.sleep(0.5)
+            codes = [p.poll() for p in self.procs]
+            failed = [first] + [r for r, c in enumerate(codes) if c not in (None, 0) and r != first]
+            details = "\n".join(f"--- rank {r} (exit code {codes[r]}), last output:\n"
+                                f"{self.tail(r, 1500)}" for r in failed)
+            self.end()
+            raise WorkerError(f"rank {first} of {len(self.procs)} exited with code "
+                              f"{codes[first]}; failed ranks: {failed}\n{details}", self.pids)
+        return codes
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait until every rank has exited with code 0; WorkerError on a failure or timeout."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if all(c == 0 for c in self.check()):
+                return
+            if time.monotonic() > deadline:
+                message = (f"{self.what} timed out after {timeout_s:g} s; rank 0's output ends "
+                           f"with:\n{self.tail(0)}")
+                self.end()
+                raise WorkerError(message, self.pids)
+            time.sleep(0.05)
+
+    def end(self, grace_s: float = 3.0) -> None:
+        """Terminate every process still running, then kill what is left; reap them all.
+
+        Safe to call more than once; closes the pipes and logs."""
+        _end_all(self.procs, grace_s)
+        for p in self.procs:
+            for f in (p.stdin, p.stdout):
+                if f is not None:
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
+        for log in self.logs:
+            if not log.closed:
+                log.close()
+
+
+def launch(args_per_rank: list[list[str]], *, threads: int = 1, timeout_s: float = 120.0,
+           workdir: str | Path | None = None) -> list[int]:
+    """Start ``python -m minifer.distributed.parallel --device cpu ARGS`` once per rank (gloo on the CPU,
+    even where CUDA is present) and wait for all to succeed.
+
+    Returns the pids (all exited). Raises :class:`WorkerError` with the failing rank's stderr
+    if any rank exits non-zero or the whole run takes longer than `timeout_s`; every process is
+    ended before this returns or raises, KeyboardInterrupt included.
+    """
+    if len(args_per_rank) < 1:
+        raise ValueError("args_per_rank must hold one argument list per rank (at least one)")
+    check_int("threads", threads, 1, max_threads())
+    check_number("timeout_s", timeout_s, gt=0)
+    with tempfile.TemporaryDirectory(prefix="minifer-tp-") as tmp:
+        argv = [["--device", "cpu", "--threads", str(threads), *args] for args in args_per_rank]
+        with Workers(argv, workdir or tmp, threads=threads) as workers:
+            workers.wait(timeout_s)
+            return workers.pids
+
+
+def _tail(log, n: int = 3000) -> str:
+    if log.closed:
+        return ""
+    log.flush()
+    log.seek(0)
+    return log.read().decode(errors="replace")[-n:]
+
+
+def _end_all(procs: list[subprocess.Popen], grace_s: float = 3.0) -> None:
+    """Terminate every process still running, then kill what is left; reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
+              params: SamplingParams | None = None, tokenizer=None, *, threads: int = 1,
+              allow_uneven: bool = False, keep_logits: bool = False,
+              timeout_s: float = 120.0) -> TPResult:
+    """Tensor-parallel generation on `world_size` local CPU processes; returns a `TPResult`.
+
+    `model`: a `GPT` in memory (saved to a temporary safetensors checkpoint for the workers) or
+    the name of a shipped model (each worker loads it). `prompts`: a string, a list of strings
+    (needs `tokenizer`; a shipped model brings its own), a list of token ids, or a list of such
+    lists. `threads`: torch threads per process. Errors in the split (heads not divisible,
+    too many ranks) are raised here, before any process starts.
+    """
+    params = params or SamplingParams()
+    if params.stop or params.repetition_penalty != 1.0:
+        raise ValueError("the tensor-parallel loop supports temperature, top_k, top_p, seed, "
+                         "logit_bias and ignore_eos; not stop strings or repetition_penalty")
+    if isinstance(model, str):
+        if model not in PRETRAINED:
+            raise ValueError(f"model must be a GPT or one of {sorted(PRETRAINED)}, got {model!r}")
+        name = model
+        _weights, config_path, tok_path = model_files(name)
+        config = GPTConfig.from_dict(json.loads(config_path.read_text())["config"])
+        if tokenizer is None:
+            tokenizer = Tokenizer.from_file(tok_path)
+        dtype = "fp32"
+    elif isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None), GPTConfig):
+        name, config = None, model.config
+        dtype = _DTYPE_NAMES.get(next(model.parameters()).dtype)
+        if dtype is None:
+            raise ValueError(f"model weights must be fp32, bf16 or fp16, got "
+                             f"{next(model.parameters()).dtype}")
+    else:
+        raise TypeError(f"model must be a minifer GPT or a shipped model's name, got {type(model)}")
+    shard_plan(config, world_size, 0, allow_uneven=allow_uneven)  # fail fast, no processes
+    ids = encode_prompts(prompts, tokenizer, config.vocab_size)
+    request = {"prompts": ids, "params": _params_dict(params)}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="minifer-tp-") as tmp:
+        tmp = Path(tmp)
+        if name is None:
+            name = str(save_checkpoint(model, tmp / "model.safetensors"))
+        (tmp / "request.json").write_text(json.dumps(request))
+        args = ["--model", name, "--request", str(tmp / "request.json"),
+                "--report", str(tmp / "rank{rank}.json"), "--timeout", str(timeout_s),
+                "--dtype", dtype]
+        if allow_uneven:
+            args.append("--allow-uneven")
+        if keep_logits:
+            args.append("--keep-logits")
+        pids = launch([args] * world_size, threads=threads, timeout_s=timeout_s, workdir=tmp)
+        reports = [RankReport.from_dict(json.loads((tmp / f"rank{r}.json").read_text()))
+                   for r in range(world_size)]
+    text = None if tokenizer is None else [tokenizer.decode(t) for t in reports[0].token_ids]
+    return TPResult(token_ids=reports[0].token_ids, reports=reports, pids=pids,
+                    wall_s=time.perf_counter() - t0, text=text)
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _params_dict(params: SamplingParams) -> dict:
+    """SamplingParams as JSON-able keyword arguments (logit_bias keys become strings in JSON)."""
+    return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+            "max_new_tokens": params.max_new_tokens, "seed": params.seed,
+            "ignore_eos": params.ignore_eos,
+            "logit_bias": {str(k): v for k, v in params.logit_bias.items()}}

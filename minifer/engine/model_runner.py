@@ -1,0 +1,122 @@
+"""`ModelRunner`: turn one scheduled step into tensors, run the model once, sample.
+
+The scheduler decides *what* runs (which requests, how many of their tokens, in which
+blocks); the runner does the tensor work: it packs every scheduled token — the decode rows'
+single tokens and the prompt chunks' many — into one sequence, with each token's position and
+pool slot (`kv_pool.PackedBatch`), makes **one forward call** for the whole step, and samples
+one token for every request whose tokens are all fed. nano-vllm's `model_runner` has the same
+job (it adds CUDA graphs and tensor parallelism).
+
+Greedy rows are token-identical to `minifer.generate` of each prompt alone (tests): packing
+changes which tokens share a matrix multiply, never what any row attends to. Seeded sampling
+uses each request's own generator, so it does not depend on the batch either.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..fast.paged_attention import KERNEL
+from ..sampling import mask_padded_vocab, sample
+from .kv_pool import PackedBatch, PagedKVPool
+from .options import ban_early_eos, record_logprobs
+from .request import Request
+from .scheduler import Chunk
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    """Runs the scheduled chunks of one step through `model` over the paged `pool`.
+
+    `read` picks how attention reads the pool (`PackedBatch`); ``"kernel"``, where the paged
+    kernel cannot be built on this machine, warns and reads whole blocks. Counters (for
+    benchmarks and lessons): `num_forward_calls` and `forward_time_s` (the time spent inside
+    the forward calls), `num_prefill_tokens` (prompt and recomputed tokens fed),
+    `num_decode_tokens` (sampled tokens fed back) and `num_decode_calls` (calls with at least
+    one decode row: decode tokens / calls is the mean decode batch).
+    """
+
+    def __init__(self, model: torch.nn.Module, pool: PagedKVPool,
+                 device: torch.device, read: str = "blocks") -> None:
+        if read == "kernel" and not KERNEL.available(torch.device(device), pool.dtype):
+            read = "blocks"  # KERNEL has warned, naming why
+        self.model, self.pool, self.device = model, pool, device
+        self.read = read  # how attention reads the pool (`PackedBatch`)
+        self.num_forward_calls = 0
+        self.forward_time_s = 0.0
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self.num_decode_calls = 0
+
+    def execute(self, chunks: list[Chunk]) -> list[int | Exception]:
+        """One forward call over every chunk; for each chunk that completes its request's
+        tokens, in order, the sampled token (or the exception sampling it raised)."""
+        if not chunks:
+            return []
+        # one-token rows first (`minifer.fast.paged` batches their attention); order kept otherwise
+        rows = sorted(chunks, key=lambda c: c.num_new != 1)
+        due = [j for j, c in enumerate(rows) if c.completes]
+        ids = [t for c in rows for t in c.request.tokens[c.start:c.start + c.num_new]]
+        batch = PackedBatch(self.pool, [c.block_table for c in rows], [c.start for c in rows],
+                            [c.num_new for c in rows], logits_rows=due, read=self.read,
+                            checked=True)  # the scheduler's rows: they fit their blocks
+        self._count(rows)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            idx = torch.tensor([ids], dtype=torch.long, device=self.device)
+            logits = self.model(idx, cache=batch)  # (len(due), vocab): the rows that sample
+            self.forward_time_s += time.perf_counter() - t0
+            self.num_forward_calls += 1
+            picked = self.sample([rows[j].request for j in due], logits)
+        token_of = {id(rows[j]): t for j, t in zip(due, picked)}  # back in the order of `chunks`
+        return [token_of[id(c)] for c in chunks if c.completes]
+
+    def sample(self, requests: list[Request], logits: torch.Tensor) -> list[int | Exception]:
+        """One token per request from its logits row; requests sharing a `SamplingParams`
+        object are sampled together, each with its own generator. What fails for one request
+        comes back as its exception in place of its token; the other rows are unaffected."""
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(id(r.params), []).append(i)
+        tokens: list[int | Exception] = [0] * len(requests)
+        for rows in groups.values():
+            try:
+                picked = self._sample_group([requests[i] for i in rows], logits, rows)
+            except Exception:  # noqa: BLE001 - it belongs to one of these rows: find which
+                picked = [self._sample_alone(requests[i], logits, i) for i in rows]
+            for i, t in zip(rows, picked):
+                tokens[i] = t
+        return tokens
+
+    def _sample_alone(self, request: Request, logits: torch.Tensor, row: int) -> int | Exception:
+        """Row `row` for `request` alone: its token, or the exception its sampling raised."""
+        try:
+            return self._sample_group([request], logits, [row])[0]
+        except Exception as err:  # noqa: BLE001 - this request's failure, no one else's
+            return err
+
+    @staticmethod
+    def _sample_group(reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> list[int]:
+        """Sample rows `rows` of `logits` for `reqs` (which share one `SamplingParams`)."""
+        lg = mask_padded_vocab(logits[rows], reqs[0].vocab)  # a copy: indexed by a list
+        raw = lg.clone() if any(r.logprobs is not None for r in reqs) else None
+        ban_early_eos(lg, [r.seq for r in reqs])  # min_tokens
+        seen = torch.stack([r.seen for r in reqs]) if reqs[0].seen is not None else None
+        gens = [r.generator for r in reqs] if reqs[0].generator is not None else None
+        picked = sample(lg, reqs[0].params, seen, gens).tolist()
+        if raw is not None:
+            record_logprobs(raw, reqs, picked)
+        for r, t in zip(reqs, picked):
+            if r.seen is not None:
+                r.seen[t] = True
+        return picked
+
+    def _count(self, rows: list[Chunk]) -> None:
+        decode = sum(1 for c in rows if c.decodes)
+        self.num_decode_tokens += decode
+        self.num_decode_calls += decode > 0
+        self.num_prefill_tokens += sum(c.num_new for c in rows) - decode  # prompt, recomputed
+

@@ -1,0 +1,145 @@
+"""Decode attention that reads the paged K/V pool where it lies.
+
+A decode row has one new query per head and attends to its ``lengths[b]`` cached tokens, which
+sit in the blocks ``block_table[b]`` of the pool. `paged_decode_attention` writes that out in
+a dozen lines of tensor math: look the row's blocks up in the pool, score every cached key
+against the query, mask the unused tail of the last block, softmax, and sum the values.
+
+Run eagerly, ``k_pool[block_table]`` *copies* every row's K/V into a new tensor before the
+scores are taken (as `minifer.fast.paged`'s ``"blocks"`` read does with `index_select`): as
+many bytes written as attention then reads. A paged-attention kernel (vLLM's, on GPUs) follows the
+block table inside its loops instead, so each cached key and value is read once, in place.
+`PagedDecodeKernel` runs one:
+
+- on CPU (float32), ``csrc/paged_decode.cpp``: ~60 lines of C++ doing exactly the reference's
+  math, rows split over torch's threads, the next tokens' K/V prefetched from memory; built by
+  `torch.utils.cpp_extension` the first time it is needed (about 15 s; cached on disk for
+  later processes);
+- elsewhere (CUDA, other dtypes), the reference itself through `torch.compile`, which fuses
+  the block lookup into the loads of the kernels it generates (Triton on CUDA).
+
+Where neither can be built (no C++ compiler, no ninja) it warns once, says why, and computes
+the same attention eagerly: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .native import build, build_name, reason, vector_isa
+
+__all__ = ["paged_decode_attention", "PagedDecodeKernel", "KERNEL"]
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           block_table: torch.Tensor, lengths: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One decode token's attention per row, over its K/V in the pool's blocks.
+
+    - `q`: ``(B, n_head, head_dim)``, the new token's query of each row;
+    - `k_pool`, `v_pool`: ``(num_blocks, block_size, n_kv_head, head_dim)``, one layer's pool;
+    - `block_table`: ``(B, M)`` block ids, row ``b``'s tokens ``0..lengths[b]-1`` in order
+      (entries past the row's last block may be any valid id: they are masked);
+    - `lengths`: ``(B,)`` tokens row ``b`` attends to (its new token's K/V already written).
+
+    Returns ``(B, n_head, head_dim)``. Query heads share K/V heads in groups of
+    ``n_head // n_kv_head`` (grouped-query attention).
+    """
+    k = k_pool[block_table].flatten(1, 2)  # (B, T, n_kv_head, head_dim), T = M * block_size
+    v = v_pool[block_table].flatten(1, 2)
+    qg = q.unflatten(1, (k.shape[2], -1))  # (B, n_kv_head, group, head_dim)
+    scores = (qg[:, None] * k[:, :, :, None]).sum(-1) * scale  # (B, T, n_kv_head, group)
+    t = torch.arange(k.shape[1], device=q.device)
+    unused = (t[None, :] >= lengths[:, None])[:, :, None, None]
+    weights = torch.softmax(scores.masked_fill(unused, float("-inf")), dim=1)
+    return (weights[..., None] * v[:, :, :, None]).sum(1).flatten(1, 2)
+
+
+class PagedDecodeKernel:
+    """Paged decode attention: the C++ kernel on CPU, the compiled reference elsewhere.
+
+    Call it like `paged_decode_attention`. `available(device, dtype)` builds what that device
+    needs (once per process) and says whether it runs; `error` holds why the C++ build failed.
+    The compiled reference needs at least 2 rows and 2 blocks per row (torch would otherwise
+    compile a separate graph for a size of 1): callers pad.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._native: bool | None = None  # None: not tried yet
+        self._compiled = None
+        self.error: str | None = None
+        self.compile_error: str | None = None
+
+    def native(self) -> bool:
+        """Build (or load the cached build of) the C++ kernel; whether it is usable."""
+        if self._native is not None:  # decided: every later call (one per layer) skips the lock
+            return self._native
+        with self._lock:
+            if self._native is None:
+                self._native = False
+                try:
+                    isa, march = vector_isa()
+                    try:
+                        build(build_name("paged_decode", isa), SOURCE, march)
+                    except Exception:
+                        if not march:
+                            raise
+                        build(build_name("paged_decode", "base"), SOURCE, [])  # older compiler
+                    self._native = hasattr(torch.ops.minifer_paged, "decode")
+                except Exception as exc:  # no compiler or ninja, a failed build: stay correct
+                    self.error = reason(exc)
+                    warnings.warn(f"the C++ paged-attention kernel could not be built "
+                                  f"({self.error}); decode attention runs without it",
+                                  RuntimeWarning, stacklevel=3)
+            return self._native
+
+    def available(self, device: torch.device, dtype: torch.dtype) -> bool:
+        if device.type == "cpu" and dtype == torch.float32:
+            return self.native()
+        return self.compile_error is None
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 block_table: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        if q.device.type == "cpu" and q.dtype == torch.float32 and self.native():
+            _check(q, k_pool, v_pool, block_table, lengths)
+            return torch.ops.minifer_paged.decode(q, k_pool, v_pool, block_table, lengths, scale)
+        if self.compile_error is None:
+            if self._compiled is None:
+                self._compiled = torch.compile(paged_decode_attention, dynamic=True)
+            try:
+                return self._compiled(q, k_pool, v_pool, block_table, lengths, scale)
+            except Exception as exc:  # no compiler, an unsupported backend, ...
+                self.compile_error = reason(exc)
+                warnings.warn(f"the compiled paged-attention kernel is unavailable "
+                              f"({self.compile_error}); attention runs eagerly", RuntimeWarning,
+                              stacklevel=2)
+        return paged_decode_attention(q, k_pool, v_pool, block_table, lengths, scale)
+
+
+def _check(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+           block_table: torch.Tensor, lengths: torch.Tensor) -> None:
+    """What the C++ kernel assumes of its tensors (it reads raw memory): a clear error instead
+    of garbage."""
+    B, H, D = q.shape
+    if (k_pool.dim() != 4 or k_pool.shape != v_pool.shape or k_pool.shape[3] != D
+            or H % k_pool.shape[2] or block_table.shape[0] != B or lengths.shape != (B,)):
+        raise ValueError(f"paged decode: inconsistent shapes q {tuple(q.shape)}, pool "
+                         f"{tuple(k_pool.shape)}/{tuple(v_pool.shape)}, block_table "
+                         f"{tuple(block_table.shape)}, lengths {tuple(lengths.shape)}")
+    if block_table.dtype != torch.long or lengths.dtype != torch.long:
+        raise ValueError("paged decode: block_table and lengths must be int64")
+    if not all(t.is_contiguous() for t in (q, k_pool, v_pool, block_table, lengths)):
+        raise ValueError("paged decode: every tensor must be contiguous")
+    if not (q.dtype == k_pool.dtype == v_pool.dtype == torch.float32):
+        raise ValueError("paged decode: q and the pool must be float32")
+    # lengths and block ids are checked by the kernel itself, before it reads the pool
+
+
+KERNEL = PagedDecodeKernel()  # one per process: every engine shares its builds
