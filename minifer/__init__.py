@@ -12,7 +12,6 @@ from .cache import StaticKVCache
 from .chat_template import chat
 from .config import PRESETS, GPTConfig
 from .device import default_device
-from .evaluate import perplexity
 from .fast.prepack import prepack  # noqa: E402
 from .generation import decode_step, generate, prefill, stream
 from .hf_checkpoint import load_hf_checkpoint
@@ -48,7 +47,6 @@ __all__ = [
     "load_hf_checkpoint",
     "load_pretrained",
     "model_bytes",
-    "perplexity",
     "prefill",
     "prepack",
     "quantize",

@@ -11,7 +11,7 @@ the tokenizer's special tokens as variables); the prompt then starts the assista
 reply ends at the model's end-of-turn token (the tokenizer's ``eos_token``).
 
 A tokenizer without a template (the shipped Shakespeare models) gets the documented play-form
-template of `minifer.serve.chat`, whose reply ends at a blank line.
+template of `minifer.play_chat`, whose reply ends at a blank line.
 
 jinja2 is imported only to render a checkpoint's template.
 """
@@ -57,7 +57,7 @@ def chat_prompt(messages: Sequence[Mapping], tokenizer) -> tuple[str, list[str]]
     template if it has one (no stop strings: the reply ends at its end-of-turn token, the
     tokenizer's EOS), else the play-form template with its blank-line end of turn. Encode the
     prompt with ``special_tokens=True``: the template writes special tokens as text."""
-    from .serve.chat import END_OF_TURN, render_chat
+    from .play_chat import END_OF_TURN, render_chat
 
     template = getattr(tokenizer, "chat_template", None)
     if template:

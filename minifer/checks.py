@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 __all__ = ["check_int", "check_number", "check_threads", "int_range_text", "max_threads",
-           "number_range_text"]
+           "number_range_text", "parse_threads"]
 
 
 def int_range_text(lo: int | None = 1, hi: int | None = None) -> str:
@@ -101,3 +101,18 @@ def check_threads(threads: Any) -> int | str | None:
     hi = max_threads()
     return check_int("threads", threads, 1, hi,
                      allowed=f"be 'auto' or an integer in [1, {hi}] (4 per core)")
+
+
+def parse_threads(value: str) -> int | str:
+    """A ``--threads`` option's value (argparse's ``type=``): ``auto`` or an integer up to
+    `max_threads`; anything else is argparse's error, worded as `check_threads` words it."""
+    import argparse
+
+    try:
+        value = int(value)
+    except ValueError:
+        pass  # "auto", or a word check_threads names in its error
+    try:
+        return check_threads(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None

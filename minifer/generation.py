@@ -197,8 +197,9 @@ def generate(model: torch.nn.Module, prompts, params: SamplingParams | None = No
     - `use_cache=False` recomputes the whole sequence at every step: the reference path.
     - `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
     - `compile`: a compiled decode step (True, or a `torch.compile` mode; `minifer.fast`).
-    - `threads` (CPU): an integer fixes torch's count for this call; None keeps it as a ceiling
-      and ``"auto"`` uses every idle core, lowered while other programs hold cores.
+    - `threads` (CPU): an integer fixes torch's count for this call; None leaves it as it is;
+      ``"auto"`` uses every idle core, lowered while other programs hold cores (a governor
+      that reads the CPU's counters between steps: only when asked).
     """
     req = prepare(model, prompts, params, tokenizer, device=device)
     for _ in run_batch(model, req, use_cache=use_cache, kv_dtype=kv_dtype, compile=compile,

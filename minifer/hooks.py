@@ -1,12 +1,14 @@
 """The one seam where speed-ups plug into the core.
 
 The core calls the functions below at the few places where a faster way exists: the greedy
-argmax, the decode step, the thread count around a generation call, a W8A8 layer's product,
-the layout of a new model's weights, the serving engine's paged attention, and the layers of a
-new bf16 model. Here each is the plain reference.
+argmax, the decode step, the thread count around a generation call and in the serving engine's
+loop, a W8A8 layer's product, the layout of a new model's weights, the serving engine's paged
+attention, and the layers of a new bf16 model. Here each is the plain reference.
 `minifer.fast.install()`, which ``import minifer`` runs, puts the speed-up package's versions in
-their place; each is tested equal to the one it replaces. `minifer.fast.disabled()` puts these back. The results are the same either
-way (greedy tokens identical, tested): only the speed differs.
+their place; each is tested equal to the one it replaces. To read exactly the code that runs,
+turn them off: ``with minifer.fast.disabled():`` around a call, or ``MINIFER_SPEEDUPS=0`` in the
+environment before ``import minifer``. The results are the same either way (greedy tokens
+identical, tested): only the speed differs.
 
 The arrows run one way: `minifer.fast` imports the core and fills this seam; no core module
 imports `minifer.fast` (tests/test_layout.py checks it).
@@ -22,7 +24,7 @@ import torch
 from .checks import check_threads
 
 __all__ = ["argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights",
-           "packed_attention", "prepare_bf16"]
+           "packed_attention", "prepare_bf16", "serving_threads"]
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -46,7 +48,8 @@ def generation_threads(threads: int | str | None, device: torch.device | str
     """Around one generation call: torch's CPU thread count, and a hook to call between steps.
 
     Plain: an integer fixes torch's count for the call (restored after it); None or ``"auto"``
-    leave it as it is. (`minifer.fast` lowers the count while other programs hold cores.)
+    leave it as it is. (`minifer.fast.threads`: ``"auto"`` follows the cores other programs
+    leave idle.)
     """
     threads = check_threads(threads)  # a NumPy integer comes back as an int
     restore = None
@@ -71,10 +74,11 @@ def lay_out_weights(model: torch.nn.Module) -> None:
     """Called by a new `GPT` on itself: the weights stay in torch's default layout."""
 
 
-def packed_attention(batch) -> Callable[[int, torch.Tensor], torch.Tensor] | None:
-    """How a serving step's `PackedBatch` attends: None runs its per-row reference,
-    `PackedBatch.attend_rows`. (`minifer.fast.paged` plans the step's reads once for all layers
-    and batches the decode rows.)"""
+def packed_attention(pool) -> Callable | None:
+    """Called by a new `PagedKVPool`: how the packed steps over it attend. None runs each
+    step's per-row reference, `PackedBatch.attend_rows`. (`minifer.fast.paged` returns a
+    planner, ``planner(batch)(layer, q)``, that plans a step's reads once for all its layers and
+    batches the decode rows; a kernel it uses is built here, when the engine starts.)"""
     return None
 
 
@@ -82,3 +86,14 @@ def prepare_bf16(model: torch.nn.Module) -> None:
     """Called on a new bf16 model (``quantize(model, "bf16")``, a checkpoint loaded in bf16):
     its layers stay plain `nn.Linear`. (`minifer.fast` prepacks them where the CPU has a fast
     bf16 product: its docstring says when, and what it costs in memory.)"""
+
+
+def serving_threads(threads: int | str | None) -> Callable[[], int | None]:
+    """Called by the serving engine's loop in its own thread before its first step: torch's
+    count there (an integer: that count; None or ``"auto"``: as it is), and the hook the loop
+    calls between steps, which returns a new count when it set one, else None.
+    (`minifer.fast.threads`: ``"auto"`` follows the cores other programs leave idle.)"""
+    threads = check_threads(threads)
+    if isinstance(threads, int):
+        torch.set_num_threads(threads)
+    return lambda: None

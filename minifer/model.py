@@ -16,7 +16,7 @@ cached so far, so a decode step feeds one token per sequence instead of the whol
 What the layers need for a call (positions, mask, cache) is built once, as one
 `AttentionInputs`, and handed to every block: ``x = block(x, inputs)``. `GPT.forward` checks
 its input and builds them; the speed-ups' lean decode step (`minifer.fast.decode`) builds its
-own, in a form `torch.compile` can take, and passes them as ``inputs=``.
+own, in a form `torch.compile` can take, and passes them in the cache's place.
 """
 
 from __future__ import annotations
@@ -337,17 +337,19 @@ class GPT(nn.Module):
             block.attn.impl = impl
 
     # ---- forward -----------------------------------------------------------------------
-    def forward(self, idx: torch.Tensor, cache: KVCache | PackedKVCache | None = None,
-                start: torch.Tensor | None = None, last_only: bool = False, *,
-                inputs: AttentionInputs | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor,
+                cache: KVCache | PackedKVCache | AttentionInputs | None = None,
+                start: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` for token ids `idx` ``(B, T)`` (``(B, 1, vocab)`` with
         `last_only`, all a prefill needs). `cache`: write the new K/V at slots ``cache.pos..``
         and attend over every cached slot. `start` (no cache): each row's count of left-padding
-        tokens. A packed cache runs `forward_packed`. `inputs`: the layers' inputs, built and
-        checked by the caller (the speed-ups' decode step), used as they are."""
+        tokens. A packed cache runs `forward_packed`. The layers' inputs, built and checked by
+        the caller, may stand in its place (`AttentionInputs`: the speed-ups' decode step)."""
         if getattr(cache, "packed", False):
             return self.forward_packed(idx, cache)
-        if inputs is None:
+        if isinstance(cache, AttentionInputs):
+            inputs, cache = cache, None  # the caller advances its cache
+        else:
             self.check_input(idx, cache)
             inputs = _inputs(idx, cache, start)
         x = self.blocks(idx, inputs)  # (B, T, C)

@@ -575,82 +575,101 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
         return new
     bits = 8 if precision == "int8" else 4
     targets = _linear_targets(new, include_lm_head)
-    if bits == 4 and targets:
-        if group_size is None:
-            group_size = default_group_size([lin.in_features for _, lin in targets])
-        for name, lin in targets:  # check every layer before changing any: name the first bad one
-            try:
-                _check_group_size(lin.in_features, group_size)
-            except ValueError as e:
-                raise ValueError(f"int4 layer {name}: {e}") from None
-    if bits == 8:
-        group_size = None
-    requested = impl
-    if impl == "integer":
-        device = next(model.parameters()).device
-        if bits != 8:
-            raise ValueError(f"impl='integer' (W8A8 on integer units) is for int8, not {precision}")
-        problem = integer_problem(64, 256, str(device))
-        if problem is not None:
-            raise RuntimeError(f"the W8A8 integer path cannot run here: {problem}; use "
-                               f"impl='fused' (weight-only) or 'auto'")
-    elif impl == "auto" and bits == 8:
-        pass  # each layer shape gets `int8_choice`'s kernel
-    elif impl == "auto" or impl == "fused":
-        device = next(model.parameters()).device
-        ok = fused_available(bits, str(device), compute_dtype)
-        if not ok and impl == "fused":
-            raise RuntimeError(
-                f"no working fused int{bits} kernel in torch {torch.__version__} on {device} "
-                f"with {compute_dtype} activations; use impl='reference' (dequantize-then-matmul)")
-        if not ok:
-            warnings.warn(f"fused int{bits} kernel unavailable in torch {torch.__version__} on "
-                          f"{device}; using the dequantize-then-matmul reference path "
-                          f"(same quantized weights, slower)", RuntimeWarning, stacklevel=2)
-        impl = "fused" if ok else "reference"
+    group_size = _int4_group(targets, group_size) if bits == 4 else None
+    device = next(model.parameters()).device
+    model_impl = _model_impl(bits, impl, device, compute_dtype)
     unfused: dict[str, list[str]] = {}  # reason -> layers
     choices: dict[str, Int8Choice] = {}  # impl="auto", int8: layer -> the kernel picked
     tied = {m.weight.data_ptr() for m in new.modules() if isinstance(m, nn.Embedding)}
     for name, lin in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = new.get_submodule(parent_name) if parent_name else new
-        layer_impl = impl
         is_tied = lin.weight.data_ptr() in tied
-        if impl == "auto":
-            N, K = lin.weight.shape
-            choices[name] = choice = int8_choice(N, K, str(lin.weight.device), compute_dtype)
-            layer_impl = choice.impl
-            if layer_impl == "reference" and not is_tied:
-                unfused.setdefault(choice.reason, []).append(f"{name} {(N, K)}")
-        elif impl in ("fused", "integer"):
-            N, K = lin.weight.shape
-            if impl == "fused":
-                problem = fused_problem(bits, N, K, group_size, str(lin.weight.device),
-                                        compute_dtype)
-            else:
-                problem = integer_problem(N, K, str(lin.weight.device))
-            if problem is not None:
-                layer_impl = "reference"
-                if not is_tied:
-                    unfused.setdefault(problem, []).append(f"{name} {(N, K)}")
-        if is_tied and layer_impl == "reference" and requested != "reference":
+        layer_impl, problem = _layer_impl(lin, bits, model_impl, group_size, compute_dtype)
+        if model_impl == "auto":
+            choices[name] = Int8Choice(tuple(lin.weight.shape), layer_impl, problem)
+            problem = problem if layer_impl == "reference" else None
+        if problem is not None and not is_tied:
+            unfused.setdefault(problem, []).append(f"{name} {tuple(lin.weight.shape)}")
+        if is_tied and layer_impl == "reference" and impl != "reference":
             # dequantizing the copy at every call would rebuild the whole embedding-sized
             # matrix per step, slower than reading it in float: keep the float, tied head
             continue
-        layer = QuantizedLinear.from_linear(lin, bits, group_size=group_size, impl=layer_impl,
-                                            compute_dtype=compute_dtype)
-        setattr(parent, attr, layer)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(new.get_submodule(parent_name) if parent_name else new, attr,
+                QuantizedLinear.from_linear(lin, bits, group_size=group_size, impl=layer_impl,
+                                            compute_dtype=compute_dtype))
     if choices:
         new.int8_choices = choices
     if unfused:
-        detail = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in unfused.items())
-        kernel = {"integer": "W8A8 integer path", "auto": "int8 kernels"}.get(
-            impl, f"fused int{bits} kernel")
-        verb = "reject" if impl == "auto" else "rejects"
-        warnings.warn(f"the {kernel} {verb} the shape of {detail}; those layers "
-                      f"use the dequantize-then-matmul reference path", RuntimeWarning,
-                      stacklevel=2)
+        _warn_unfused(unfused, model_impl, bits)
     return new.eval()
+
+
+def _int4_group(targets: list[tuple[str, nn.Linear]], group_size: int | None) -> int | None:
+    """The int4 group size for `targets` (None: `default_group_size`), checked against every
+    layer before any is changed: the error names the first bad one."""
+    if not targets:
+        return group_size
+    if group_size is None:
+        group_size = default_group_size([lin.in_features for _, lin in targets])
+    for name, lin in targets:
+        try:
+            _check_group_size(lin.in_features, group_size)
+        except ValueError as e:
+            raise ValueError(f"int4 layer {name}: {e}") from None
+    return group_size
+
+
+def _model_impl(bits: int, impl: str, device: torch.device, compute_dtype: torch.dtype) -> str:
+    """The path asked of every layer: ``"auto"`` stays for int8 (`int8_choice` per shape),
+    else becomes ``"fused"`` where torch's kernel works here, ``"reference"`` (warned) where
+    not; ``"fused"`` and ``"integer"`` that cannot run here at all are errors."""
+    if impl == "integer":
+        if bits != 8:
+            raise ValueError(f"impl='integer' (W8A8 on integer units) is for int8, not int{bits}")
+        problem = integer_problem(64, 256, str(device))
+        if problem is not None:
+            raise RuntimeError(f"the W8A8 integer path cannot run here: {problem}; use "
+                               f"impl='fused' (weight-only) or 'auto'")
+        return impl
+    if impl == "reference" or (impl == "auto" and bits == 8):
+        return impl
+    if fused_available(bits, str(device), compute_dtype):
+        return "fused"
+    if impl == "fused":
+        raise RuntimeError(
+            f"no working fused int{bits} kernel in torch {torch.__version__} on {device} "
+            f"with {compute_dtype} activations; use impl='reference' (dequantize-then-matmul)")
+    warnings.warn(f"fused int{bits} kernel unavailable in torch {torch.__version__} on "
+                  f"{device}; using the dequantize-then-matmul reference path "
+                  f"(same quantized weights, slower)", RuntimeWarning, stacklevel=3)
+    return "reference"
+
+
+def _layer_impl(lin: nn.Linear, bits: int, impl: str, group_size: int | None,
+                compute_dtype: torch.dtype) -> tuple[str, str | None]:
+    """The path one layer runs for the model's `impl`, and why another was not taken (with
+    ``"auto"``: why this one was)."""
+    (N, K), device = lin.weight.shape, str(lin.weight.device)
+    if impl == "auto":
+        choice = int8_choice(N, K, device, compute_dtype)
+        return choice.impl, choice.reason
+    if impl == "fused":
+        problem = fused_problem(bits, N, K, group_size, device, compute_dtype)
+    elif impl == "integer":
+        problem = integer_problem(N, K, device)
+    else:
+        return impl, None
+    return (impl, None) if problem is None else ("reference", problem)
+
+
+def _warn_unfused(unfused: dict[str, list[str]], impl: str, bits: int) -> None:
+    """One warning naming every layer that fell back to the reference path, and why."""
+    detail = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in unfused.items())
+    kernel = {"integer": "W8A8 integer path", "auto": "int8 kernels"}.get(
+        impl, f"fused int{bits} kernel")
+    verb = "reject" if impl == "auto" else "rejects"
+    warnings.warn(f"the {kernel} {verb} the shape of {detail}; those layers "
+                  f"use the dequantize-then-matmul reference path", RuntimeWarning, stacklevel=3)
 
 
 def _linear_targets(model: nn.Module, include_lm_head: bool) -> list[tuple[str, nn.Linear]]:

@@ -368,8 +368,7 @@ def speculative_generate(
     `target_cache`: a batch-1 `StaticKVCache` for the target to use (and leave filled) instead
     of allocating one; pass a `ModelDrafter` as `draft` to keep the draft's cache (`.cache`)
     the same way. `accept(p_d, q_d, u)`: the acceptance rule used when sampling (default: the
-    exact one, `accept_with_ratio`). `threads`: torch's CPU threads, as for `minifer.generate`
-    (by default the count in force is a ceiling that a busy core lowers between rounds).
+    exact one, `accept_with_ratio`). `threads`: torch's CPU threads, as for `minifer.generate`.
     """
     check_int("k (draft tokens per target pass)", k, 1)
     if not callable(accept):

@@ -151,3 +151,29 @@ def make_lively():
 @pytest.fixture(scope="session")
 def make_scripted():
     return scripted_gpt
+
+
+def packed_batch(pool, *args, read: str = "kernel", **kw):
+    """A `PackedBatch` over `pool` whose steps read the pool `read`'s way (`fast.paged.READS`;
+    with the speed-ups off, the reference whatever `read` says)."""
+    from minifer import hooks
+    from minifer.engine.kv_pool import PackedBatch
+    from minifer.fast import paged
+
+    with paged.read(read):
+        pool.planner = hooks.packed_attention(pool)
+    return PackedBatch(pool, *args, **kw)
+
+
+def engine_reading(read: str, *args, **kw):
+    """An `LLMEngine` whose pool is read `read`'s way (`fast.paged.READS`)."""
+    from minifer.engine.llm_engine import LLMEngine
+    from minifer.fast import paged
+
+    with paged.read(read):
+        return LLMEngine(*args, **kw)
+
+
+def pool_read(pool) -> str | None:
+    """How `pool`'s steps read it: ``"kernel"``, ``"blocks"``, or None (the reference)."""
+    return None if pool.planner is None else pool.planner.keywords["how"]

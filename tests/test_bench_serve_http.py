@@ -75,7 +75,7 @@ def test_a_checkout_is_checked_to_be_what_its_server_imports(tmp_path):
 
     import pytest
 
-    repo = pathlib.Path(H.__file__).resolve().parents[2]
+    repo = pathlib.Path(H.__file__).resolve().parents[3]
     assert H.checkout_root(str(repo)) == str(repo)
     with pytest.raises(RuntimeError, match="not from that checkout"):
         H.checkout_root(str(tmp_path))  # no minifer there: the installed copy would be run

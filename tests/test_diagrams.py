@@ -14,7 +14,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
-DIAGRAMS = ROOT / "minifer" / "lessons" / "diagrams"
+DIAGRAMS = ROOT / "course" / "minifer_course" / "lessons" / "diagrams"
 SVG = "{http://www.w3.org/2000/svg}"
 
 

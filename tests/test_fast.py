@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import minifer as mf
+from conftest import engine_reading, packed_batch
 from minifer import fast, hooks
 from minifer.fast.argmax import first_argmax
 from minifer.fast.layout import column_major_linears
@@ -70,7 +71,7 @@ def _paged_step(model):
     """A pool holding five rows' cached K/V (blocks of 4, interleaved), and a packed step that
     feeds three decode rows of different lengths, a whole prompt and a prompt's second chunk."""
     from minifer.engine.block_manager import BlockManager
-    from minifer.engine.kv_pool import PackedBatch, PagedKVPool
+    from minifer.engine.kv_pool import PagedKVPool
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 23, 2, 16, 30)]
@@ -82,7 +83,7 @@ def _paged_step(model):
     pool.v = [torch.randn(x.shape, generator=g) for x in pool.v]
     tables = [bm.tables[i] for i in range(len(prompts))]
     num_new = [len(p) - c for p, c in zip(prompts, cached)]
-    return (lambda read: PackedBatch(pool, tables, cached, num_new, read=read)), sum(num_new)
+    return (lambda read: packed_batch(pool, tables, cached, num_new, read=read)), sum(num_new)
 
 
 @pytest.mark.parametrize("read", ["blocks", "kernel"])
@@ -114,8 +115,8 @@ def test_the_engine_with_the_speed_ups_off_gives_the_same_greedy_tokens(tiny, kv
     params = mf.SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
 
     def run():
-        engine = mf.LLMEngine(tiny, max_num_seqs=4, block_size=4, enable_chunked_prefill=True,
-                              max_num_batched_tokens=16, kv_read=kv_read)
+        engine = engine_reading(kv_read, tiny, max_num_seqs=4, block_size=4,
+                                enable_chunked_prefill=True, max_num_batched_tokens=16)
         return [o.token_ids for o in engine.generate(prompts, params)]
 
     on = run()

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "minifer"
+COURSE = pathlib.Path(__file__).resolve().parents[1] / "course" / "minifer_course"
 MODULES = sorted(
     ".".join(("minifer", *p.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
     for p in PACKAGE.rglob("*.py")
@@ -57,9 +58,8 @@ def test_no_module_uses_another_modules_private_attributes():
 
 
 def test_the_engine_never_imports_plotly_or_widgets():
-    engine = [m for m in MODULES if not m.startswith("minifer_course.lessons")]
     code = ("import sys, importlib\n"
-            f"for m in {engine!r}: importlib.import_module(m)\n"
+            f"for m in {MODULES!r}: importlib.import_module(m)\n"
             "bad = {'plotly', 'ipywidgets'} & set(sys.modules)\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -70,7 +70,7 @@ def test_users_names_stay_importable_from_the_top_level():
 
     for name in ("GPT", "GPTConfig", "SamplingParams", "generate", "stream", "prefill",
                  "decode_step", "quantize", "model_bytes", "speculative_generate",
-                 "PromptLookupDrafter", "load_pretrained", "perplexity", "StaticKVCache",
+                 "PromptLookupDrafter", "load_pretrained", "StaticKVCache",
                  "Completion", "TokenEvent", "TextStopper", "Sequence", "ByteTokenizer",
                  "Tokenizer", "default_device", "PRESETS"):
         assert hasattr(mf, name), name
@@ -176,7 +176,7 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path)
 
 def test_no_lesson_imports_a_benchmark_command():
     """The lessons measure through `minifer_course.bench`'s library modules, never its command line."""
-    graph = import_graph(PACKAGE)
+    graph = import_graph(COURSE)
     bad = [f"{m} imports {t}" for m, ts in graph.items() if m.startswith("minifer_course.lessons")
            for t in ts if t.startswith(("minifer_course.bench.commands", "minifer_course.bench.__main__"))]
     assert not bad, "\n".join(bad)
@@ -195,3 +195,60 @@ def test_the_core_never_imports_the_speed_up_package():
            if t == "minifer.fast" or t.startswith("minifer.fast.")]
     assert not bad, "\n".join(bad)
     assert "hooks" in CORE and "generation" in CORE and "threads" not in CORE
+
+
+# The floors of the package, lowest first: each may import the floors below it, never above.
+# `minifer.fast` stands beside them: it imports the core and the engine and fills
+# `minifer.hooks`; only the package's front door, `minifer/__init__.py`, imports it (to plug it
+# in) and the lazy `LLMEngine` above the core.
+FLOORS = ["minifer", "minifer.engine", "minifer.distributed", "minifer.serve"]
+
+
+def _floor(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else "minifer"
+
+
+def test_no_import_runs_up_the_floors_and_no_two_folders_import_each_other():
+    graph = import_graph(PACKAGE)
+    up, ties = [], set()
+    for m, targets in graph.items():
+        if m == "minifer":  # the front door assembles the package
+            continue
+        for t in targets:
+            a, b = _floor(m), _floor(t)
+            if a == b:
+                continue
+            ties.add((a, b))
+            if b == "minifer.fast" or (a in FLOORS and FLOORS.index(b) > FLOORS.index(a)):
+                up.append(f"{m} imports {t}")
+    assert not up, "\n".join(up)
+    two_way = sorted(f"{a} <-> {b}" for a, b in ties if (b, a) in ties and a < b)
+    assert not two_way, two_way
+
+
+def test_the_engine_never_imports_the_course():
+    graph = import_graph(PACKAGE)
+    text = " ".join(p.read_text(encoding="utf-8") for p in PACKAGE.rglob("*.py"))
+    assert "import minifer_course" not in text and "from minifer_course" not in text
+    assert all(not t.startswith("minifer_course") for ts in graph.values() for t in ts)
+
+
+def _function_lengths(root: pathlib.Path):
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+                yield path.relative_to(root.parent), node.name, node.end_lineno - first + 1
+
+
+def test_no_function_of_the_engine_is_over_60_lines():
+    long = [f"{p} {name}: {n} lines" for p, name, n in _function_lengths(PACKAGE) if n > 60]
+    assert not long, "\n".join(long)
+
+
+def test_the_installed_package_stays_compact():
+    """`minifer/` is what ``pip install`` puts in site-packages: the engine, 13,000 lines of
+    Python at most (the course's helpers and the benchmarks live in course/)."""
+    lines = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in PACKAGE.rglob("*.py"))
+    assert lines <= 13_000, f"minifer/ has {lines:,} lines of Python"

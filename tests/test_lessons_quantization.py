@@ -9,6 +9,7 @@ import torch
 
 import minifer as mf
 from minifer_course.lessons import quantization as Q
+from minifer_course.quality import validation_perplexity
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,7 @@ def test_perplexity_and_top1_in_one_pass(draft):
     text = mf.pretrained.load_validation_text()[:1_500]
     ctx = model.config.context_length
     ppl, top1 = Q._perplexity_and_top1(model, tok, text, ctx)
-    assert ppl == mf.quality.validation_perplexity(model, tok, text, stride=ctx).perplexity
+    assert ppl == validation_perplexity(model, tok, text, stride=ctx).perplexity
     ids = tok.encode(text)
     assert top1.numel() == len(ids)  # each scored position once (an EOS goes in front)
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import minifer as mf
+from conftest import engine_reading
 from minifer.fast.prepack import PackedLinear, prepack, prepack_problem
 
 pytestmark = pytest.mark.skipif(prepack_problem() is not None, reason=str(prepack_problem()))
@@ -55,7 +56,7 @@ def test_the_shipped_models_greedy_tokens_are_unchanged(shakespeare):
     params = mf.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     ref = [c.token_ids for c in mf.generate(model, prompts, params)]
     assert [c.token_ids for c in mf.generate(packed, prompts, params)] == ref
-    engine = mf.LLMEngine(packed, tok, max_num_seqs=4, kv_read="kernel")
+    engine = engine_reading("kernel", packed, tok, max_num_seqs=4)
     assert [o.token_ids for o in engine.generate(prompts, params)] == ref
 
 

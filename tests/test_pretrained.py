@@ -15,7 +15,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minifer.config import GPTConfig
-from minifer.evaluate import perplexity, score_windows
 from minifer.model import GPT
 from minifer.pretrained import (
     DATA_ENV,
@@ -28,6 +27,7 @@ from minifer.pretrained import (
     save_checkpoint,
 )
 from minifer.tokenizer import ByteTokenizer
+from minifer_course.evaluate import perplexity, score_windows
 
 NAMES = ["shakespeare", "shakespeare-draft"]
 QUALITY = {"shakespeare": 1.50, "shakespeare-draft": 2.2}  # max val nats/char (issues 3 and 15)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import shutil
 import subprocess
@@ -145,7 +146,11 @@ def test_colab_cell_installs_on_colab(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
     exec(code, {"get_ipython": Shell})
-    assert calls == [("pip", f'install --quiet "minifer[{colab_cell.EXTRA}] @ git+{url}"')]
+    assert calls == [("pip", f'install --quiet "minifer[{colab_cell.EXTRA}] @ git+{url}" '
+                             f'"minifer-course @ git+{url}#subdirectory=course"')]
+    # the course package the cell installs is the one in this repository, under that name
+    course = (pathlib.Path(__file__).resolve().parents[1] / "course" / "pyproject.toml").read_text()
+    assert 'name = "minifer-course"' in course
     extras = json.dumps(_extras())
     assert f'"{colab_cell.EXTRA}"' in extras, "pyproject.toml has no such extra"
 

@@ -18,8 +18,8 @@ from serve_double import StandInEngine
 import minifer as mf
 from conftest import lively_model, scripted_gpt
 from minifer.engine.llm_engine import LLMEngine
+from minifer.play_chat import ASSISTANT, END_OF_TURN, USER, render_chat, speech
 from minifer.serve.api import running_server
-from minifer.serve.chat import ASSISTANT, END_OF_TURN, USER, render_chat, speech
 
 openai = pytest.importorskip("openai")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import minifer as mf
-from conftest import on_device
+from conftest import engine_reading, on_device, pool_read
 from minifer import LLMEngine, SamplingParams
 from minifer.engine.llm_engine import RequestOutput
 from minifer.fast.native import build_tools_problem
@@ -53,9 +53,9 @@ def workload(tiny, device):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_outputs_equal_generate_alone(tiny, workload, name, kv_read, device):
     prompts, ref = workload
-    engine = LLMEngine(on_device(tiny, device), kv_read=kv_read, **CONFIGS[name])
-    if kv_read == "kernel" and build_tools_problem() is None:
-        assert engine.runner.read == "kernel"  # built here: no fallback
+    engine = engine_reading(kv_read, on_device(tiny, device), **CONFIGS[name])
+    if kv_read == "kernel" and build_tools_problem() is None and device == "cpu":
+        assert pool_read(engine.pool) == "kernel"  # built here: no fallback
     outs = engine.generate(prompts, GREEDY)
     assert len({tuple(r) for r in ref}) == len(ref)  # varied outputs: the test can fail
     assert [o.token_ids for o in outs] == ref
@@ -74,9 +74,9 @@ def test_greedy_outputs_equal_generate_alone(tiny, workload, name, kv_read, devi
 def test_gqa_model_through_every_mechanism(tiny_gqa, kv_read):
     prompts = _prompts(8, seed=3)
     ref = _alone(tiny_gqa, prompts, GREEDY)
-    engine = LLMEngine(tiny_gqa, max_num_seqs=8, block_size=4, num_blocks=24,
-                       enable_chunked_prefill=True, max_num_batched_tokens=10,
-                       enable_prefix_caching=True, kv_read=kv_read)
+    engine = engine_reading(kv_read, tiny_gqa, max_num_seqs=8, block_size=4, num_blocks=24,
+                            enable_chunked_prefill=True, max_num_batched_tokens=10,
+                            enable_prefix_caching=True)
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == ref
     assert engine.scheduler.num_preemptions > 0
 

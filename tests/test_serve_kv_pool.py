@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import minifer as mf
+from conftest import packed_batch
 from minifer.engine.block_manager import BlockManager
 from minifer.engine.kv_pool import PackedBatch, PagedKVPool
 
@@ -43,15 +44,15 @@ def test_chunked_prefill_and_batched_decode_match_the_static_cache(model, block_
         cuts = [0, len(p) // 3, len(p)]
         for a, b in zip(cuts, cuts[1:]):
             if a < b:
-                batch = PackedBatch(pool, [bm.tables[i]], [a], [b - a], read=read)
+                batch = packed_batch(pool, [bm.tables[i]], [a], [b - a], read=read)
                 logits = model(torch.tensor([p[a:b]]), cache=batch)[0]
         outs[i].append(logits)
     context = [len(p) for p in prompts]
     for t in feed:
         for i in range(len(prompts)):
             bm.append_slots(i, context[i] + 1)
-        batch = PackedBatch(pool, [bm.tables[i] for i in range(len(prompts))], context,
-                            [1] * len(prompts), read=read)
+        batch = packed_batch(pool, [bm.tables[i] for i in range(len(prompts))], context,
+                             [1] * len(prompts), read=read)
         logits = model(torch.full((1, len(prompts)), t), cache=batch)
         for i in range(len(prompts)):
             outs[i].append(logits[i])

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import engine_reading, pool_read
 from minifer.fast import paged_attention as PA
 from minifer.fast.native import build_tools_problem
 
@@ -132,9 +133,8 @@ def test_other_dtypes_run_the_compiled_reference():
 
 
 def test_an_engine_without_the_kernel_reads_whole_blocks(monkeypatch, tiny):
-    from minifer import LLMEngine
 
     monkeypatch.setattr(PA.KERNEL, "available", lambda device, dtype: False)
-    assert LLMEngine(tiny, kv_read="kernel").runner.read == "blocks"
+    assert pool_read(engine_reading("kernel", tiny).pool) == "blocks"
     with pytest.raises(ValueError, match="read must be one of"):
-        LLMEngine(tiny, kv_read="pages")
+        engine_reading("pages", tiny)

@@ -15,7 +15,7 @@ from process_double import FileSteeredGPT
 from test_serve_engine_process import _metric
 
 import minifer as mf
-from conftest import lively_model
+from conftest import engine_reading, lively_model
 from minifer.distributed.replicas import EngineReplicas, replica_options, split
 from minifer.engine.errors import APIError
 from minifer.engine.llm_engine import LLMEngine
@@ -89,7 +89,7 @@ def test_two_replicas_stream_what_one_engine_streams_and_share_the_work(model):
     tok = mf.ByteTokenizer()
     alone = [c.text for c in mf.generate(model, PROMPTS, mf.SamplingParams(
         temperature=0, max_new_tokens=10, ignore_eos=True), tok)]
-    engine = LLMEngine(model, tok, max_num_seqs=4, kv_read="kernel")
+    engine = engine_reading("kernel", model, tok, max_num_seqs=4)
     with running_server(engine=engine, model_name="tiny", engine_in="process",
                         replicas=2) as url:
         for _ in range(3):  # the first round warms both replicas up

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from minifer.checks import parse_threads
 from minifer.fast import threads as T
 from minifer_course.bench import threads as BT
 
@@ -33,11 +34,11 @@ def test_cpu_times_count_idle_within_total():
 
 
 def test_parse_threads_takes_a_count_or_auto():
-    assert T.parse_threads("auto") == "auto"
-    assert T.parse_threads("3") == 3
+    assert parse_threads("auto") == "auto"
+    assert parse_threads("3") == 3
     for bad in ("0", "-1", "two", "1.5", "100000"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"'auto' or an integer in \[1, "):
-            T.parse_threads(bad)
+            parse_threads(bad)
 
 
 def test_apply_threads_sets_a_count_and_none_leaves_it():
@@ -259,7 +260,9 @@ def test_the_engine_loop_sets_its_threads_and_auto_keeps_a_governor():
                                  threads=threads)
             engine.start()
             engine.stop()
-            assert (engine.governor is not None) == (threads == "auto")
+            governed = isinstance(getattr(engine.adjust_threads, "__self__", None),
+                                  T.ThreadGovernor)
+            assert governed == (threads == "auto")
             assert 1 <= engine.threads_in_force <= (os.cpu_count() or 1)
             if threads == 1:
                 assert engine.threads_in_force == 1
@@ -317,9 +320,7 @@ def test_generate_with_auto_threads_asks_the_shared_governor_at_every_step(asked
     assert asked == ["resume"] + [None] * (1 + 5) + ["pause"]
     asked.clear()
     assert auto == mf.generate(model, [[4, 5]], greedy)[0].token_ids
-    # the default asks too, with the count in force as its ceiling
-    assert asked == ["resume"] + [torch.get_num_threads()] * (1 + 5) + ["pause"]
-    asked.clear()
+    assert asked == []  # the default reads no CPU counters: the governor runs only when asked
     mf.generate(model, [[4, 5]], greedy, threads=1)  # a fixed count: no governor
     assert asked == []
     assert T.shared_governor() is T._shared
@@ -335,13 +336,10 @@ def test_speculative_generate_keeps_the_same_thread_policy(asked):
     plain = mf.generate(model, prompt, greedy, threads=1)[0].token_ids
     saved = torch.get_num_threads()
     spec = speculative_generate(model, PromptLookupDrafter(), prompt, greedy)[0].token_ids
-    assert spec == plain and torch.get_num_threads() == saved
-    # resumed, asked before the prefill and every round, paused at the end, with the count
-    # in force as the ceiling
-    assert asked[0] == "resume" and asked[-1] == "pause" and len(asked) >= 4
-    assert set(asked[1:-1]) == {saved}
-    asked.clear()
+    assert spec == plain and torch.get_num_threads() == saved and asked == []
     speculative_generate(model, PromptLookupDrafter(), prompt, greedy, threads="auto")
+    # resumed, asked before the prefill and every round, paused at the end
+    assert asked[0] == "resume" and asked[-1] == "pause" and len(asked) >= 4
     assert set(asked[1:-1]) == {None}
     asked.clear()
     speculative_generate(model, PromptLookupDrafter(), prompt, greedy, threads=1)
@@ -350,10 +348,9 @@ def test_speculative_generate_keeps_the_same_thread_policy(asked):
         speculative_generate(model, PromptLookupDrafter(), prompt, greedy, threads=0)
 
 
-def test_by_default_generate_gives_a_busy_core_its_thread_and_takes_no_more(monkeypatch):
-    """The default policy on a 2-core machine where another program takes a core halfway:
-    the governor drops to one thread, never rises above the count the caller set, and the
-    caller's count is back after the call."""
+def test_auto_threads_give_a_busy_core_its_thread(monkeypatch):
+    """``threads="auto"`` on a 2-core machine where another program takes a core halfway: the
+    governor drops to one thread, and the count it set stays after the call."""
     import minifer as mf
 
     m = FakeMachine()
@@ -371,13 +368,10 @@ def test_by_default_generate_gives_a_busy_core_its_thread_and_takes_no_more(monk
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        plain = mf.generate(model, [[1, 2, 3]], greedy)[0].token_ids
-        assert seen[:4] == [2, 2, 2, 2] and seen[-1] == 1 and torch.get_num_threads() == 2
-        torch.set_num_threads(1)  # a count the caller chose is a ceiling, idle machine or not
+        plain = mf.generate(model, [[1, 2, 3]], greedy, threads=2)[0].token_ids
         seen.clear()
-        m.run(1.0, others=0.0, ours=0.0)
-        assert mf.generate(model, [[1, 2, 3]], greedy)[0].token_ids == plain
-        assert set(seen) == {1} and torch.get_num_threads() == 1
+        assert mf.generate(model, [[1, 2, 3]], greedy, threads="auto")[0].token_ids == plain
+        assert seen[:4] == [2, 2, 2, 2] and seen[-1] == 1 and torch.get_num_threads() == 1
     finally:
         hook.remove()
         torch.set_num_threads(saved)
@@ -420,7 +414,7 @@ def test_a_compiled_step_is_not_compiled_again_when_the_governor_changes_the_cou
         plain = mf.generate(model, [[1, 2, 3]], greedy, threads=2)[0].token_ids
         hook = model.transformer.h[0].register_forward_hook(tick)
         try:
-            out = mf.generate(model, [[1, 2, 3]], greedy, compile=True)[0].token_ids
+            out = mf.generate(model, [[1, 2, 3]], greedy, compile=True, threads="auto")[0].token_ids
         finally:
             hook.remove()
         assert out == plain

@@ -529,7 +529,7 @@ def fast_seam() -> Canvas:
     c.text(120, 55, "the core (lessons 01-12)", size=12, bold=True, color=BLUE)
     c.text(380, 55, "minifer.hooks: the seam", size=12, bold=True, color=GREY)
     c.text(640, 55, "minifer.fast: the speed-ups", size=12, bold=True, color=GREEN)
-    rows = [("generate: threads", "generation_threads", "thread governor"),
+    rows = [("threads ('auto')", "generation_threads, serving_threads", "thread governor"),
             ("one decode step", "decode_function", "lean / compiled step"),
             ("linear layers", "prepare_bf16, int8_matmul", "prepacked, C++ GEMV"),
             ("greedy pick", "argmax", "argmax in chunks"),
@@ -581,7 +581,7 @@ def draw_all(out: pathlib.Path) -> list[pathlib.Path]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=pathlib.Path,
-                    default=pathlib.Path(__file__).resolve().parent.parent / "minifer" / "lessons" / "diagrams")
+                    default=pathlib.Path(__file__).resolve().parent.parent / "course" / "minifer_course" / "lessons" / "diagrams")
     for path in draw_all(ap.parse_args().out):
         print(path)
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from minifer.evaluate import PerplexityResult, perplexity
 from minifer.generation import encode_prompts, generate
 from minifer.sampling import SamplingParams
 from minifer.tokenizer import TokenizerLike
+from minifer_course.evaluate import PerplexityResult, perplexity
 
 __all__ = ["max_logit_diff", "top1_tokens", "top1_agreement", "GreedyAgreement", "greedy_agreement",
            "validation_perplexity"]

@@ -251,14 +251,16 @@ class EngineProcess(AsyncEngine):
 
 def engine_main(conn, model, tokenizer, options: dict, threads) -> None:
     """The engine process: build the engine, then take commands and step until told to stop."""
+    import torch
+
+    from .. import hooks
     from ..engine.llm_engine import LLMEngine
-    from ..fast.threads import ThreadGovernor, apply_threads
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops us
     try:
         engine = LLMEngine(model, tokenizer, **options)
-        governor = ThreadGovernor() if threads == "auto" else None
-        conn.send(("ready", apply_threads(threads)))
+        adjust_threads = hooks.serving_threads(threads)
+        conn.send(("ready", torch.get_num_threads()))
     except BaseException as err:  # noqa: BLE001 - the server reports it and does not start
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return
@@ -276,7 +278,7 @@ def engine_main(conn, model, tokenizer, options: dict, threads) -> None:
             _apply(engine, conn, cmd)
         if not engine.has_unfinished():  # aborts freed blocks: the gauges should say so
             conn.send(("stats", engine_stats(engine)))
-        elif governor is not None and (n := governor.maybe_adjust()):
+        elif n := adjust_threads():
             conn.send(("threads", n))
         return True
 

@@ -31,14 +31,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from .. import hooks
 from ..checks import check_int, check_threads
-from ..fast.threads import ThreadGovernor, apply_threads
 from .driver import drive
 from .errors import APIError
 
@@ -119,8 +122,7 @@ class AsyncEngine:
     `on_finish(output)` is called in the engine thread for every request's last output,
     `on_step()` after every step (metrics). `threads`: torch's CPU threads for the steps — None
     leaves torch's choice, a number sets it when the loop starts, ``"auto"`` keeps it at the
-    cores other programs leave free, looked at again between steps
-    (`minifer.fast.threads.ThreadGovernor`).
+    cores other programs leave free, looked at again between steps (`hooks.serving_threads`).
     """
 
     id_prefix = "srv-"  # request ids are id_prefix + a count (`EngineReplicas` sets one each)
@@ -131,7 +133,7 @@ class AsyncEngine:
                  threads: int | str | None = None) -> None:
         check_loop_options(max_waiting, threads)
         self.threads = threads
-        self.governor: ThreadGovernor | None = None
+        self.adjust_threads: Callable[[], int | None] = lambda: None  # `hooks.serving_threads`
         self.threads_in_force: int | None = None  # torch threads of the engine thread
         self.engine, self.max_waiting = engine, max_waiting
         self.on_finish, self.on_step = on_finish, on_step
@@ -220,11 +222,9 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        if self.threads == "auto":  # set in this thread: torch's OpenMP count is per thread
-            self.governor = ThreadGovernor()
-            self.threads_in_force = apply_threads("auto")
-        else:
-            self.threads_in_force = apply_threads(self.threads)
+        # set in this thread: torch's OpenMP count is per thread
+        self.adjust_threads = hooks.serving_threads(self.threads)
+        self.threads_in_force = torch.get_num_threads()
         drive(self.engine, self._take, self._stepped, self._step_failed)
         for rid in list(self._handles):  # shutting down: free everything still in flight
             self.engine.abort(rid)
@@ -243,8 +243,7 @@ class AsyncEngine:
             inbox, self._inbox = self._inbox, []
         for cmd in inbox:
             self._apply(cmd)
-        if self.governor is not None and self.engine.has_unfinished() \
-                and (n := self.governor.maybe_adjust()):
+        if self.engine.has_unfinished() and (n := self.adjust_threads()):
             self.threads_in_force = n
         return True
 
@@ -344,11 +343,19 @@ def shutting_down() -> APIError:
     return APIError(503, "the server is shutting down", type="server_error")
 
 
+# The request's fields whose engine checks a 400 names (the message starts with the name).
+REQUEST_FIELDS = frozenset({"logit_bias", "logprobs", "min_tokens", "stop", "max_tokens",
+                            "prompt", "priority", "seed", "temperature", "top_k", "top_p"})
+
+
 def add_failure(err: Exception) -> APIError:
     """What a client hears when `add_request` raised: a ValueError or TypeError means the
-    engine says the request can never run (400); anything else is the engine's fault (500)."""
+    engine says the request can never run (400, naming the field its message starts with, else
+    the prompt); anything else is the engine's fault (500)."""
     if isinstance(err, (ValueError, TypeError)):
-        return APIError(400, str(err), param="prompt", code="request_rejected")
+        first = re.match(r"\w+", str(err))
+        param = first.group(0) if first and first.group(0) in REQUEST_FIELDS else "prompt"
+        return APIError(400, str(err), param=param, code="request_rejected")
     log.error("add_request failed\n%s", "".join(traceback.format_exception(err)))
     return APIError(500, f"the engine failed to add the request: {type(err).__name__}: {err}",
                     type="server_error", code="engine_error")

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_int, check_number
-from .kv_pool import check_read
 
 __all__ = ["EngineConfig", "POLICIES"]
 
@@ -31,10 +30,6 @@ class EngineConfig:
     - `aging`: priority points a waiting request gains per step (0 = strict priority).
     - `sample_vocab`: sample only among the first `sample_vocab` token ids (default: the
       tokenizer's vocabulary, else the model's); a worker without the tokenizer gets its size.
-    - `kv_read`: how attention reads the pool (`kv_pool.READS`): ``"blocks"`` (whole blocks by
-      the block table), ``"slots"`` (the readable reference) or ``"kernel"`` (decode rows
-      through a paged-attention kernel built for this machine on first use). The first and
-      last are `minifer.fast.paged`'s: with the speed-ups off every read is the reference.
     """
 
     policy: str = "continuous"
@@ -47,7 +42,6 @@ class EngineConfig:
     device: str | None = None
     aging: float = 0.0
     sample_vocab: int | None = None
-    kv_read: str = "blocks"
 
     def resolved(self, model: torch.nn.Module) -> EngineConfig:
         """Every field checked against `model` (ValueErrors name the field and its range) and
@@ -71,7 +65,6 @@ class EngineConfig:
                      why=" (priority points per step waited; 0 = strict priority)")
         if self.sample_vocab is not None:
             check_int("sample_vocab", self.sample_vocab, 1, cfg.vocab_size)
-        check_read(self.kv_read)
         device = model_device if self.device is None else _model_device(self.device, model_device)
         return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                    device=str(device), aging=float(self.aging))

@@ -23,15 +23,8 @@ from .. import hooks
 from ..checks import check_int
 from ..config import kv_token_bytes
 
-__all__ = ["PagedKVPool", "PackedBatch", "READS", "check_read", "sdpa"]
+__all__ = ["PagedKVPool", "PackedBatch", "sdpa"]
 
-READS = ("blocks", "slots", "kernel")  # how PackedBatch reads K/V (see its docstring)
-
-
-def check_read(read: str) -> None:
-    """A ValueError unless `read` is one of `READS`."""
-    if read not in READS:
-        raise ValueError(f"read must be one of {READS}, got {read!r}")
 
 
 class PagedKVPool:
@@ -52,6 +45,7 @@ class PagedKVPool:
         self.n_layer, self.num_blocks, self.block_size = n_layer, num_blocks, block_size
         self.n_kv_head, self.head_dim = n_kv_head, head_dim
         self.dtype, self.device = dtype, torch.device(device)
+        self.planner = hooks.packed_attention(self)  # None: each step's `attend_rows`
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int, *,
@@ -129,24 +123,17 @@ class PackedBatch:
     own positions (`positions`). `logits_index`: the packed index of the last token of each
     row in `logits_rows` (default: all), the only positions whose logits are needed.
 
-    `read` (`READS`) names the faster way `minifer.fast.paged` reads the pool: ``"blocks"``,
-    ``"kernel"``; ``"slots"``, or the speed-ups off, runs the reference here.
-
-    The rows and `read` are checked (ValueErrors) unless `checked`: the `ModelRunner` passes
-    rows the scheduler built, which hold by construction.
+    The rows are checked (ValueErrors): each feeds a token and fits its blocks.
     """
 
     packed = True  # GPT.forward: run the packed path (see `minifer.cache.PackedKVCache`)
 
     def __init__(self, pool: PagedKVPool, tables: Sequence[Sequence[int]],
                  context: Sequence[int], num_new: Sequence[int],
-                 logits_rows: Sequence[int] | None = None, read: str = "blocks", *,
-                 checked: bool = False) -> None:
-        if not checked:
-            check_read(read)
-            _check_rows(pool, tables, context, num_new)
+                 logits_rows: Sequence[int] | None = None) -> None:
+        _check_rows(pool, tables, context, num_new)
         dev = pool.device
-        self.pool, self.read = pool, read
+        self.pool = pool
         self.tables, self.context, self.num_new = tables, context, num_new
         self.num_tokens = sum(num_new)
         pos: list[int] = []
@@ -159,7 +146,7 @@ class PackedBatch:
         ends = list(itertools.accumulate(num_new))
         rows = range(len(tables)) if logits_rows is None else logits_rows
         self.logits_index = torch.tensor([ends[b] - 1 for b in rows], dtype=torch.long, device=dev)
-        self.attention = hooks.packed_attention(self)  # None: `attend_rows` below
+        self.attention = None if pool.planner is None else pool.planner(self)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:

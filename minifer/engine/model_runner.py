@@ -18,7 +18,6 @@ import time
 
 import torch
 
-from ..fast.paged_attention import KERNEL
 from ..sampling import mask_padded_vocab, sample
 from .kv_pool import PackedBatch, PagedKVPool
 from .options import ban_early_eos, record_logprobs
@@ -31,20 +30,15 @@ __all__ = ["ModelRunner"]
 class ModelRunner:
     """Runs the scheduled chunks of one step through `model` over the paged `pool`.
 
-    `read` picks how attention reads the pool (`PackedBatch`); ``"kernel"``, where the paged
-    kernel cannot be built on this machine, warns and reads whole blocks. Counters (for
+    Counters (for
     benchmarks and lessons): `num_forward_calls` and `forward_time_s` (the time spent inside
     the forward calls), `num_prefill_tokens` (prompt and recomputed tokens fed),
     `num_decode_tokens` (sampled tokens fed back) and `num_decode_calls` (calls with at least
     one decode row: decode tokens / calls is the mean decode batch).
     """
 
-    def __init__(self, model: torch.nn.Module, pool: PagedKVPool,
-                 device: torch.device, read: str = "blocks") -> None:
-        if read == "kernel" and not KERNEL.available(torch.device(device), pool.dtype):
-            read = "blocks"  # KERNEL has warned, naming why
+    def __init__(self, model: torch.nn.Module, pool: PagedKVPool, device: torch.device) -> None:
         self.model, self.pool, self.device = model, pool, device
-        self.read = read  # how attention reads the pool (`PackedBatch`)
         self.num_forward_calls = 0
         self.forward_time_s = 0.0
         self.num_prefill_tokens = 0
@@ -56,23 +50,19 @@ class ModelRunner:
         tokens, in order, the sampled token (or the exception sampling it raised)."""
         if not chunks:
             return []
-        # one-token rows first (`minifer.fast.paged` batches their attention); order kept otherwise
-        rows = sorted(chunks, key=lambda c: c.num_new != 1)
-        due = [j for j, c in enumerate(rows) if c.completes]
-        ids = [t for c in rows for t in c.request.tokens[c.start:c.start + c.num_new]]
-        batch = PackedBatch(self.pool, [c.block_table for c in rows], [c.start for c in rows],
-                            [c.num_new for c in rows], logits_rows=due, read=self.read,
-                            checked=True)  # the scheduler's rows: they fit their blocks
-        self._count(rows)
+        due = [j for j, c in enumerate(chunks) if c.completes]
+        ids = [t for c in chunks for t in c.request.tokens[c.start:c.start + c.num_new]]
+        batch = PackedBatch(self.pool, [c.block_table for c in chunks],
+                            [c.start for c in chunks], [c.num_new for c in chunks],
+                            logits_rows=due)
+        self._count(chunks)
         t0 = time.perf_counter()
         with torch.inference_mode():
             idx = torch.tensor([ids], dtype=torch.long, device=self.device)
             logits = self.model(idx, cache=batch)  # (len(due), vocab): the rows that sample
             self.forward_time_s += time.perf_counter() - t0
             self.num_forward_calls += 1
-            picked = self.sample([rows[j].request for j in due], logits)
-        token_of = {id(rows[j]): t for j, t in zip(due, picked)}  # back in the order of `chunks`
-        return [token_of[id(c)] for c in chunks if c.completes]
+            return self.sample([chunks[j].request for j in due], logits)
 
     def sample(self, requests: list[Request], logits: torch.Tensor) -> list[int | Exception]:
         """One token per request from its logits row; requests sharing a `SamplingParams`

@@ -6,7 +6,7 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 
 | speed-up | reference it equals | plugs in at |
 |---|---|---|
-| `threads`: the thread governor (fewer threads while other programs hold cores) | torch's thread count as set | `hooks.generation_threads` |
+| `threads`: the thread governor, with ``threads="auto"`` (fewer threads while other programs hold cores) | torch's thread count as set | `hooks.generation_threads`, `hooks.serving_threads` |
 | `decode`: the lean decode step (no per-step checks, the write slot in a tensor; fixed-shape for compiling) | the forward pass ``model(tokens, cache=cache)`` | `hooks.decode_function` |
 | `compiled`: the decode step compiled by `torch.compile` (frozen weights on a CPU) | the eager lean step | `hooks.decode_function` (``compile=True``) |
 | `argmax`: the greedy argmax in chunks | ``logits.argmax(-1)`` | `hooks.argmax` |
@@ -47,17 +47,17 @@ from .int8_gemv import int8_matmul
 from .layout import column_major_linears
 from .paged import packed_attention
 from .prepack import prepare_bf16
-from .threads import generation_threads
+from .threads import generation_threads, serving_threads
 
 __all__ = ["install", "disabled", "installed"]
 
 SEAM = ("argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights",
-        "packed_attention", "prepare_bf16")
+        "packed_attention", "prepare_bf16", "serving_threads")
 _PLAIN = {name: getattr(hooks, name) for name in SEAM}
 _FAST = {"argmax": first_argmax, "decode_function": decode_function,
          "generation_threads": generation_threads, "int8_matmul": int8_matmul,
          "lay_out_weights": column_major_linears, "packed_attention": packed_attention,
-         "prepare_bf16": prepare_bf16}
+         "prepare_bf16": prepare_bf16, "serving_threads": serving_threads}
 
 
 def install() -> None:

@@ -75,7 +75,7 @@ def lean_forward(model: GPT, tokens: torch.Tensor, writer: SlotWriter) -> torch.
     Through ``model(...)``, so that forward hooks (tensor parallelism's timers) see the step;
     `minifer.fast.compiled` compiles this function."""
     inputs = step_inputs(writer, model.transformer.wte.weight.dtype)
-    return model(tokens, inputs=inputs)[:, 0]
+    return model(tokens, inputs)[:, 0]
 
 
 class LeanStep:

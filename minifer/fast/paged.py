@@ -7,23 +7,29 @@ Here a step's plan is built once and serves every layer:
 - decode rows (one new token each; the engine puts them first) share attention calls over
   right-padded batches, their padding masked. Rows are split by length into a few calls when
   that saves more than `GROUP_COST` padded tokens a call (`group_rows`);
-- K/V are read a whole block per index (``read="blocks"``), into scratch buffers reused by
+- K/V are read a whole block per index (``"blocks"``), into scratch buffers reused by
   every layer and step instead of fresh allocations;
-- or (``read="kernel"``) decode rows go through `serve.paged_attention.KERNEL`, which reads the
-  blocks in place.
+- or (``"kernel"``, the default where it runs: a CPU, fp32) decode rows go through
+  `paged_attention.KERNEL`, minifer's C++ kernel, which reads the blocks in place.
+
+How the pool is read is this package's choice, not the engine's: `read` chooses
+(``"slots"`` is the reference, as with the speed-ups off), for a block of code or for good.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from ..engine.kv_pool import PackedBatch, PagedKVPool, sdpa
 from .paged_attention import KERNEL
 
-__all__ = ["GROUP_COST", "PlannedAttention", "packed_attention", "group_rows"]
+__all__ = ["GROUP_COST", "READS", "PlannedAttention", "packed_attention", "group_rows", "read"]
 
 GROUP_COST = 128  # padded tokens one more decode attention call is worth (see `group_rows`)
 
@@ -31,31 +37,61 @@ GROUP_COST = 128  # padded tokens one more decode attention call is worth (see `
 _SCRATCH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def packed_attention(batch: PackedBatch) -> PlannedAttention | None:
-    """`hooks.packed_attention`: the planned attention, unless `batch` asks for the slot
-    reference (``read="slots"``)."""
-    return None if batch.read == "slots" else PlannedAttention(batch)
+READS = ("kernel", "blocks", "slots")  # how attention reads the pool; see the module doc
+_READ = ["kernel"]  # the one in force
+
+
+@contextlib.contextmanager
+def read(how: str, *, restore: bool = True) -> Iterator[None]:
+    """Read the pool `how` (`READS`) inside the block (``restore=False``: from now on)."""
+    if how not in READS:
+        raise ValueError(f"read must be one of {READS}, got {how!r}")
+    before, _READ[0] = _READ[0], how
+    try:
+        yield
+    finally:
+        if restore:
+            _READ[0] = before
+
+
+def packed_attention(pool: PagedKVPool) -> Callable[[PackedBatch], PlannedAttention] | None:
+    """`hooks.packed_attention`: each step over `pool` gets its planned attention, unless the
+    slot reference is asked for (``"slots"``). ``"kernel"`` is built now, as the engine starts;
+    where it cannot run (not a CPU in fp32, no build: `KERNEL` has warned, naming why) the
+    steps read whole blocks."""
+    how = _READ[0]
+    if how == "slots":
+        return None
+    if how == "kernel" and not (pool.device.type == "cpu" and pool.dtype == torch.float32
+                                and KERNEL.available(pool.device, pool.dtype)):
+        how = "blocks"
+    return functools.partial(PlannedAttention, how=how)
 
 
 class PlannedAttention:
     """``plan(layer, q)``: `batch`'s attention output ``(1, nh, N, hd)`` at `layer`, whose new
     K/V `PackedBatch.attend` has already written."""
 
-    def __init__(self, batch: PackedBatch, group_cost: int = GROUP_COST) -> None:
+    def __init__(self, batch: PackedBatch, how: str = "blocks",
+                 group_cost: int = GROUP_COST) -> None:
         pool, tables, context, num_new = batch.pool, batch.tables, batch.context, batch.num_new
-        self.pool, self.read = pool, batch.read
-        self.num_single = sum(1 for n in num_new if n == 1)  # the decode rows, first
-        if any(n != 1 for n in num_new[:self.num_single]):
-            raise ValueError("rows feeding one token (decode rows) must come first")
-        lengths = [c + 1 for c in context[:self.num_single]]  # their tokens, the new one too
+        self.pool, self.read = pool, how
+        starts = [0, *itertools.accumulate(num_new)][:-1]  # each row's first packed token
+        single = [b for b, n in enumerate(num_new) if n == 1]  # the decode rows
+        many = [b for b, n in enumerate(num_new) if n != 1]  # the prompt chunks
+        self.num_single = len(single)
+        # where the decode rows' tokens lie, unless they are the first ones (as usually)
+        self.single_index = None if single == list(range(len(single))) else torch.tensor(
+            [starts[b] for b in single], dtype=torch.long, device=pool.device)
+        lengths = [context[b] + 1 for b in single]  # their tokens, the new one too
         self.kernel_args = None
         self.groups = []  # decode attention calls: (rows or None: all, count, gather, S, mask)
-        if self.num_single and self.read == "kernel":
-            self.kernel_args = _kernel_args(pool, tables, lengths)
-        elif self.num_single:
-            self.groups = self._plan_decode(tables, lengths, group_cost)
-        self.chunks = self._plan_chunks(tables[self.num_single:], context[self.num_single:],
-                                        num_new[self.num_single:])
+        if single and how == "kernel":
+            self.kernel_args = _kernel_args(pool, [tables[b] for b in single], lengths)
+        elif single:
+            self.groups = self._plan_decode([tables[b] for b in single], lengths, group_cost)
+        self.chunks = self._plan_chunks([(tables[b], context[b], num_new[b], starts[b])
+                                         for b in many])
 
     def _plan_decode(self, tables, lengths: list[int], group_cost: int) -> list[tuple]:
         """The decode rows' attention calls: each reads its rows' whole blocks, padded to its
@@ -78,11 +114,12 @@ class PlannedAttention:
             calls.append((which, len(rows), gather, S, mask))
         return calls
 
-    def _plan_chunks(self, tables, context, num_new) -> list[tuple]:
-        """One causal attention call per prompt chunk, over its cached and new tokens."""
+    def _plan_chunks(self, rows: list[tuple]) -> list[tuple]:
+        """One causal attention call per prompt chunk (its table, cached and new token counts,
+        first packed token), over its cached and new tokens."""
         dev, bs = self.pool.device, self.pool.block_size
-        chunks, offset = [], self.num_single
-        for table, c, n in zip(tables, context, num_new):
+        chunks = []
+        for table, c, n, offset in rows:
             L = -(-(c + n) // bs) * bs  # tokens read: c + n, rounded up to whole blocks
             gather = torch.tensor(_padded(table, L // bs), dtype=torch.long, device=dev)
             mask = None  # no cached tokens: SDPA's is_causal (a block's unused tail unseen)
@@ -90,27 +127,35 @@ class PlannedAttention:
                 q = torch.arange(c, c + n, device=dev)
                 mask = torch.arange(L, device=dev)[None, :] <= q[:, None]  # (n, L)
             chunks.append((offset, n, L, gather, mask))
-            offset += n
         return chunks
 
     def __call__(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         pk, pv = self.pool.k[layer], self.pool.v[layer]  # (num_blocks, block_size, nkv, hd)
         nkv, hd = pk.shape[2], pk.shape[3]
         kf, vf = pk.view(pk.shape[0], -1), pv.view(pv.shape[0], -1)  # one row per block
+        qd = q[:, :, :self.num_single] if self.single_index is None else \
+            q.index_select(2, self.single_index)  # (1, nh, D, hd): the decode rows' queries
         outs = []
         if self.kernel_args is not None:
-            outs.append(self._attend_kernel(q, pk, pv))
+            outs.append(self._attend_kernel(qd, pk, pv))
         elif self.num_single:
-            outs.append(self._attend_decode(q, kf, vf, nkv, hd))
+            outs.append(self._attend_decode(qd, kf, vf, nkv, hd))
         for offset, n, L, gather, mask in self.chunks:
             kc, vc = self._read(kf, vf, gather)
             kc, vc = (x.view(1, L, nkv, hd).transpose(1, 2) for x in (kc, vc))  # (1, nkv, L, hd)
             outs.append(sdpa(q[:, :, offset:offset + n], kc, vc, mask, mask is None))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        if self.single_index is None:  # the rows' outputs lie in packed order already
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        y = q.new_empty(q.shape)  # (1, nh, N, hd): each output at its token's place
+        y.index_copy_(2, self.single_index, outs[0])
+        for (offset, n, *_), out in zip(self.chunks, outs[1:]):
+            y[:, :, offset:offset + n] = out
+        return y
 
     def _attend_decode(self, q, kf, vf, nkv: int, hd: int) -> torch.Tensor:
-        """The decode rows' attention ``(1, nh, D, hd)``, one SDPA call per group of rows."""
-        qd = q[0, :, :self.num_single].transpose(0, 1).unsqueeze(2)  # (D, nh, 1, hd)
+        """The decode rows' attention ``(1, nh, D, hd)`` for their queries `q` ``(1, nh, D,
+        hd)``, one SDPA call per group of rows."""
+        qd = q[0].transpose(0, 1).unsqueeze(2)  # (D, nh, 1, hd)
         y = None if len(self.groups) == 1 else qd.new_empty(qd.shape)
         for which, G, gather, S, mask in self.groups:
             kd, vd = self._read(kf, vf, gather)
@@ -121,9 +166,10 @@ class PlannedAttention:
         return y.transpose(0, 2)  # (1, nh, D, hd)
 
     def _attend_kernel(self, q, pk, pv) -> torch.Tensor:
-        """The decode rows' attention ``(1, nh, D, hd)`` through the paged kernel."""
+        """The decode rows' attention ``(1, nh, D, hd)`` for their queries `q` ``(1, nh, D,
+        hd)``, through the paged kernel."""
         D, hd = self.num_single, q.shape[-1]
-        qd = q[0, :, :D].transpose(0, 1)  # (D, nh, hd)
+        qd = q[0].transpose(0, 1)  # (D, nh, hd)
         if D == 1:
             qd = torch.cat([qd, qd])
         y = KERNEL(qd.contiguous(), pk, pv, *self.kernel_args, hd ** -0.5)  # (D', nh, hd)

@@ -8,22 +8,21 @@ waits, and a 2-thread decode can run several times slower than a 1-thread one
 
 `auto_threads` picks the number of cores that are idle right now (read from the kernel's CPU
 counters over a short interval, not the load average, which trails by a minute), and
-`apply_threads` sets it: ``threads="auto"`` on the benchmark commands. A count set once cannot
-follow a load that starts later, so a long-running program (the server) keeps a
-`ThreadGovernor`, which re-sets the count between steps: it takes a thread away as soon as
-its threads are seen waiting for a core (`run_queue_wait`), and gives it back after a second
-of work in which the *other* programs (all busy time less this process's own) left a core
-free. `generate` and `speculative_generate` on a CPU use one too (`thread_policy`), by
-default only to go *below* the count in force (a busy core takes a thread away, and gives it
-back when it is free again; a count you set is a ceiling, restored after the call);
-``threads=n`` fixes the count, and ``threads="auto"`` lets it use every idle core.
-``OMP_WAIT_POLICY=passive`` (set before torch starts) makes threads sleep instead of spinning
-while they wait; `python -m minifer_course.bench threads` measures it beside the counts.
+`apply_threads` sets it: ``threads="auto"``. A count set once cannot follow a load that starts
+later, so with ``threads="auto"`` a long-running loop keeps a `ThreadGovernor`, which re-sets the
+count between steps: it takes a thread away as soon as its threads are seen waiting for a core
+(`run_queue_wait`), and gives it back after a second of work in which the *other* programs (all
+busy time less this process's own) left a core free. The server's engine loop
+(`serving_threads`; ``--threads auto``, its default) and `generate` / `speculative_generate`
+with ``threads="auto"`` (`generation_threads`) run one. Only when asked: by default
+`generate` leaves torch's count as it is and reads no CPU counters (``threads=n`` fixes it
+for the call). ``OMP_WAIT_POLICY=passive`` (set before torch starts) makes threads sleep
+instead of spinning while they wait; `python -m minifer_course.bench threads` measures it
+beside the counts.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import threading
@@ -33,11 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import hooks
 from ..checks import check_threads
 
 __all__ = ["cpu_times", "run_queue_wait", "idle_cpus", "auto_threads", "apply_threads",
-           "parse_threads", "ThreadGovernor", "shared_governor", "StepPolicy", "thread_policy",
-           "generation_threads"]
+           "ThreadGovernor", "shared_governor", "generation_threads", "serving_threads"]
 
 
 def cpu_times() -> tuple[float, float] | None:
@@ -84,19 +83,6 @@ def auto_threads(idle: float | None = None, cpus: int | None = None) -> int:
     return max(1, min(cpus, int(idle + 0.5)))
 
 
-def parse_threads(value: str) -> int | str:
-    """A ``--threads`` option's value: ``auto`` or an integer up to `checks.max_threads` (for
-    argparse's `type=`)."""
-    try:
-        value = int(value)
-    except ValueError:
-        pass  # "auto", or a word check_threads names in its error
-    try:
-        return check_threads(value)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 def apply_threads(threads: int | str | None) -> int:
     """Set torch's CPU thread count: an integer as given, ``"auto"`` from `auto_threads`, None
     leaves torch's choice. Returns the count in force."""
@@ -131,6 +117,8 @@ def run_queue_wait() -> float | None:
         except (OSError, IndexError, ValueError):  # the thread ended meanwhile
             continue
     return total / 1e9 if found else None
+
+_PLAIN_GENERATION = hooks.generation_threads  # the reference, before `install` replaces it
 
 
 @dataclass(frozen=True)
@@ -300,68 +288,37 @@ GENERATE_PERIOD_S = 1.0
 
 
 def shared_governor() -> ThreadGovernor:
-    """The process's one `ThreadGovernor` for `generate` on a CPU, deciding after every
+    """The process's one `ThreadGovernor` for ``generate(threads="auto")``, deciding after every
     `GENERATE_PERIOD_S` of work. It is kept between calls, so a program that generates many
-    short answers still gets its decisions. By default `generate` only lets it lower the count
-    (never above the one in force when the call began, which it restores after); with
-    ``threads="auto"`` it may raise it to every idle core, and the count it sets stays in force
-    after the call, as the server's does."""
+    short answers still gets its decisions; the count it sets stays in force after the call,
+    as the server's does."""
     global _shared
     if _shared is None:
         _shared = ThreadGovernor(period_s=GENERATE_PERIOD_S)
     return _shared
 
 
-class StepPolicy:
-    """What `thread_policy` yields: `between_steps()` for the loop to call before every step."""
-
-    def __init__(self, governor: ThreadGovernor | None, ceiling: int | None) -> None:
-        self.governor, self.ceiling = governor, ceiling
-
-    def between_steps(self) -> None:
-        if self.governor is not None:
-            self.governor.maybe_adjust(self.ceiling)
-
-
-@contextlib.contextmanager
-def thread_policy(threads: int | str | None, device: torch.device | str = "cpu"
-                  ) -> Iterator[StepPolicy]:
-    """The thread count for one call of generation work (`generate`, `speculative_generate`),
-    and the hook its loop calls before every step.
-
-    `threads`: None on a CPU, the default: the count in force is a ceiling, the shared
-    governor lowers it between steps while other programs hold cores, and the count is
-    restored at the end. An integer: that count for the call, restored at the end. ``"auto"``:
-    the shared governor, up to every idle core, and the count it set stays. None on another
-    device changes nothing.
-    """
-    governor, ceiling, restore = None, None, None
-    if threads == "auto":
-        governor = shared_governor()
-    elif threads is not None:
-        threads = check_threads(threads)
-        restore = torch.get_num_threads()
-        torch.set_num_threads(threads)
-    elif torch.device(device).type == "cpu":
-        governor, ceiling = shared_governor(), torch.get_num_threads()
-        restore = ceiling
-    if governor is not None:
-        governor.resume()  # the pause since its last call is not counted
-    policy = StepPolicy(governor, ceiling)
-    policy.between_steps()
-    try:
-        yield policy
-    finally:
-        if governor is not None:
-            governor.pause()  # the steps since its last reading count (a short call has no other)
-        if restore is not None:
-            torch.set_num_threads(restore)
-
-
 @contextlib.contextmanager
 def generation_threads(threads: int | str | None, device: torch.device | str = "cpu"
                        ) -> Iterator[Callable[[], None]]:
-    """The `minifer.hooks.generation_threads` of the speed-up package: `thread_policy`, whose
-    `between_steps` the loop calls before every step."""
-    with thread_policy(threads, device) as policy:
-        yield policy.between_steps
+    """`hooks.generation_threads` of the speed-up package: as the plain hook (an integer fixes
+    torch's count for the call, None leaves it), and ``"auto"``: the shared governor, up to every
+    idle core, asked before every step (the hook the loop calls)."""
+    if threads != "auto":
+        with _PLAIN_GENERATION(threads, device) as between_steps:
+            yield between_steps
+        return
+    governor = shared_governor()
+    governor.resume()  # the pause since its last call is not counted
+    governor.maybe_adjust()
+    try:
+        yield governor.maybe_adjust
+    finally:
+        governor.pause()  # the steps since its last reading count (a short call has no other)
+
+
+def serving_threads(threads: int | str | None) -> Callable[[], int | None]:
+    """`hooks.serving_threads` of the speed-up package: as the plain hook, and ``"auto"``: the
+    idle cores now, then a `ThreadGovernor` asked between steps (its new count, or None)."""
+    apply_threads(threads)
+    return ThreadGovernor().maybe_adjust if threads == "auto" else (lambda: None)

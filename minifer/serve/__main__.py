@@ -19,13 +19,14 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ..checks import parse_threads
+
 API_KEY_ENV = "MINIFER_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ..distributed.engine_process import ENGINES
     from ..engine.async_engine import DEFAULT_MAX_WAITING
-    from ..engine.kv_pool import READS
     from .api import (
         MAX_CONNECTIONS,
         MAX_HEADER_BYTES,
@@ -63,11 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
                    help="fcfs: first come, first served (a request's priority is refused); "
                         "priority: lower priority value first")
-    e.add_argument("--kv-read", choices=READS, default="kernel",
-                   help="how attention reads the paged KV pool: 'kernel' (default: a paged "
-                        "kernel reading the blocks in place, built for this machine at start-up, "
-                        "with a warning and 'blocks' where it cannot be), 'blocks' (copy each "
-                        "row's blocks, then SDPA) or 'slots' (the reference)")
     e.add_argument("--aging", type=float, default=0.0,
                    help="priority points a waiting request gains per step (0: strict priority)")
     lim = p.add_argument_group("limits (claim MET-5)")
@@ -88,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
                      help="on SIGTERM or Ctrl-C, seconds the requests in flight have to "
                           "finish; then each open stream gets an error event and [DONE]")
-    p.add_argument("--threads", type=_threads, default="auto",
+    p.add_argument("--threads", type=parse_threads, default="auto",
                    help="torch CPU threads for the engine's steps, or 'auto' (the default): "
                         "the cores other programs leave free, followed as they change")
     p.add_argument("--engine-in", choices=ENGINES, default="process",
@@ -102,12 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "threads wait for each other (vLLM: --data-parallel-size)")
     p.add_argument("--log-level", default="info")
     return p
-
-
-def _threads(value: str) -> int | str:
-    from ..fast.threads import parse_threads  # imports torch: only when the option is given
-
-    return parse_threads(value)
 
 
 def api_key(flag: str | None) -> str | None:
@@ -176,8 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_chunked_prefill=args.enable_chunked_prefill,
-                       enable_prefix_caching=args.enable_prefix_caching, aging=args.aging,
-                       kv_read=args.kv_read)
+                       enable_prefix_caching=args.enable_prefix_caching, aging=args.aging)
     app = create_app(engine, model_name=args.served_model_name or args.model,
                      model_root=args.model, **options)
     if options["api_key"] is None and args.host not in ("127.0.0.1", "localhost", "::1"):

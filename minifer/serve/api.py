@@ -3,7 +3,7 @@
 Endpoints:
 
 - ``POST /v1/completions`` — OpenAI's completions API, and ``POST /v1/chat/completions`` — its
-  chat API (messages rendered by the chat template of `minifer.serve.chat`), answered whole or
+  chat API (messages rendered by the chat template of `minifer.play_chat`), answered whole or
   streamed as server-sent events (``data: {...}`` per token, then ``data: [DONE]``); the fields
   are in `protocol` (requests), `replies` and `schema` (answers) and at ``/openapi.json`` (``/docs`` shows it);
 - ``GET /v1/models`` (and ``/v1/models/{id}``) — the one served model; ``GET /health`` — 200

@@ -215,7 +215,7 @@ SpeakerName = Annotated[str, Field(pattern=r"^[^:\s]([^:\r\n]{0,62}[^:\s])?$")]
 
 
 class ChatMessage(_Body):
-    """One message; ``name`` is the speaker in the chat template (see `minifer.serve.chat`)."""
+    """One message; ``name`` is the speaker in the chat template (see `minifer.play_chat`)."""
 
     role: Literal["system", "developer", "user", "assistant"] = _f(
         ..., '"system", "developer", "user" or "assistant"')
@@ -420,11 +420,12 @@ def _check_length(ids: list[int], max_tokens: int, limits: Limits, param: str,
         raise _context_error(len(ids), max_tokens, limits, param, prompt_param)
 
 
-def _sampling(b: _Sampling, max_tokens: int, stop: list[str], tokenizer, vocab_size: int,
+def _sampling(b: _Sampling, max_tokens: int, stop: list[str],
               priorities: bool) -> tuple[SamplingParams, int, int]:
-    """`SamplingParams`, priority and min_tokens from the shared fields."""
-    if stop and tokenizer is None:
-        raise _bad("stop", "stop strings are matched on text, and this server has no tokenizer")
+    """`SamplingParams`, priority and min_tokens from the shared fields. What the engine checks
+    (stop strings without a tokenizer, min_tokens past max_tokens, logit_bias ids past the
+    vocabulary) it checks when the request is added: `engine.async_engine.add_failure` turns
+    its ValueError into a 400 naming the parameter."""
     if b.stream_options is not None and not b.stream:
         raise _bad("stream_options", "only allowed when stream is true")
     priority = b.priority or 0
@@ -432,13 +433,7 @@ def _sampling(b: _Sampling, max_tokens: int, stop: list[str], tokenizer, vocab_s
         raise _bad("priority", f"{priority} is not honoured: this server schedules first come, "
                    "first served (start it with --scheduling-policy priority)", code="unsupported")
     min_tokens = b.min_tokens or 0
-    if min_tokens > max_tokens:
-        raise _bad("min_tokens", f"must be at most max_tokens={max_tokens}, got {min_tokens}")
-    bias = {}
-    for key, value in (b.logit_bias or {}).items():
-        if int(key) >= vocab_size:
-            raise _bad("logit_bias", f"token id {key} is outside the vocabulary [0, {vocab_size})")
-        bias[int(key)] = value
+    bias = {int(key): value for key, value in (b.logit_bias or {}).items()}
     top_k = 0 if b.top_k in (None, -1) else b.top_k  # vLLM: -1 = off
     params = SamplingParams(
         temperature=1.0 if b.temperature is None else float(b.temperature),
@@ -469,8 +464,7 @@ def parse_completion_requests(body: Any, *, model_name: str, limits: Limits, tok
     score_only = max_tokens == 0
     if score_only and not b.echo:
         raise _bad("max_tokens", "0 is only allowed with echo (to score the prompt)")
-    params, priority, min_tokens = _sampling(b, max(max_tokens, 1), _stops(b.stop), tokenizer,
-                                             vocab_size, priorities)
+    params, priority, min_tokens = _sampling(b, max(max_tokens, 1), _stops(b.stop), priorities)
     include_usage = bool(b.stream_options and b.stream_options.include_usage)
     reqs: list[CompletionRequest] = []
     for i, prompt in enumerate(prompts):
@@ -507,7 +501,7 @@ def _message_text(m: ChatMessage) -> str:
 def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
                        vocab_size: int, priorities: bool = False) -> CompletionRequest:
     """Check a ``/v1/chat/completions`` body; render its messages with the tokenizer's chat
-    template (a checkpoint's own, else the play form of `minifer.serve.chat`, whose end of turn is
+    template (a checkpoint's own, else the play form of `minifer.play_chat`, whose end of turn is
     always a stop string): `minifer.chat_template.chat_prompt`."""
     b = _validate(ChatCompletionBody, body)
     _check_model(b.model, model_name)
@@ -528,8 +522,7 @@ def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=
     if b.top_logprobs is not None and not b.logprobs:
         raise _bad("top_logprobs", "only allowed when logprobs is true")
     stop = _stops(b.stop)
-    params, priority, min_tokens = _sampling(b, max_tokens, [*stop, *turn_stops], tokenizer,
-                                             vocab_size, priorities)
+    params, priority, min_tokens = _sampling(b, max_tokens, [*stop, *turn_stops], priorities)
     include_usage = bool(b.stream_options and b.stream_options.include_usage)
     return CompletionRequest(ids, params, stream=bool(b.stream), include_usage=include_usage,
                              priority=priority, model=b.model, kind="chat",

@@ -160,7 +160,7 @@ async def completions(body: P.CompletionBody, request: Request):
 
 
 @router.post("/v1/chat/completions", response_model=S.ChatCompletionResponse,
-             responses=POST_ERRORS, summary="OpenAI's chat completions API (minifer.serve.chat)")
+             responses=POST_ERRORS, summary="OpenAI's chat completions API (minifer.play_chat)")
 async def chat_completions(body: P.ChatCompletionBody, request: Request):
     s = state(request)
     req = await asyncio.to_thread(P.parse_chat_request, body, **s.parse_options())

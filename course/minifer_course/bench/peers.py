@@ -123,9 +123,9 @@ def _torchvision_problem() -> str | None:
 
 # the packages whose versions a report names for each peer
 _PEER_PACKAGES = {"ctranslate2": ("ctranslate2",), "openvino": ("openvino-genai", "optimum-intel")}
-_ROOT = str(Path(__file__).resolve().parents[2])  # this checkout: the children import minifer here
+_ROOT = str(Path(__file__).resolve().parents[3])  # this checkout: the children import minifer here
 # what another interpreter is asked (`_ask`), printed as JSON on its last line
-_PROBE = ("import json, sys; sys.path.insert(0, {root!r}); "
+_PROBE = ("import json, sys; sys.path[:0] = [{root!r}, {root!r} + '/course']; "
           "from minifer_course.bench.peers import peer_problems, peer_versions; "
           "print(json.dumps({{'path': [p for p in sys.path if p], 'problems': peer_problems(), "
           "'versions': peer_versions()}}))")

@@ -90,7 +90,7 @@ def _engine(name: str, model: torch.nn.Module):
 class ServeDecoder:
     """`LLMEngine` decode steps at a fixed batch: every row of `prompt` a request (prefilled by
     the engine itself; a random `past` is not used), then `decode(n)` runs `n` engine steps.
-    `kv_read`: how attention reads the pool (``serve-kernel``: the paged kernel)."""
+    `kv_read`: how attention reads the pool (`minifer.fast.paged.READS`)."""
 
     name = "serve"
 
@@ -99,6 +99,7 @@ class ServeDecoder:
 
     def start(self, prompt: torch.Tensor, new_tokens: int, past=None) -> None:
         from minifer.engine.llm_engine import LLMEngine
+        from minifer.fast import paged
         from minifer.sampling import SamplingParams
 
         B, T = prompt.shape
@@ -106,9 +107,9 @@ class ServeDecoder:
         params = SamplingParams(temperature=0, max_new_tokens=min(room, 3 * new_tokens + 4),
                                 ignore_eos=True)
         # a step's budget holds every prompt: one prefill step, then decode steps at batch B
-        self.engine = LLMEngine(self.model, max_num_seqs=B,
-                                max_num_batched_tokens=max(B * T, self.model.config.context_length),
-                                kv_read=self.kv_read)
+        with paged.read(self.kv_read):
+            self.engine = LLMEngine(self.model, max_num_seqs=B, max_num_batched_tokens=max(
+                B * T, self.model.config.context_length))
         for row in prompt.tolist():
             self.engine.add_request(row, params)
         self.engine.step()

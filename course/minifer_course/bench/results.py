@@ -13,7 +13,7 @@ from pathlib import Path
 
 __all__ = ["BENCHMARKS_DIR", "gpu_runs", "latest_gpu_run", "gpu_headline"]
 
-BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCHMARKS_DIR = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 def gpu_runs(directory: str | Path | None = None) -> list[Path]:

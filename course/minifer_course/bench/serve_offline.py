@@ -200,13 +200,14 @@ def format_offline(runs: Sequence[OfflineRun], header: str = "") -> str:
 
 def engine_vs_generate(model: torch.nn.Module, *, batch: int = 16, prompt_len: int = 32,
                        new_tokens: int = 64, rounds: int = 5, seed: int = 0,
-                       kv_reads: tuple[str, ...] = ("blocks",)) -> dict[str, list[float]]:
+                       kv_reads: tuple[str, ...] = ("kernel",)) -> dict[str, list[float]]:
     """Seconds per run of `LLMEngine.generate` and of plain `minifer.generate` (one batch,
     left-padded) on `batch` equal-length prompts, greedy, `ignore_eos`: the engine's overhead
-    over the simplest loop. One engine per pool read in `kv_reads` (``"engine"`` for the
-    default alone, else ``"engine-<read>"``). Alternating rounds after one warm-up run of each;
+    over the simplest loop. One engine per pool read in `kv_reads` (`minifer.fast.paged.READS`;
+    ``"engine"`` for the default alone, else ``"engine-<read>"``). Alternating rounds after one warm-up run of each;
     all must give the same tokens (checked)."""
     import minifer as mf
+    from minifer.fast import paged
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(model.config.vocab_size) for _ in range(prompt_len)]
@@ -215,14 +216,15 @@ def engine_vs_generate(model: torch.nn.Module, *, batch: int = 16, prompt_len: i
 
     def engine(read: str):
         def run() -> list[list[int]]:
-            eng = mf.LLMEngine(model, max_num_seqs=batch, kv_read=read)
+            with paged.read(read):
+                eng = mf.LLMEngine(model, max_num_seqs=batch)
             return [o.token_ids for o in eng.generate(prompts, params)]
         return run
 
     def plain() -> list[list[int]]:
         return [r.token_ids for r in mf.generate(model, prompts, params)]
 
-    runs = {("engine" if kv_reads == ("blocks",) else f"engine-{r}"): engine(r) for r in kv_reads}
+    runs = {("engine" if kv_reads == ("kernel",) else f"engine-{r}"): engine(r) for r in kv_reads}
     runs["generate"] = plain
     ref = plain()
     for name, run in runs.items():

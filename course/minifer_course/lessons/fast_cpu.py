@@ -23,6 +23,7 @@ import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
 
+import minifer
 from minifer.generation import generate
 from minifer.sampling import SamplingParams
 
@@ -32,9 +33,10 @@ __all__ = ["busy_core", "step_ms", "thread_grid", "thread_figure", "SimulatedCPU
            "governor_figure", "one_row_ms", "kernel_figure", "PEERS_FILE", "peer_rows",
            "peer_machine", "peer_figure", "source_lines"]
 
-ROOT = Path(__file__).resolve().parents[2]
-# a copy of benchmarks/2026-12-05-cpu-bench.json shipped with the package, so that the lesson
-# reads it wherever minifer is installed (Colab has no clone of the repository)
+# minifer's own sources, which the lesson quotes
+ENGINE = Path(minifer.__file__).resolve().parent
+# the peers' results (BENCHMARKS.md cites this file), shipped with the course package so that the
+# lesson reads it wherever the course is installed (Colab has no clone of the repository)
 PEERS_FILE = Path(__file__).with_name("data") / "cpu-bench-2026-12-05.json"
 PEERS_SECTION = "bf16 at batch 1 on minifer's own AVX512-BF16 kernel"
 

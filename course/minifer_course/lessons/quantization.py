@@ -15,8 +15,8 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from minifer.evaluate import score_windows
 from minifer.quantization import PRECISIONS, fused_available, model_bytes, quantize
+from minifer_course.evaluate import score_windows
 
 from .. import roofline as rl
 from ..bench.quant import time_variants

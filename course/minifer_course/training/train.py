@@ -357,7 +357,7 @@ def train_model(
 
 def export_model(name: str, model: GPT, state: dict, tok: Tokenizer, corpus, out: Path) -> dict:
     """Measure the finished model on the held-out plays and write it as a shipped checkpoint."""
-    from minifer.evaluate import perplexity
+    from minifer_course.evaluate import perplexity
 
     spec = state["spec"]
     T = model.config.context_length

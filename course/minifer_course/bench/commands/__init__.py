@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from minifer.fast.threads import apply_threads, parse_threads
+from minifer.checks import parse_threads
+from minifer.fast.threads import apply_threads
 
 from ..common import busy_warning
 

@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from minifer.fast.threads import apply_threads, parse_threads
+from minifer.checks import parse_threads
+from minifer.fast.threads import apply_threads
 from minifer.model import GPT
 
 from ..profile import DTYPES, ENGINES, format_summary, profile_decode

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from minifer.fast.threads import apply_threads, parse_threads
+from minifer.checks import parse_threads
+from minifer.fast.threads import apply_threads
 
 from ..spec import PROMPT, format_report, run
 

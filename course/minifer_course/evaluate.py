@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .checks import check_int
-from .tokenizer import TokenizerLike
+from minifer.checks import check_int
+from minifer.tokenizer import TokenizerLike
 
 
 @dataclass(frozen=True)
