@@ -23,20 +23,11 @@ API_KEY_ENV = "MINIFER_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: what to serve and where; security, engine and limit options; where the
-    engine steps (their defaults are `create_app`'s and `LLMEngine`'s; this order is --help's)."""
+    """The command line (the defaults are `create_app`'s and `LLMEngine`'s)."""
+    from ..distributed.engine_process import ENGINES
+
     p = argparse.ArgumentParser(prog="python -m minifer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _serving_options(p)
-    _security_options(p.add_argument_group("security"))
-    _engine_options(p.add_argument_group("engine (vLLM's option names)"))
-    _limit_options(p.add_argument_group("limits (claim MET-5)"))
-    _stepping_options(p)
-    return p
-
-
-def _serving_options(p: argparse.ArgumentParser) -> None:
-    """The model, its name, the address and the device."""
     p.add_argument("--model", default="shakespeare",
                    help="a shipped model (shakespeare, shakespeare-draft), a GPTConfig preset "
                         "with random weights and the byte tokenizer (tiny, reference), or a "
@@ -46,12 +37,15 @@ def _serving_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best present)")
-
-
-def _stepping_options(p: argparse.ArgumentParser) -> None:
-    """Where the engine steps and with how many threads; the log level."""
-    from ..distributed.engine_process import ENGINES
-
+    sec = p.add_argument_group("security")
+    sec.add_argument("--api-key", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on every route but /health "
+                          f"(default: ${API_KEY_ENV}, else no key)")
+    sec.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                     help="Host header names to answer ('*': any; default: the loopback names "
+                          "when bound to loopback, any otherwise)")
+    _engine_options(p.add_argument_group("engine (vLLM's option names)"))
+    _limit_options(p.add_argument_group("limits (claim MET-5)"))
     p.add_argument("--threads", type=_threads, default="auto",
                    help="torch CPU threads for the engine's steps, or 'auto' (the default): "
                         "the cores other programs leave free, followed as they change")
@@ -65,15 +59,7 @@ def _stepping_options(p: argparse.ArgumentParser) -> None:
                         "work, N single-threaded replicas keep going where one engine's "
                         "threads wait for each other (vLLM: --data-parallel-size)")
     p.add_argument("--log-level", default="info")
-
-
-def _security_options(sec) -> None:
-    sec.add_argument("--api-key", default=None,
-                     help=f"require 'Authorization: Bearer KEY' on every route but /health "
-                          f"(default: ${API_KEY_ENV}, else no key)")
-    sec.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
-                     help="Host header names to answer ('*': any; default: the loopback names "
-                          "when bound to loopback, any otherwise)")
+    return p
 
 
 def _engine_options(e) -> None:
