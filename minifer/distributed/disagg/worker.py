@@ -30,7 +30,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ...engine.driver import drive
 from ...sampling import SamplingParams
@@ -64,8 +64,7 @@ class Span:
     requests: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"start": self.start, "end": self.end, "kind": self.kind, "tokens": self.tokens,
-                "nbytes": self.nbytes, "requests": self.requests}
+        return asdict(self)
 
 
 class Lines:
@@ -132,9 +131,7 @@ class ListRequests:
 
 class _Loop:
     """What both ranks' loops keep: the engine, the step timeline, the step count (and the fault
-    injected at a step, `FAULT_ENV`)."""
-
-    role = ""
+    injected at a step, `FAULT_ENV`); `role` is the subclass's."""
 
     def __init__(self, engine, device) -> None:
         self.engine, self.device = engine, device
@@ -257,6 +254,9 @@ def run_decode(engine, lines: Lines, device, *, src: int = PREFILL, text=None) -
             "recompute_tokens": engine.num_prefill_tokens, "num_blocks": pool.num_blocks}
 
 
+_NO_TRANSFER = {"kv_bytes": 0, "recv_s": 0.0, "received_time": None}  # finished at rank 0
+
+
 class _Decode(_Loop):
     """`run_decode`'s state between the steps: the inbox its receiver thread fills, the
     handoffs received and not yet admitted, each request's transfer, whether rank 0 is done."""
@@ -294,14 +294,12 @@ class _Decode(_Loop):
     def emit(self, rid: str, prompt_ids, token_ids, reason, arrival_time, first_scheduled_time,
              token_times, finished_time, preemptions: int = 0, error: str | None = None) -> None:
         """One finished request, as a line on stdout (with its transfer, if it had one)."""
-        t = self.transfers.get(rid, {})
         self.lines.write({"event": "finished", "request_id": rid, "prompt_ids": list(prompt_ids),
                           "token_ids": list(token_ids), "finish_reason": reason, "error": error,
                           "arrival_time": arrival_time, "first_scheduled_time":
                           first_scheduled_time, "token_times": token_times,
                           "finished_time": finished_time, "preemptions": preemptions,
-                          "kv_bytes": t.get("kv_bytes", 0), "recv_s": t.get("recv_s", 0.0),
-                          "received_time": t.get("received_time")})
+                          **self.transfers.get(rid, _NO_TRANSFER)})
 
     def admit(self, h: Handoff) -> bool:
         """Start decoding `h` here (or emit it, finished at its first token); False: no room."""
