@@ -15,6 +15,7 @@ context manager ends them on any exit (an exception, a timeout, Ctrl-C).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import tempfile
@@ -291,11 +292,8 @@ class DisaggregatedEngine:
         return got
 
     def _wait_exit(self, rank: int) -> None:
-        proc = self.workers.procs[rank]
-        try:
-            proc.wait(timeout=5)
-        except Exception:  # noqa: BLE001 - checked below
-            pass
+        with contextlib.suppress(Exception):  # whatever it was, `_check` reports it
+            self.workers.procs[rank].wait(timeout=5)
         self._check()
 
     def _output(self, ev: dict) -> DisaggOutput:

@@ -24,6 +24,7 @@ ends it (`minifer.distributed.parallel.Workers`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -85,12 +86,10 @@ class Lines:
 def _drain(q: queue.Queue, block: bool) -> list:
     """Everything in `q` now; with `block`, first wait up to 50 ms for one item."""
     items = []
-    try:
+    with contextlib.suppress(queue.Empty):
         items.append(q.get(timeout=0.05) if block else q.get_nowait())
         while True:
             items.append(q.get_nowait())
-    except queue.Empty:
-        pass
     return items
 
 

@@ -161,15 +161,15 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
                         weight_bytes=rank_weight_bytes(model), kv_bytes=cache.nbytes,
                         token_ids=[s.output_ids for s in seqs], finish_reasons=[])
     token = torch.zeros(len(seqs), dtype=torch.long, device=device)
-    logits_kept: list[list[float]] = []
-    sampler = _rank0_samples(plan.rank, comm, token, logits_kept if keep_logits else None)
+    kept: list[list[float]] | None = [] if keep_logits else None  # row 0's logits, per step
+    sampler = _rank0_samples(plan.rank, comm, token, kept)
     with _timed_forwards(model, comm, report):
         req = Prepared(seqs, vocab if vocab is not None else model.config.vocab_size, device)
         for _ in run_batch(model, req, cache=cache, sampler=sampler):
             pass
     report.finish_reasons = [s.finish_reason for s in seqs]
     report.broadcast_bytes_per_step = token.numel() * token.element_size() if comm.world_size > 1 else 0
-    report.logits = logits_kept if keep_logits else None
+    report.logits = kept
     return report
 
 
@@ -300,10 +300,8 @@ def leave_group(done: bool) -> None:
     if not done:
         dist.destroy_process_group()
         return
-    try:
+    with contextlib.suppress(Exception):  # a failed peer must not keep this rank from exiting
         dist.barrier()
-    except Exception:  # noqa: BLE001 - a failed peer must not keep this rank from exiting
-        pass
     if os.environ.get(PARENT_ENV):
         sys.stdout.flush()
         sys.stderr.flush()
