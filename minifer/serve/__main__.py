@@ -25,15 +25,8 @@ API_KEY_ENV = "MINIFER_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line (the defaults are `create_app`'s and `LLMEngine`'s)."""
     from ..distributed.engine_process import ENGINES
-    from ..engine.async_engine import DEFAULT_MAX_WAITING
-    from .api import (
-        MAX_CONNECTIONS,
-        MAX_HEADER_BYTES,
-        READ_TIMEOUT_S,
-        SCHEDULING_POLICIES,
-        SHUTDOWN_GRACE_S,
-    )
 
     p = argparse.ArgumentParser(prog="python -m minifer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,7 +46,27 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
                      help="Host header names to answer ('*': any; default: the loopback names "
                           "when bound to loopback, any otherwise)")
-    e = p.add_argument_group("engine (vLLM's option names)")
+    _engine_options(p.add_argument_group("engine (vLLM's option names)"))
+    _limit_options(p.add_argument_group("limits (claim MET-5)"))
+    p.add_argument("--threads", type=parse_threads, default="auto",
+                   help="torch CPU threads for the engine's steps, or 'auto' (the default): "
+                        "the cores other programs leave free, followed as they change")
+    p.add_argument("--engine-in", choices=ENGINES, default="process",
+                   help="where the engine steps: 'process' (default: a process of its own, "
+                        "the weights shared with it; a thread where it cannot start) or "
+                        "'thread' (a thread of the server's process)")
+    p.add_argument("--engine-replicas", type=int, default=1, metavar="N",
+                   help="engine processes, each with its share of --max-num-seqs and of the "
+                        "KV pool (default: 1); on a machine whose cores are shared with other "
+                        "work, N single-threaded replicas keep going where one engine's "
+                        "threads wait for each other (vLLM: --data-parallel-size)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def _engine_options(e) -> None:
+    from .api import SCHEDULING_POLICIES
+
     e.add_argument("--policy", choices=["continuous", "static"], default="continuous")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--num-blocks", type=int, default=None)
@@ -66,7 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "priority: lower priority value first")
     e.add_argument("--aging", type=float, default=0.0,
                    help="priority points a waiting request gains per step (0: strict priority)")
-    lim = p.add_argument_group("limits (claim MET-5)")
+
+
+def _limit_options(lim) -> None:
+    from ..engine.async_engine import DEFAULT_MAX_WAITING
+    from .api import MAX_CONNECTIONS, MAX_HEADER_BYTES, READ_TIMEOUT_S, SHUTDOWN_GRACE_S
+
     lim.add_argument("--max-model-len", type=int, default=None,
                      help="most prompt + max_tokens - 1 per request (default: what fits)")
     lim.add_argument("--max-tokens", type=int, default=None,
@@ -84,20 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
                      help="on SIGTERM or Ctrl-C, seconds the requests in flight have to "
                           "finish; then each open stream gets an error event and [DONE]")
-    p.add_argument("--threads", type=parse_threads, default="auto",
-                   help="torch CPU threads for the engine's steps, or 'auto' (the default): "
-                        "the cores other programs leave free, followed as they change")
-    p.add_argument("--engine-in", choices=ENGINES, default="process",
-                   help="where the engine steps: 'process' (default: a process of its own, "
-                        "the weights shared with it; a thread where it cannot start) or "
-                        "'thread' (a thread of the server's process)")
-    p.add_argument("--engine-replicas", type=int, default=1, metavar="N",
-                   help="engine processes, each with its share of --max-num-seqs and of the "
-                        "KV pool (default: 1); on a machine whose cores are shared with other "
-                        "work, N single-threaded replicas keep going where one engine's "
-                        "threads wait for each other (vLLM: --data-parallel-size)")
-    p.add_argument("--log-level", default="info")
-    return p
 
 
 def api_key(flag: str | None) -> str | None:
@@ -132,8 +136,6 @@ def server_options(args: argparse.Namespace) -> dict:
 def load_model(name: str, device=None):
     """A shipped model with its tokenizer, a preset with random weights and bytes, or a Hugging
     Face checkpoint folder (`minifer.load_hf_checkpoint`: its tokenizer and chat template)."""
-    import os
-
     import minifer as mf
     from minifer.pretrained import PRETRAINED
 
@@ -158,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import minifer as mf
 
     from ..engine.llm_engine import LLMEngine
-    from .api import create_app, make_server, server_config
+    from .api import LOOPBACK_HOSTS, create_app, make_server, server_config
 
     device = args.device or str(mf.default_device())
     model, tok = load_model(args.model, device)
@@ -169,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        enable_prefix_caching=args.enable_prefix_caching, aging=args.aging)
     app = create_app(engine, model_name=args.served_model_name or args.model,
                      model_root=args.model, **options)
-    if options["api_key"] is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if options["api_key"] is None and args.host not in LOOPBACK_HOSTS:
         print(f"minifer: warning: --host {args.host} makes the server reachable from other "
               f"machines, and it has no API key (--api-key or ${API_KEY_ENV})", file=sys.stderr)
     print(f"minifer: serving {args.model!r} ({engine!r}) on http://{args.host}:{args.port}"

@@ -21,17 +21,11 @@ too long to fit whatever its tokens is refused before it is tokenized), ``max_to
 per-request timeout, a bounded waiting queue (429 with ``Retry-After`` past it); a client that
 disconnects — streaming or not — aborts its request, which frees its blocks.
 
-Guards (`minifer.serve.guard.Guard`, before any route): the ``Host`` header must name this
-machine (loopback binds; stops DNS rebinding), an ``Authorization: Bearer`` key when the server
-has one (every route but ``/health``), POST bodies must be JSON (415 otherwise: a web page
-cannot post to the server without a CORS preflight, which it does not answer), at most
-`max_body_bytes` (413) arriving within `read_timeout_s` (408), headers of at most
-`max_header_bytes` (431). Its HTTP protocol (`minifer.serve.guard.h11_protocol`) adds: headers
-within `read_timeout_s` of a request's first byte and the whole request within twice that, at
-most `max_connections` at once (503; a connection that never passed the guard gives way to a
-new one). Every error — a bad request or a bug — is one OpenAI-style JSON body, counted in
-``minifer_request_rejected_total`` by status; it leaves the connection usable unless part of
-the body is unread (then the server closes it).
+Guards (`minifer.serve.guard`, before any route): the ``Host`` header, the API key, JSON
+bodies, size and time limits on the headers and the body, at most `max_connections`
+connections at once (503; one that never passed the guard gives way to a new one). Every error
+— a bad request or a bug — is one OpenAI-style JSON body, counted in
+``minifer_request_rejected_total`` by status.
 
 Shutdown (SIGTERM, Ctrl-C; `make_server`): no new connections, the requests in flight have
 ``shutdown_grace_s`` (``--shutdown-grace``) to finish, then each open stream ends with an error
@@ -83,12 +77,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | None = None,
                max_model_len: int | None = None, max_tokens: int | None = None,
                request_timeout_s: float = 120.0, max_waiting: int = DEFAULT_MAX_WAITING,
-               api_key: str | None = None,
-               allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
+               api_key: str | None = None, allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
                scheduling_policy: str = "fcfs", read_timeout_s: float = READ_TIMEOUT_S,
                max_body_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES,
-               threads: int | str | None = None, engine_in: str = "thread",
-               replicas: int = 1):
+               threads: int | str | None = None, engine_in: str = "thread", replicas: int = 1):
     """A FastAPI app serving `engine` (an `LLMEngine`) as model `model_name`.
 
     Limits (claim MET-5): `max_model_len` (prompt + max_tokens - 1; default: what the engine can
@@ -98,20 +90,17 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     (``Host`` names; None or ``["*"]``: any — for a server bound to a network address),
     `read_timeout_s`, `max_body_bytes`, `max_header_bytes`. `scheduling_policy`: ``"fcfs"``
     refuses a non-zero ``priority``, ``"priority"`` passes it to the engine. `model_root`: what
-    ``/v1/models`` reports as the model's source (default: `model_name`). `threads`: torch's
-    CPU threads for the engine's steps (`AsyncEngine`: None, a number, or ``"auto"``, which
-    follows the cores other programs leave free). `engine_in`: where the engine steps,
-    ``"thread"`` (`AsyncEngine`, a thread of this process) or ``"process"`` (`EngineProcess`,
-    a process of its own, built from `engine`'s model and options, or in a thread after a
-    warning where that process cannot start). It starts and stops with the app (its lifespan).
-    `replicas` (with ``engine_in="process"``): that many engine processes, each with its share
-    of ``max_num_seqs`` and of the KV pool (`EngineReplicas`; one process where they cannot
-    start).
-    """
+    ``/v1/models`` reports as the model's source (default: `model_name`). `threads`: torch's CPU
+    threads for the engine's steps (`AsyncEngine`: None, a number, or ``"auto"``, which follows
+    the cores other programs leave free). `engine_in`: where the engine steps, ``"thread"``
+    (`AsyncEngine`, a thread of this process) or ``"process"`` (`EngineProcess`, a process of
+    its own, built from `engine`'s model and options, or in a thread after a warning where that
+    process cannot start). It starts and stops with the app (its lifespan). `replicas` (with
+    ``engine_in="process"``): that many engine processes, each with its share of
+    ``max_num_seqs`` and of the KV pool (`EngineReplicas`; one process where they cannot start)."""
     from fastapi import FastAPI
 
     from . import routes
-    from . import schema as S
     from .protocol import Limits
 
     check_server_options(engine, max_model_len=max_model_len, engine_in=engine_in,
@@ -126,15 +115,29 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     vocab_size = engine.model.config.vocab_size
     if tokenizer is not None:
         vocab_size = min(vocab_size, tokenizer.vocab_size)
-    created = int(time.time())
-    card = S.ModelCard(id=model_name, created=created, root=model_root or model_name,
-                       max_model_len=limits.max_model_len, permission=[S.ModelPermission(
-                           id=f"modelperm-{model_name}", created=created)])
-
     aengine = _engine_loop(engine, engine_in=engine_in, replicas=replicas,
                            max_waiting=max_waiting, threads=threads, max_model_len=max_model_len)
     metrics = ServerMetrics(aengine)
     aengine.on_finish = metrics.on_finish
+    app = FastAPI(title="minifer", version="0.1.0", lifespan=_running(aengine),
+                  summary="OpenAI-compatible completions and chat on minifer's serving engine")
+    priorities = scheduling_policy == "priority"
+    app.state.server = routes.ServerState(
+        engine=engine, async_engine=aengine, metrics=metrics, limits=limits,
+        model_name=model_name, card=_model_card(model_name, model_root, max_model_len),
+        tokenizer=tokenizer, vocab_size=vocab_size, priorities=priorities)
+    app.state.read_timeout_s, app.state.max_header_bytes = float(read_timeout_s), max_header_bytes
+    app.add_middleware(Guard, metrics=metrics, api_key=api_key, allowed_hosts=_hosts(allowed_hosts),
+                       max_body_bytes=int(max_body_bytes), max_header_bytes=int(max_header_bytes),
+                       read_timeout_s=float(min(read_timeout_s, request_timeout_s)))
+    routes.add_error_handlers(app)
+    app.include_router(routes.router)
+    _document_this_server(app, model_name, limits.max_tokens, vocab_size, priorities)
+    return app
+
+
+def _running(aengine):
+    """The app's lifespan: the engine loop runs while the app does."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -144,23 +147,17 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
         finally:
             aengine.stop()
 
-    app = FastAPI(title="minifer", version="0.1.0", lifespan=lifespan,
-                  summary="OpenAI-compatible completions and chat on minifer's serving engine")
-    app.state.server = routes.ServerState(
-        engine=engine, async_engine=aengine, metrics=metrics, limits=limits,
-        model_name=model_name, card=card, tokenizer=tokenizer, vocab_size=vocab_size,
-        priorities=scheduling_policy == "priority")
-    app.state.engine, app.state.async_engine, app.state.metrics = engine, aengine, metrics
-    app.state.limits, app.state.model_name = limits, model_name
-    app.state.read_timeout_s, app.state.max_header_bytes = float(read_timeout_s), max_header_bytes
-    app.add_middleware(Guard, metrics=metrics, api_key=api_key, allowed_hosts=_hosts(allowed_hosts),
-                       max_body_bytes=int(max_body_bytes), max_header_bytes=int(max_header_bytes),
-                       read_timeout_s=float(min(read_timeout_s, request_timeout_s)))
-    routes.add_error_handlers(app)
-    app.include_router(routes.router)
-    _document_this_server(app, model_name, limits.max_tokens, vocab_size,
-                          priorities=scheduling_policy == "priority")
-    return app
+    return lifespan
+
+
+def _model_card(model_name: str, model_root: str | None, max_model_len: int):
+    """What ``/v1/models`` says of the one model served (`model_root`: its source)."""
+    from . import schema as S
+
+    created = int(time.time())
+    return S.ModelCard(id=model_name, created=created, root=model_root or model_name,
+                       max_model_len=max_model_len, permission=[S.ModelPermission(
+                           id=f"modelperm-{model_name}", created=created)])
 
 
 def check_server_options(engine: Any, *, max_model_len, engine_in, replicas, scheduling_policy,

@@ -218,114 +218,121 @@ def h11_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYT
     Headers that outgrow h11's buffer (`max_header_bytes`, uvicorn's
     ``h11_max_incomplete_event_size``) before they end are answered with the same JSON 431 as
     `Guard` gives: which of the two sees them depends on how the bytes arrive (one read of the
-    whole request, or several)."""
+    whole request, or several). The methods are `SlowClients`'."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class Protocol(H11Protocol):
-        _header_timer = None
-        _request_timer = None
-        trusted = False  # a request on it passed the guard
-        opened = 0.0
+    return type("Protocol", (SlowClients, H11Protocol), {
+        "h11": h11, "header_timeout_s": header_timeout_s, "max_header_bytes": max_header_bytes})
 
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self.opened = self.loop.time()
-            self._arm()
-            limit = self.limit_concurrency
-            while limit is not None and len(self.connections) >= limit and self._evict():
-                pass
 
-        def _evict(self) -> bool:
-            """Close the oldest untrusted connection still in its headers; False if none."""
-            idle = [c for c in self.connections if c is not self and not c.trusted
-                    and not c.scope_trusted() and c.conn.their_state is h11.IDLE
-                    and not c.transport.is_closing()]
-            if not idle:
-                return False
-            oldest = min(idle, key=lambda c: c.opened)
-            oldest._close(b"503 Service Unavailable", b"the server is full: this connection "
-                          b"sent no complete request in time and gave way to a new one")
-            self.connections.discard(oldest)
-            return True
+class SlowClients:
+    """`h11_protocol`'s methods, a mixin before uvicorn's ``H11Protocol`` (which is imported
+    only when a server is built): the deadlines, the eviction, the JSON 431. `h11_protocol`
+    sets ``h11`` (the module), ``header_timeout_s`` and ``max_header_bytes``."""
 
-        def scope_trusted(self) -> bool:
-            return bool(getattr(self, "scope", None) and self.scope.get("minifer.trusted"))
+    _header_timer = None
+    _request_timer = None
+    trusted = False  # a request on it passed the guard
+    opened = 0.0
 
-        def _arm(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout_s, self._too_slow)
-            if self._request_timer is None:
-                self._request_timer = self.loop.call_later(2 * header_timeout_s,
-                                                           self._request_too_slow)
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.opened = self.loop.time()
+        self._arm()
+        limit = self.limit_concurrency
+        while limit is not None and len(self.connections) >= limit and self._evict():
+            pass
 
-        def _disarm(self, request: bool = True) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-            if request and self._request_timer is not None:
-                self._request_timer.cancel()
-                self._request_timer = None
+    def _evict(self) -> bool:
+        """Close the oldest untrusted connection still in its headers; False if none."""
+        idle = [c for c in self.connections if c is not self and not c.trusted
+                and not c.scope_trusted() and c.conn.their_state is self.h11.IDLE
+                and not c.transport.is_closing()]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.opened)
+        oldest._close(b"503 Service Unavailable", b"the server is full: this connection "
+                      b"sent no complete request in time and gave way to a new one")
+        self.connections.discard(oldest)
+        return True
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            their = self.conn.their_state
-            if self.transport.is_closing():
-                self._disarm()
-            elif their is h11.IDLE:
-                self._arm()  # (more of) the next request's headers: they have a deadline
-            elif their is h11.SEND_BODY:
-                self._disarm(request=False)  # the headers are in; the body has the rest
-            else:
-                self._disarm()
+    def scope_trusted(self) -> bool:
+        return bool(getattr(self, "scope", None) and self.scope.get("minifer.trusted"))
 
-        def on_response_complete(self) -> None:
-            if self.scope_trusted():
-                self.trusted = True
-            super().on_response_complete()
-            if self.conn.their_state is not h11.SEND_BODY:
-                self._disarm()  # idle again: uvicorn's keep-alive timeout takes over
+    def _arm(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._too_slow)
+        if self._request_timer is None:
+            self._request_timer = self.loop.call_later(2 * self.header_timeout_s,
+                                                       self._request_too_slow)
 
-        def _close(self, status: bytes, body: bytes) -> None:
-            self.transport.write(b"HTTP/1.1 " + status + b"\r\nconnection: close\r\n"
-                                 b"content-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
-                                 % (len(body), body))
-            self.transport.close()
-
-        def _too_slow(self) -> None:
+    def _disarm(self, request: bool = True) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
             self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self._close(b"408 Request Timeout", b"request headers did not arrive in time")
-
-        def _request_too_slow(self) -> None:
+        if request and self._request_timer is not None:
+            self._request_timer.cancel()
             self._request_timer = None
-            if self.transport.is_closing() or self.conn.their_state not in (h11.IDLE,
-                                                                             h11.SEND_BODY):
-                return
-            if self.cycle is None or not self.cycle.response_started:
-                self._close(b"408 Request Timeout", b"the request did not arrive in time")
-            else:
-                self.transport.close()  # answered already; the rest of the body is not wanted
 
-        def send_400_response(self, msg: str) -> None:
-            # uvicorn's answer to any h11.RemoteProtocolError; h11 raises one for a buffer past
-            # its limit with the headers not yet ended (its only 431 case), and keeps the buffer
-            pending, _ = self.conn.trailing_data
-            if self.conn.their_state is not h11.ERROR or len(pending) <= max_header_bytes:
-                return super().send_400_response(msg)
-            err = APIError(431, f"the request headers are over {max_header_bytes:,} bytes "
-                           f"({len(pending):,} arrived before they ended); this server takes "
-                           f"at most {max_header_bytes:,}", code="headers_too_large")
-            body = json_bytes(err.body())
-            self.transport.write(self.conn.send(h11.Response(status_code=431, headers=[
-                (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-                (b"connection", b"close")])))
-            self.transport.write(self.conn.send(h11.Data(data=body)))
-            self.transport.write(self.conn.send(h11.EndOfMessage()))
-            self.transport.close()
-
-        def connection_lost(self, exc) -> None:
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        their = self.conn.their_state
+        if self.transport.is_closing():
             self._disarm()
-            super().connection_lost(exc)
+        elif their is self.h11.IDLE:
+            self._arm()  # (more of) the next request's headers: they have a deadline
+        elif their is self.h11.SEND_BODY:
+            self._disarm(request=False)  # the headers are in; the body has the rest
+        else:
+            self._disarm()
 
-    return Protocol
+    def on_response_complete(self) -> None:
+        if self.scope_trusted():
+            self.trusted = True
+        super().on_response_complete()
+        if self.conn.their_state is not self.h11.SEND_BODY:
+            self._disarm()  # idle again: uvicorn's keep-alive timeout takes over
+
+    def _close(self, status: bytes, body: bytes) -> None:
+        self.transport.write(b"HTTP/1.1 " + status + b"\r\nconnection: close\r\n"
+                             b"content-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(body), body))
+        self.transport.close()
+
+    def _too_slow(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is self.h11.IDLE and not self.transport.is_closing():
+            self._close(b"408 Request Timeout", b"request headers did not arrive in time")
+
+    def _request_too_slow(self) -> None:
+        self._request_timer = None
+        if self.transport.is_closing() or self.conn.their_state not in (self.h11.IDLE,
+                                                                         self.h11.SEND_BODY):
+            return
+        if self.cycle is None or not self.cycle.response_started:
+            self._close(b"408 Request Timeout", b"the request did not arrive in time")
+        else:
+            self.transport.close()  # answered already; the rest of the body is not wanted
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to any h11.RemoteProtocolError; h11 raises one for a buffer past
+        # its limit with the headers not yet ended (its only 431 case), and keeps the buffer
+        h11, limit = self.h11, self.max_header_bytes
+        pending, _ = self.conn.trailing_data
+        if self.conn.their_state is not h11.ERROR or len(pending) <= limit:
+            return super().send_400_response(msg)
+        err = APIError(431, f"the request headers are over {limit:,} bytes ({len(pending):,} "
+                       f"arrived before they ended); this server takes at most {limit:,}",
+                       code="headers_too_large")
+        body = json_bytes(err.body())
+        self.transport.write(self.conn.send(h11.Response(status_code=431, headers=[
+            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+            (b"connection", b"close")])))
+        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)

@@ -15,6 +15,7 @@ context manager ends them on any exit (an exception, a timeout, Ctrl-C).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import tempfile
@@ -119,29 +120,7 @@ class DisaggregatedEngine:
                  decode_tokens: int | None = None, threads: int = 1, timeout_s: float = 120.0,
                  prefill_nice: int = 0, keepalive_s: float | None = None,
                  fault: str | None = None) -> None:
-        if isinstance(model, str):
-            if model not in PRETRAINED:
-                raise ValueError(f"model must be a GPT or one of {sorted(PRETRAINED)}, got "
-                                 f"{model!r}")
-            from ...pretrained import load_pretrained
-
-            self.name = model
-            _w, config_path, tok_path = model_files(model)
-            if tokenizer is None:
-                tokenizer = Tokenizer.from_file(tok_path)
-            self.model, _ = load_pretrained(model)  # the front checks requests against it
-            self.dtype = "fp32"
-        elif isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None),
-                                                               GPTConfig):
-            check_model(model)  # once here: `prepare_request` trusts the model it is given
-            self.name, self.model = None, model
-            self.dtype = _DTYPE_NAMES.get(next(model.parameters()).dtype)
-            if self.dtype is None:
-                raise ValueError(f"model weights must be fp32, bf16 or fp16, got "
-                                 f"{next(model.parameters()).dtype}")
-        else:
-            raise TypeError(f"model must be a minifer GPT or a shipped model's name, got "
-                            f"{type(model).__name__}")
+        self.name, self.model, self.tokenizer, self.dtype = _front_model(model, tokenizer)
         cfg = self.model.config
         for name, value in (("block_size", block_size), ("prefill_tokens", prefill_tokens),
                             ("prefill_max_seqs", prefill_max_seqs),
@@ -159,11 +138,9 @@ class DisaggregatedEngine:
         if fault is not None and (not isinstance(fault, str) or fault.split(":")[0] not in
                                   ("prefill", "decode")):
             raise ValueError(f"fault must be 'prefill:N' or 'decode:N', got {fault!r}")
-        self.tokenizer = tokenizer
         self.block_size, self.decode_blocks = block_size, decode_blocks
-        p = next(self.model.parameters())
         self.bytes_per_token = kv_token_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim,
-                                              p.element_size())
+                                              next(self.model.parameters()).element_size())
         """K/V bytes per token in all layers: what each prompt token costs to hand over."""
         self.options = {"--block-size": block_size, "--prefill-tokens": prefill_tokens,
                         "--prefill-max-seqs": prefill_max_seqs, "--decode-blocks": decode_blocks,
@@ -180,7 +157,6 @@ class DisaggregatedEngine:
         self._done: dict[str, DisaggOutput] = {}
         self._reports: dict[str, dict] = {}
         self._ids = 0
-        self._vocab: int | None = None
         self._closed = False
 
     # ---- processes -----------------------------------------------------------------------
@@ -241,7 +217,8 @@ class DisaggregatedEngine:
         Checked here first by `LLMEngine.add_request`'s own check (`options.prepare_request`:
         prompt, params, priority, arrival_time, request_id), then against the decode pool: a
         ValueError for a request that could never run (also stop strings, which the workers
-        cannot match). A request that fails inside a step ends alone, finish reason "error". `arrival_time` (``time.perf_counter()``) defaults to now.
+        cannot match). A request that fails inside a step ends alone, finish reason "error".
+        `arrival_time` (``time.perf_counter()``) defaults to now.
         """
         if self.report is not None or self._closed:
             raise RuntimeError("the engine is closed; no more requests")
@@ -315,11 +292,8 @@ class DisaggregatedEngine:
         return got
 
     def _wait_exit(self, rank: int) -> None:
-        proc = self.workers.procs[rank]
-        try:
-            proc.wait(timeout=5)
-        except Exception:  # noqa: BLE001 - checked below
-            pass
+        with contextlib.suppress(Exception):  # whatever it was, `_check` reports it
+            self.workers.procs[rank].wait(timeout=5)
         self._check()
 
     def _output(self, ev: dict) -> DisaggOutput:
@@ -385,6 +359,30 @@ class DisaggregatedEngine:
     def outputs(self) -> list[DisaggOutput]:
         """Every finished request so far, in the order they finished."""
         return list(self._done.values())
+
+
+def _front_model(model, tokenizer) -> tuple[str | None, torch.nn.Module, Tokenizer | None, str]:
+    """The model the front checks requests against, its name (a shipped model's, which the
+    workers load by name; None: the model is saved for them), its tokenizer and its weights'
+    dtype (TypeError, ValueError for a model the workers cannot run)."""
+    if isinstance(model, str):
+        if model not in PRETRAINED:
+            raise ValueError(f"model must be a GPT or one of {sorted(PRETRAINED)}, got {model!r}")
+        from ...pretrained import load_pretrained
+
+        _w, _config, tok_path = model_files(model)
+        if tokenizer is None:
+            tokenizer = Tokenizer.from_file(tok_path)
+        return model, load_pretrained(model)[0], tokenizer, "fp32"
+    if not (isinstance(model, torch.nn.Module)
+            and isinstance(getattr(model, "config", None), GPTConfig)):
+        raise TypeError(f"model must be a minifer GPT or a shipped model's name, got "
+                        f"{type(model).__name__}")
+    check_model(model)  # once here: `prepare_request` trusts the model it is given
+    dtype = next(model.parameters()).dtype
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"model weights must be fp32, bf16 or fp16, got {dtype}")
+    return None, model, tokenizer, _DTYPE_NAMES[dtype]
 
 
 def _read_lines(events: queue.Queue, rank: int, stream) -> None:

@@ -24,13 +24,14 @@ ends it (`minifer.distributed.parallel.Workers`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ...engine.driver import drive
 from ...sampling import SamplingParams
@@ -64,8 +65,7 @@ class Span:
     requests: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"start": self.start, "end": self.end, "kind": self.kind, "tokens": self.tokens,
-                "nbytes": self.nbytes, "requests": self.requests}
+        return asdict(self)
 
 
 class Lines:
@@ -86,30 +86,11 @@ class Lines:
 def _drain(q: queue.Queue, block: bool) -> list:
     """Everything in `q` now; with `block`, first wait up to 50 ms for one item."""
     items = []
-    try:
+    with contextlib.suppress(queue.Empty):
         items.append(q.get(timeout=0.05) if block else q.get_nowait())
         while True:
             items.append(q.get_nowait())
-    except queue.Empty:
-        pass
     return items
-
-
-def _span(engine, role: str) -> Span:
-    """The last step's span on the timeline: kind "prefill" on the prefill rank, "decode" or
-    "recompute" (a preempted request's prompt fed again) on the decode rank."""
-    st = engine.last_step
-    end = time.perf_counter()
-    kind = "prefill" if role == "prefill" else "recompute" if st.prefill else "decode"
-    return Span(end - st.duration_s, end, kind, st.num_tokens,
-                requests=list(st.decode) + [r for r, _ in st.prefill])
-
-
-def _fault(role: str) -> int | None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec.startswith(role + ":"):
-        return int(spec.split(":", 1)[1])
-    return None
 
 
 class StdinRequests:
@@ -147,6 +128,33 @@ class ListRequests:
         return msgs
 
 
+class _Loop:
+    """What both ranks' loops keep: the engine, the step timeline, the step count (and the fault
+    injected at a step, `FAULT_ENV`); `role` is the subclass's."""
+
+    def __init__(self, engine, device) -> None:
+        self.engine, self.device = engine, device
+        self.timeline: list[Span] = []
+        self.steps = 0
+        spec = os.environ.get(FAULT_ENV, "")
+        self.crash_at = int(spec.split(":", 1)[1]) if spec.startswith(self.role + ":") else None
+
+    def count_step(self) -> None:
+        self.steps += 1
+        if self.crash_at is not None and self.steps >= self.crash_at:
+            raise RuntimeError(f"fault injection: the {self.role} worker fails at step "
+                               f"{self.steps}")
+
+    def step_span(self) -> Span:
+        """The last step's span on the timeline: kind "prefill" on the prefill rank, "decode" or
+        "recompute" (a preempted request's prompt fed again) on the decode rank."""
+        st = self.engine.last_step
+        end = time.perf_counter()
+        kind = "prefill" if self.role == "prefill" else "recompute" if st.prefill else "decode"
+        return Span(end - st.duration_s, end, kind, st.num_tokens,
+                    requests=list(st.decode) + [r for r, _ in st.prefill])
+
+
 def run_prefill(engine, source, lines: Lines, device, *, dst: int = DECODE,
                 keepalive_s: float = 10.0) -> dict:
     """Rank 0's loop (`serve.driver.drive`): admit requests, step, hand every prefilled
@@ -156,61 +164,69 @@ def run_prefill(engine, source, lines: Lines, device, *, dst: int = DECODE,
     stays open without requests for longer than the group's timeout does not fail the decode
     worker's waiting ``recv``. A request the engine refuses, or one that fails in a step,
     goes to rank `dst` as a finished handoff with reason "error"."""
-    timeline: list[Span] = []
-    transfers: list[dict] = []
-    params_of: dict[str, SamplingParams] = {}
-    crash_at = _fault("prefill")
-    state = {"closing": False, "steps": 0, "last_sent": time.monotonic()}
+    loop = _Prefill(engine, device, source, dst, keepalive_s)
+    drive(engine, loop.take, loop.deliver)
+    send_done(dst, device=device)
+    return {"role": "prefill", "timeline": [s.to_dict() for s in loop.timeline],
+            "transfers": loop.transfers, "bytes_per_token": engine.pool.bytes_per_token,
+            "steps": loop.steps, "prefill_tokens": engine.num_prefill_tokens}
 
-    def send(h: Handoff) -> None:
+
+class _Prefill(_Loop):
+    """`run_prefill`'s state between the steps: the requests' sampling parameters, the
+    transfers sent, whether the front closed, when rank `dst` last heard from this one."""
+
+    role = "prefill"
+
+    def __init__(self, engine, device, source, dst: int, keepalive_s: float) -> None:
+        super().__init__(engine, device)
+        self.source, self.dst, self.keepalive_s = source, dst, keepalive_s
+        self.transfers: list[dict] = []
+        self.params_of: dict[str, SamplingParams] = {}
+        self.closing, self.last_sent = False, time.monotonic()
+
+    def send(self, h: Handoff) -> None:
         t0 = time.perf_counter()
-        send_handoff(h, dst, device=device)
+        send_handoff(h, self.dst, device=self.device)
         tokens = h.num_prompt_tokens if h.kv is not None else 0
-        timeline.append(Span(t0, time.perf_counter(), "send", tokens, h.kv_bytes,
-                             [h.request_id]))
-        transfers.append({"request_id": h.request_id, "prompt_tokens": h.num_prompt_tokens,
-                          "kv_bytes": h.kv_bytes, "send_s": h.transfer_s})
-        state["last_sent"] = time.monotonic()
+        self.timeline.append(Span(t0, time.perf_counter(), "send", tokens, h.kv_bytes,
+                                  [h.request_id]))
+        self.transfers.append({"request_id": h.request_id, "prompt_tokens": h.num_prompt_tokens,
+                               "kv_bytes": h.kv_bytes, "send_s": h.transfer_s})
+        self.last_sent = time.monotonic()
 
-    def take(idle: bool) -> bool:
-        for msg in source.poll(block=idle and not state["closing"]):
+    def add(self, msg: dict) -> None:
+        params = params_from_dict(msg["params"])
+        try:
+            rid = self.engine.add_request(msg["prompt_ids"], params, request_id=msg["request_id"],
+                                          arrival_time=msg.get("arrival_time"),
+                                          priority=msg.get("priority", 0))
+            self.params_of[rid] = params
+        except (ValueError, TypeError) as err:  # the front checks first: a safety net
+            self.send(_refused(msg, params, err))
+
+    def take(self, idle: bool) -> bool:
+        for msg in self.source.poll(block=idle and not self.closing):
             if msg["op"] == "close":
-                state["closing"] = True
+                self.closing = True
             elif msg["op"] == "add":
-                params = params_from_dict(msg["params"])
-                try:
-                    rid = engine.add_request(msg["prompt_ids"], params,
-                                             request_id=msg["request_id"],
-                                             arrival_time=msg.get("arrival_time"),
-                                             priority=msg.get("priority", 0))
-                    params_of[rid] = params
-                except (ValueError, TypeError) as err:  # the front checks first: a safety net
-                    send(_refused(msg, params, err))
-        idle = not engine.has_unfinished()
-        if idle and state["closing"]:
+                self.add(msg)
+        idle = not self.engine.has_unfinished()
+        if idle and self.closing:
             return False
-        if idle and time.monotonic() - state["last_sent"] > keepalive_s:
-            send_alive(dst, device=device)
-            state["last_sent"] = time.monotonic()
+        if idle and time.monotonic() - self.last_sent > self.keepalive_s:
+            send_alive(self.dst, device=self.device)
+            self.last_sent = time.monotonic()
         if not idle:
-            state["steps"] += 1
-            if crash_at is not None and state["steps"] >= crash_at:
-                raise RuntimeError(f"fault injection: the prefill worker fails at step "
-                                   f"{state['steps']}")
+            self.count_step()
         return True
 
-    def deliver(outputs: list) -> None:
-        timeline.append(_span(engine, "prefill"))
+    def deliver(self, outputs: list) -> None:
+        self.timeline.append(self.step_span())
         for out in outputs:
-            params = params_of.pop(out.request_id)
-            send(finished_handoff(out, params) if out.finished
-                 else export_prefilled(engine, out.request_id))
-
-    drive(engine, take, deliver)
-    send_done(dst, device=device)
-    return {"role": "prefill", "timeline": [s.to_dict() for s in timeline],
-            "transfers": transfers, "bytes_per_token": engine.pool.bytes_per_token,
-            "steps": state["steps"], "prefill_tokens": engine.num_prefill_tokens}
+            params = self.params_of.pop(out.request_id)
+            self.send(finished_handoff(out, params) if out.finished
+                      else export_prefilled(self.engine, out.request_id))
 
 
 def _refused(msg: dict, params: SamplingParams, err: Exception) -> Handoff:
@@ -224,109 +240,112 @@ def _refused(msg: dict, params: SamplingParams, err: Exception) -> Handoff:
 def run_decode(engine, lines: Lines, device, *, src: int = PREFILL, text=None) -> dict:
     """Rank 1's loop (`serve.driver.drive`): insert received handoffs when they fit, decode,
     emit finished requests (a request that fails here alone ends with reason "error")."""
-    pool = engine.pool
     # The receiver thread needs the interpreter lock between its recv calls; Python's default
     # 5 ms switch interval would add up to that much to every message while a step runs.
     sys.setswitchinterval(0.0005)
-    inbox: queue.Queue = queue.Queue()
-    timeline: list[Span] = []
-    recv_spans: list[Span] = []
-    transfers: dict[str, dict] = {}
+    loop = _Decode(engine, device, lines, src, text)
+    threading.Thread(target=loop.receive, daemon=True).start()
+    drive(engine, loop.take, loop.deliver)
+    pool = engine.pool
+    return {"role": "decode", "timeline": [s.to_dict() for s in loop.timeline],
+            "recv": [s.to_dict() for s in loop.recv_spans], "bytes_per_token": pool.bytes_per_token,
+            "steps": loop.steps, "preemptions": engine.scheduler.num_preemptions,
+            "recompute_tokens": engine.num_prefill_tokens, "num_blocks": pool.num_blocks}
 
-    def receive() -> None:
+
+_NO_TRANSFER = {"kv_bytes": 0, "recv_s": 0.0, "received_time": None}  # finished at rank 0
+
+
+class _Decode(_Loop):
+    """`run_decode`'s state between the steps: the inbox its receiver thread fills, the
+    handoffs received and not yet admitted, each request's transfer, whether rank 0 is done."""
+
+    role = "decode"
+
+    def __init__(self, engine, device, lines: Lines, src: int, text) -> None:
+        super().__init__(engine, device)
+        self.lines, self.src, self.text = lines, src, text
+        self.inbox: queue.Queue = queue.Queue()
+        self.recv_spans: list[Span] = []
+        self.transfers: dict[str, dict] = {}
+        self.pending: list[Handoff] = []
+        self.producer_done = False
+
+    def receive(self) -> None:
+        """The receiver thread: every handoff from rank `src` into the inbox, then None (rank
+        `src` is done) or the exception that ended it."""
+        pool = self.engine.pool
         try:
             while True:
-                h = recv_handoff(src, (pool.n_layer, pool.n_kv_head, pool.head_dim), pool.dtype,
-                                 device=device)
+                h = recv_handoff(self.src, (pool.n_layer, pool.n_kv_head, pool.head_dim),
+                                 pool.dtype, device=self.device)
                 if h is None:
-                    inbox.put(None)
+                    self.inbox.put(None)
                     return
                 end = time.perf_counter()
-                recv_spans.append(Span(end - h.transfer_s, end, "recv", h.num_prompt_tokens
-                                       if h.kv is not None else 0, h.kv_bytes, [h.request_id]))
-                inbox.put(h)
+                self.recv_spans.append(Span(end - h.transfer_s, end, "recv", h.num_prompt_tokens
+                                            if h.kv is not None else 0, h.kv_bytes,
+                                            [h.request_id]))
+                self.inbox.put(h)
         except BaseException as e:  # noqa: BLE001 - handed to the main loop, which raises it
-            inbox.put(e)
+            self.inbox.put(e)
 
-    threading.Thread(target=receive, daemon=True).start()
-    pending: list[Handoff] = []
-    crash_at = _fault("decode")
-    state = {"producer_done": False, "steps": 0}
+    def emit(self, rid: str, prompt_ids, token_ids, reason, arrival_time, first_scheduled_time,
+             token_times, finished_time, preemptions: int = 0, error: str | None = None) -> None:
+        """One finished request, as a line on stdout (with its transfer, if it had one)."""
+        self.lines.write({"event": "finished", "request_id": rid, "prompt_ids": list(prompt_ids),
+                          "token_ids": list(token_ids), "finish_reason": reason, "error": error,
+                          "arrival_time": arrival_time, "first_scheduled_time":
+                          first_scheduled_time, "token_times": token_times,
+                          "finished_time": finished_time, "preemptions": preemptions,
+                          **self.transfers.get(rid, _NO_TRANSFER)})
 
-    def emit(rid: str, prompt_ids, token_ids, reason, metrics, preemptions: int,
-             error: str | None = None) -> None:
-        t = transfers.get(rid, {})
-        lines.write({"event": "finished", "request_id": rid, "prompt_ids": list(prompt_ids),
-                     "token_ids": list(token_ids), "finish_reason": reason, "error": error,
-                     "arrival_time": metrics["arrival_time"],
-                     "first_scheduled_time": metrics["first_scheduled_time"],
-                     "token_times": metrics["token_times"],
-                     "finished_time": metrics["finished_time"], "preemptions": preemptions,
-                     "kv_bytes": t.get("kv_bytes", 0), "recv_s": t.get("recv_s", 0.0),
-                     "received_time": t.get("received_time")})
-
-    def admit(h: Handoff) -> bool:
+    def admit(self, h: Handoff) -> bool:
         """Start decoding `h` here (or emit it, finished at its first token); False: no room."""
+        first = [] if h.first_token is None else [h.first_token]
+        times = [h.first_token_time] if first else []
         if h.finish_reason is not None:
-            tokens = [] if h.first_token is None else [h.first_token]
-            times = [h.first_token_time] if tokens else []
-            emit(h.request_id, h.prompt_ids, tokens, h.finish_reason,
-                 {"arrival_time": h.arrival_time, "first_scheduled_time":
-                  h.first_scheduled_time, "token_times": times,
-                  "finished_time": h.first_token_time}, 0, h.error)
+            self.emit(h.request_id, h.prompt_ids, first, h.finish_reason, h.arrival_time,
+                      h.first_scheduled_time, times, h.first_token_time, 0, h.error)
             return True
         try:
-            if not add_prefilled(engine, h):
-                if not engine.has_unfinished():
+            if not add_prefilled(self.engine, h):
+                if not self.engine.has_unfinished():
                     raise RuntimeError(f"request {h.request_id!r} does not fit the decode "
-                                       f"worker's empty pool ({engine!r})")
+                                       f"worker's empty pool ({self.engine!r})")
                 return False
         except ValueError as err:  # it can never run here: it alone fails
-            now = time.perf_counter()
-            emit(h.request_id, h.prompt_ids, [h.first_token], "error",
-                 {"arrival_time": h.arrival_time, "first_scheduled_time":
-                  h.first_scheduled_time, "token_times": [h.first_token_time],
-                  "finished_time": now}, 0, f"request {h.request_id!r} failed: {err}")
+            self.emit(h.request_id, h.prompt_ids, first, "error", h.arrival_time,
+                      h.first_scheduled_time, times, time.perf_counter(), 0,
+                      f"request {h.request_id!r} failed: {err}")
         return True
 
-    def take(idle: bool) -> bool:
-        for item in _drain(inbox, idle and not pending and not state["producer_done"]):
+    def take(self, idle: bool) -> bool:
+        for item in _drain(self.inbox, idle and not self.pending and not self.producer_done):
             if item is None:
-                state["producer_done"] = True
+                self.producer_done = True
             elif isinstance(item, BaseException):
                 raise RuntimeError("the decode worker's receiver failed") from item
             else:
-                transfers[item.request_id] = {"kv_bytes": item.kv_bytes,
-                                              "recv_s": item.transfer_s,
-                                              "received_time": time.perf_counter()}
-                pending.append(item)
+                self.transfers[item.request_id] = {"kv_bytes": item.kv_bytes,
+                                                   "recv_s": item.transfer_s,
+                                                   "received_time": time.perf_counter()}
+                self.pending.append(item)
         # Preempted requests (waiting here) go first; new handoffs join in arrival order.
-        while pending and not engine.scheduler.num_waiting and admit(pending[0]):
-            pending.pop(0)
-        if engine.has_unfinished():
-            state["steps"] += 1
-            if crash_at is not None and state["steps"] >= crash_at:
-                raise RuntimeError(f"fault injection: the decode worker fails at step "
-                                   f"{state['steps']}")
+        while self.pending and not self.engine.scheduler.num_waiting and self.admit(self.pending[0]):
+            self.pending.pop(0)
+        if self.engine.has_unfinished():
+            self.count_step()
             return True
-        return not (state["producer_done"] and not pending and inbox.empty())
+        return not (self.producer_done and not self.pending and self.inbox.empty())
 
-    def deliver(outputs: list) -> None:
-        timeline.append(_span(engine, "decode"))
+    def deliver(self, outputs: list) -> None:
+        self.timeline.append(self.step_span())
         for out in outputs:
             if out.finished:
                 m = out.metrics
-                emit(out.request_id, out.prompt_token_ids, out.token_ids, out.finish_reason,
-                     {"arrival_time": m.arrival_time,
-                      "first_scheduled_time": m.first_scheduled_time,
-                      "token_times": m.token_times, "finished_time": m.finished_time},
-                     m.preemptions, out.error)
-                if text is not None:
-                    text(out)
-
-    drive(engine, take, deliver)
-    return {"role": "decode", "timeline": [s.to_dict() for s in timeline],
-            "recv": [s.to_dict() for s in recv_spans], "bytes_per_token": pool.bytes_per_token,
-            "steps": state["steps"], "preemptions": engine.scheduler.num_preemptions,
-            "recompute_tokens": engine.num_prefill_tokens,
-            "num_blocks": pool.num_blocks}
+                self.emit(out.request_id, out.prompt_token_ids, out.token_ids, out.finish_reason,
+                          m.arrival_time, m.first_scheduled_time, m.token_times,
+                          m.finished_time, m.preemptions, out.error)
+                if self.text is not None:
+                    self.text(out)

@@ -9,6 +9,7 @@ bit (they should not, but nothing else then depends on it), and costs one tiny m
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -49,23 +50,18 @@ class Comm:
         self.calls, self.bytes, self.seconds = 0, 0, 0.0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return t
-        sync(self.device)
-        t0 = time.perf_counter()
-        dist.all_reduce(t, group=self.group)
-        sync(self.device)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-        self.bytes += t.numel() * t.element_size()
-        return t
+        return self._timed(t, lambda: dist.all_reduce(t, group=self.group))
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return self._timed(t, lambda: dist.broadcast(t, src=src, group=self.group))
+
+    def _timed(self, t: torch.Tensor, collective) -> torch.Tensor:
+        """`collective()` on `t` between two device syncs, its time and bytes counted."""
         if self.world_size == 1:
             return t
         sync(self.device)
         t0 = time.perf_counter()
-        dist.broadcast(t, src=src, group=self.group)
+        collective()
         sync(self.device)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
@@ -157,38 +153,66 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
     everyone receives) and forward hooks that time the prefill and each decode step.
     """
     params = params or SamplingParams()
-    cfg = model.config
     device = next(model.parameters()).device
+    seqs, max_len = _rows(prompts, params, eos_token_id, model.config.context_length)
+    cache = rank_cache(model, plan, len(seqs), max_len, device=device)
+    report = RankReport(rank=plan.rank, world_size=plan.world_size, device=str(device),
+                        q_heads=plan.q_heads, kv_heads=plan.kv_heads, mlp_units=plan.mlp,
+                        weight_bytes=rank_weight_bytes(model), kv_bytes=cache.nbytes,
+                        token_ids=[s.output_ids for s in seqs], finish_reasons=[])
+    token = torch.zeros(len(seqs), dtype=torch.long, device=device)
+    kept: list[list[float]] | None = [] if keep_logits else None  # row 0's logits, per step
+    sampler = _rank0_samples(plan.rank, comm, token, kept)
+    with _timed_forwards(model, comm, report):
+        req = Prepared(seqs, vocab if vocab is not None else model.config.vocab_size, device)
+        for _ in run_batch(model, req, cache=cache, sampler=sampler):
+            pass
+    report.finish_reasons = [s.finish_reason for s in seqs]
+    report.broadcast_bytes_per_step = token.numel() * token.element_size() if comm.world_size > 1 else 0
+    report.logits = kept
+    return report
+
+
+def _rows(prompts: list[list[int]], params: SamplingParams, eos_token_id: int | None,
+          context_length: int) -> tuple[list[Sequence], int]:
+    """One `Sequence` per prompt, and the cache length they need (ValueError past the context)."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
     eos = None if params.ignore_eos else eos_token_id
     seqs = [Sequence(b, list(p), params, eos_ids=() if eos is None else (eos,))
             for b, p in enumerate(prompts)]
-    B, T = len(prompts), max(len(p) for p in prompts)
+    T = max(len(p) for p in prompts)
     max_len = T + params.max_new_tokens - 1  # the last token is never fed back
-    if max_len > cfg.context_length:
+    if max_len > context_length:
         raise ValueError(f"longest prompt ({T} tokens) + max_new_tokens={params.max_new_tokens} "
-                         f"- 1 exceeds the context of {cfg.context_length}")
-    cache = rank_cache(model, plan, B, max_len, device=device)
-    report = RankReport(rank=plan.rank, world_size=plan.world_size, device=str(device),
-                        q_heads=plan.q_heads, kv_heads=plan.kv_heads, mlp_units=plan.mlp,
-                        weight_bytes=rank_weight_bytes(model), kv_bytes=cache.nbytes,
-                        token_ids=[s.output_ids for s in seqs], finish_reasons=[])
-    token = torch.zeros(B, dtype=torch.long, device=device)
-    logits_kept: list[list[float]] = []
+                         f"- 1 exceeds the context of {context_length}")
+    return seqs, max_len
 
-    def rank0_samples(default: Sampler) -> Sampler:
+
+def _rank0_samples(rank: int, comm: Comm, token: torch.Tensor, kept: list | None):
+    """`run_batch`'s sampler on every rank: rank 0 samples into `token` with the default
+    sampler, then every rank takes it from rank 0's broadcast (`kept`: row 0's logits, per step)."""
+
+    def wrap(default: Sampler) -> Sampler:
         def pick(logits: torch.Tensor) -> torch.Tensor:
-            if keep_logits:
-                logits_kept.append(logits[0].float().tolist())
-            if plan.rank == 0:
+            if kept is not None:
+                kept.append(logits[0].float().tolist())
+            if rank == 0:
                 token.copy_(default(logits))
             return comm.broadcast(token, src=0)
         return pick
 
+    return wrap
+
+
+@contextlib.contextmanager
+def _timed_forwards(model, comm: Comm, report: RankReport):
+    """Time every forward call of `model` into `report` (hooks, removed at the end): the first
+    is the prefill, each other a decode step, with its collectives' time, calls and bytes."""
+    device = next(model.parameters()).device
     calls = [0.0, 0]  # the current call's start time, forward calls so far
 
-    def before(module, args, kwargs) -> None:  # every forward call: the prefill, then steps
+    def before(module, args, kwargs) -> None:
         comm.reset()
         sync(device)
         calls[0] = time.perf_counter()
@@ -209,16 +233,10 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
     hooks = [model.register_forward_pre_hook(before, with_kwargs=True),
              model.register_forward_hook(after, with_kwargs=True)]
     try:
-        req = Prepared(seqs, vocab if vocab is not None else cfg.vocab_size, device)
-        for _ in run_batch(model, req, cache=cache, sampler=rank0_samples):
-            pass
+        yield
     finally:
         for h in hooks:
             h.remove()
-    report.finish_reasons = [s.finish_reason for s in seqs]
-    report.broadcast_bytes_per_step = token.numel() * token.element_size() if comm.world_size > 1 else 0
-    report.logits = logits_kept if keep_logits else None
-    return report
 
 
 def init_group(backend: str | None = None, device: torch.device | str | None = None,
@@ -230,7 +248,6 @@ def init_group(backend: str | None = None, device: torch.device | str | None = N
     (each rank on ``cuda:LOCAL_RANK``), gloo on the CPU. Returns ``(comm, rank, world_size)``.
     """
     import datetime
-    import os
 
     if device is None:
         device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -283,10 +300,8 @@ def leave_group(done: bool) -> None:
     if not done:
         dist.destroy_process_group()
         return
-    try:
+    with contextlib.suppress(Exception):  # a failed peer must not keep this rank from exiting
         dist.barrier()
-    except Exception:  # noqa: BLE001 - a failed peer must not keep this rank from exiting
-        pass
     if os.environ.get(PARENT_ENV):
         sys.stdout.flush()
         sys.stderr.flush()
