@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints of the GPT-2, Llama, Qwen2 and Qwen3 families, read without transformers.
+"""Hugging Face checkpoints of the GPT-2, Llama, Mistral (no sliding window), Qwen2 and Qwen3
+families, read without transformers.
 
 A model downloaded from the Hugging Face hub is a folder (the hub cache keeps one per revision
 under ``~/.cache/huggingface/hub/models--<org>--<name>/snapshots/<revision>/``):
