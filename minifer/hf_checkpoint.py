@@ -74,12 +74,13 @@ def _from_hub(repo_id: str) -> Path:
     `HUB_FILES` when online; offline and not cached is a FileNotFoundError naming the cache path
     it looked in and how to download the model."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
 
     cache = Path(constants.HF_HUB_CACHE)
     looked = cache / ("models--" + repo_id.replace("/", "--"))
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, cache_dir=cache))
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, cache_dir=cache,
+                                      local_files_only=bool(constants.HF_HUB_OFFLINE)))
     except LocalEntryNotFoundError as err:
         why = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the hub is unreachable"
         raise FileNotFoundError(
