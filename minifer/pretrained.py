@@ -197,7 +197,8 @@ def load_checkpoint(
     info = read_checkpoint_info(path)
     config = GPTConfig.from_dict(info["config"])
     tensors = read_safetensors(path, f" ({REGENERATE_HINT})")
-    model = GPT(config)  # (a random init we overwrite: ~0.1 s, cheaper than importing meta tensors)
+    with torch.device("meta"):  # shapes only, no random init: the file's tensors are assigned
+        model = GPT(config)  # below (rotary tables are computed for real, on the CPU)
     expected = {k: tuple(v.shape) for k, v in _state_to_save(model).items()}
     _check_tensors(path, expected, tensors)
     model.take_weights(tensors)  # the loaded tensors, no copy, laid out as a new model's
