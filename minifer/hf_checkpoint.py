@@ -161,18 +161,22 @@ def _headers(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str, Path]]:
     from the files' JSON headers alone (no tensor data)."""
     from safetensors import SafetensorError, safe_open
 
-    headers = {}
+    headers: dict[str, tuple[tuple[int, ...], str, Path]] = {}
     for path in files:
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint weights not found: {path} (named by the "
                                     f"folder's index)")
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    piece = f.get_slice(name)
-                    headers[name] = (tuple(piece.get_shape()), piece.get_dtype(), path)
+                pieces = {name: f.get_slice(name) for name in f.keys()}
+                found = {name: (tuple(p.get_shape()), p.get_dtype(), path)
+                         for name, p in pieces.items()}
         except (SafetensorError, OSError, ValueError) as err:
             raise ValueError(f"corrupt checkpoint weights {path}: {err}") from err
+        for name in found.keys() & headers.keys():
+            raise ValueError(f"{path}: tensor {name!r} is also in {headers[name][2].name}; "
+                             f"each tensor must be in one shard only")
+        headers.update(found)
     return headers
 
 
@@ -262,6 +266,9 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = N
     check_hf_config(hc, str(folder / "config.json"))
     _check_weights(hc, _headers(files), dtype)
     tc = _read_json(folder, "tokenizer_config.json")
+    if not isinstance(tc.get("add_bos_token", False), bool):
+        raise ValueError(f"{folder / 'tokenizer_config.json'}: add_bos_token must be a JSON "
+                         f"boolean (true or false), got {tc['add_bos_token']!r}")
     tok_path = _inside(folder, "tokenizer.json", str(folder / "tokenizer.json"))
     template = _chat_template(folder, tc)
     model = GPT.from_hf_state(hc, read_hf_tensors(folder), dtype, device)

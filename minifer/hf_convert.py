@@ -85,7 +85,7 @@ def _eos(hc: Mapping) -> int | None:
 
 def _gpt2_config(hc: Mapping, dtype: torch.dtype) -> GPTConfig:
     _check_gpt2_options(SimpleNamespace(**hc), dtype)
-    return GPTConfig(vocab_size=hc["vocab_size"], context_length=hc["n_positions"],
+    return _build(vocab_size=hc["vocab_size"], context_length=hc["n_positions"],
                      n_layer=hc["n_layer"], n_head=hc["n_head"], n_embd=hc["n_embd"],
                      tie_embeddings=bool(hc.get("tie_word_embeddings", True)),
                      eos_token_id=_eos(hc), layer_norm_eps=hc.get("layer_norm_epsilon") or 1e-5)
@@ -99,7 +99,7 @@ def _llama_config(hc: Mapping, kind: str) -> GPTConfig:
     heads = hc["num_attention_heads"]
     head_dim = hc.get("head_dim") or hc["hidden_size"] // heads
     theta, scaling = _rope(hc)
-    return GPTConfig(
+    return _build(
         vocab_size=hc["vocab_size"], context_length=hc["max_position_embeddings"],
         n_layer=hc["num_hidden_layers"], n_head=heads, n_embd=hc["hidden_size"],
         n_kv_head=hc.get("num_key_value_heads") or heads,
@@ -109,6 +109,22 @@ def _llama_config(hc: Mapping, kind: str) -> GPTConfig:
         head_size=None if head_dim * heads == hc["hidden_size"] else head_dim,
         qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", **{**LLAMA, "bias": bias},
     )
+
+
+_OUR_NAMES = ("hidden_size/n_embd → n_embd, num_attention_heads/n_head → n_head, "
+              "num_key_value_heads → n_kv_head, head_dim → head_size, max_position_embeddings/"
+              "n_positions → context_length, num_hidden_layers/n_layer → n_layer")
+
+
+def _build(**fields) -> GPTConfig:
+    """`GPTConfig(**fields)`; a combination it refuses (K/V heads that do not divide the query
+    heads, an odd head dim under RoPE, ...) is a ValueError that says it came from config.json
+    and which of its fields are which of ours."""
+    try:
+        return GPTConfig(**fields)
+    except ValueError as err:
+        raise ValueError(f"config.json describes no model this engine builds: {err} "
+                         f"(config.json's {_OUR_NAMES})") from err
 
 
 def check_hf_config(hc: Mapping, where: str = "config.json") -> str:

@@ -187,3 +187,28 @@ def test_links_inside_the_folder_are_followed(folder):
     os.symlink("weights/real.safetensors", folder / "model.safetensors")
     model, _ = load_hf_checkpoint(folder)
     assert model.config.n_layer == 2
+
+
+def test_config_combinations_the_engine_refuses_say_they_come_from_config_json(folder, no_reads):
+    edit_config(folder, num_key_value_heads=3)  # 4 query heads: 3 K/V heads cannot share them
+    with pytest.raises(ValueError, match=r"config.json describes no model this engine builds: "
+                                         r"GPTConfig.n_kv_head .*num_key_value_heads → n_kv_head"):
+        load_hf_checkpoint(folder)
+
+
+def test_add_bos_token_must_be_a_json_boolean(folder, no_reads):
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": "no"}))
+    with pytest.raises(ValueError, match="tokenizer_config.json: add_bos_token must be a JSON "
+                                         "boolean"):
+        load_hf_checkpoint(folder)
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path, no_reads):
+    write_checkpoint(tmp_path, "llama", shard=True)
+    first, second = sorted(tmp_path.glob("model-*.safetensors"))[:2]
+    extra = load_file(first)
+    save_file({**load_file(second), **dict([next(iter(extra.items()))])}, second,
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{second.name}: tensor .* is also in {first.name}"):
+        load_hf_checkpoint(tmp_path)
