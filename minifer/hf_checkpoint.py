@@ -84,12 +84,12 @@ def _from_hub(repo_id: str) -> Path:
     except LocalEntryNotFoundError as err:
         why = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the hub is unreachable"
         raise FileNotFoundError(
-            f"{repo_id}: not in the Hugging Face cache (looked in {looked}) and {why}; download "
-            f"it once while online (`hf download {repo_id}`, or this same call without "
-            f"HF_HUB_OFFLINE), or pass a checkpoint folder") from err
+            f"{repo_id}: no such folder, and as a hub id not in the Hugging Face cache (looked "
+            f"in {looked}) and {why}; download it once while online (`hf download {repo_id}`, "
+            f"or this same call without HF_HUB_OFFLINE), or pass a checkpoint folder") from err
     except HfHubHTTPError as err:  # no such repository, a gated one without a token, ...
-        raise FileNotFoundError(f"{repo_id}: the Hugging Face hub did not give it (not cached "
-                                f"in {looked}): {err}") from err
+        raise FileNotFoundError(f"{repo_id}: no such folder, and the Hugging Face hub did not "
+                                f"give it as a hub id (not cached in {looked}): {err}") from err
 
 
 def _root(folder: Path) -> Path:
