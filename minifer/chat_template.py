@@ -10,8 +10,10 @@ as transformers' ``apply_chat_template`` does (a sandboxed Jinja environment wit
 the tokenizer's special tokens as variables); the prompt then starts the assistant's turn and the
 reply ends at the model's end-of-turn token (the tokenizer's ``eos_token``).
 
-A tokenizer without a template (the shipped Shakespeare models) gets the documented play-form
-template of `minifer.play_chat`, whose reply ends at a blank line.
+The shipped Shakespeare models' tokenizers (and `ByteTokenizer`) have no template: they get the
+documented play-form template of `minifer.play_chat`, whose reply ends at a blank line. A
+Hugging Face checkpoint without a template (a base model) gets none: `require_chat_template`
+refuses to chat with it, and a server answers ``/v1/chat/completions`` with its message.
 
 jinja2 is imported only to render a checkpoint's template.
 """
@@ -23,7 +25,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 
-__all__ = ["chat", "chat_prompt", "render_template"]
+__all__ = ["chat", "chat_prompt", "render_template", "require_chat_template"]
 
 
 def render_template(template: str, messages: Sequence[Mapping], *,
@@ -52,14 +54,34 @@ def render_template(template: str, messages: Sequence[Mapping], *,
         **variables)
 
 
+def require_chat_template(tokenizer) -> str | None:
+    """The chat template of `tokenizer`: a Hugging Face checkpoint's template, or None for the
+    tokenizers that chat in the play form (the shipped models', `ByteTokenizer`). A checkpoint
+    loaded by `minifer.load_hf_checkpoint` without one (a base model: no ``chat_template`` in
+    tokenizer_config.json, no ``chat_template.jinja``) is a ValueError, since any prompt form
+    made up for it would be one the model never saw: the server refuses
+    ``/v1/chat/completions`` with this message."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        return template
+    folder = getattr(tokenizer, "checkpoint_folder", None)
+    if folder is not None:
+        raise ValueError(f"this checkpoint has no chat template ({folder} has no chat_template "
+                         f"in tokenizer_config.json and no chat_template.jinja): it is not a "
+                         f"chat model; use /v1/completions (minifer.generate) with a plain "
+                         f"prompt instead")
+    return None
+
+
 def chat_prompt(messages: Sequence[Mapping], tokenizer) -> tuple[str, list[str]]:
     """``(prompt text, stop strings)`` for `messages` (OpenAI-style dicts): the tokenizer's chat
     template if it has one (no stop strings: the reply ends at its end-of-turn token, the
-    tokenizer's EOS), else the play-form template with its blank-line end of turn. Encode the
-    prompt with ``special_tokens=True``: the template writes special tokens as text."""
+    tokenizer's EOS), else the play-form template with its blank-line end of turn; a checkpoint
+    without a template is a ValueError (`require_chat_template`). Encode the prompt with
+    ``special_tokens=True``: the template writes special tokens as text."""
     from .play_chat import END_OF_TURN, render_chat
 
-    template = getattr(tokenizer, "chat_template", None)
+    template = require_chat_template(tokenizer)
     if template:
         variables = {k: v for k, v in getattr(tokenizer, "special_tokens_text", {}).items()
                      if v is not None}

@@ -11,6 +11,7 @@ Llama; ``qkv_bias=True`` on top makes it Qwen2, ``qk_norm=True`` Qwen3.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from .checks import check_int
@@ -36,8 +37,10 @@ class RopeScaling:
     original_context_length: int = 8192
 
     def __post_init__(self) -> None:
-        if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor):
-            raise ValueError(f"RopeScaling needs factor > 0 and 0 < low_freq_factor < "
+        finite = all(math.isfinite(x) for x in (self.factor, self.low_freq_factor,
+                                                 self.high_freq_factor))
+        if not (finite and self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor):
+            raise ValueError(f"RopeScaling needs finite factors, factor > 0 and 0 < low_freq_factor < "
                              f"high_freq_factor, got {self}")
         check_int("RopeScaling.original_context_length", self.original_context_length, 1)
 
@@ -101,8 +104,9 @@ class GPTConfig:
                       why=" (a token id)")
 
     def _check_rope(self) -> None:
-        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
-            raise ValueError(f"GPTConfig.rope_theta must be a positive number, got "
+        if not (isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
+                and math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"GPTConfig.rope_theta must be a finite positive number, got "
                              f"{self.rope_theta!r}")
         if self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"GPTConfig: rotary positions rotate pairs of dimensions, so the "

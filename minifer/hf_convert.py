@@ -1,25 +1,60 @@
 """Hugging Face model configs and weights → `GPTConfig` and `GPT`'s state dict (GPT-2, Llama,
-Qwen2, Qwen3), on plain dicts: no transformers, no torch model.
+Mistral without a sliding window, Qwen2, Qwen3), on plain dicts: no transformers, no torch model.
 
 Used by `GPT.from_hf` (a transformers model in memory) and `minifer.hf_checkpoint` (a checkpoint
 folder on disk). Options this engine does not compute (sliding-window attention, RoPE scalings
 other than Llama 3's, partial rotary dims, mixture-of-experts, bias layouts other than none, all
 or Q/K/V only) are a ValueError naming the option: a model is converted exactly or not at all.
+
+A config.json is checked field by field before anything is built from it (`check_hf_config`):
+booleans must be JSON booleans, sizes integers within `SIZE_LIMITS`, floats finite and positive,
+so that a damaged or hostile file fails with the field's name instead of allocating gigabytes or
+silently flipping an option ("false" is a true string).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from types import SimpleNamespace
 
 import torch
 
+from .checks import check_int
 from .config import LLAMA, GPTConfig, RopeScaling
 
-__all__ = ["FAMILIES", "config_from_hf", "state_from_hf"]
+__all__ = ["FAMILIES", "FLOAT_DTYPES", "MAX_PARAMS", "SIZE_LIMITS", "check_hf_config",
+           "config_from_hf", "hf_tensor_shapes", "state_from_hf"]
 
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
-"""The Hugging Face ``model_type`` values this engine computes exactly."""
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+"""The Hugging Face ``model_type`` values this engine computes exactly (Mistral only without a
+sliding window: it is then Llama-shaped)."""
+
+SIZE_LIMITS = {  # field → largest value accepted (far above any released model's)
+    "vocab_size": 2**22, "hidden_size": 2**16, "n_embd": 2**16, "intermediate_size": 2**18,
+    "n_inner": 2**18, "num_hidden_layers": 2**10, "n_layer": 2**10,
+    "num_attention_heads": 2**10, "n_head": 2**10, "num_key_value_heads": 2**10,
+    "head_dim": 2**12, "max_position_embeddings": 2**24, "n_positions": 2**24,
+}
+"""The size fields of a config.json, each an integer in [1, limit]: checked before any tensor
+is allocated (a ``head_dim`` of 10**9 would otherwise build a 4 GB rotary table first)."""
+
+REQUIRED = {"gpt2": ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd"),
+            "llama": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                      "num_attention_heads", "max_position_embeddings")}
+"""The size fields a config.json of each layout must have (Llama's serves every other family)."""
+
+MAX_PARAMS = 10**12
+"""The most parameters a config may imply (a trillion: no laptop or single GPU holds more)."""
+
+FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+                "F64": torch.float64}
+"""The safetensors dtypes a checkpoint's weights may have (the engine computes in float)."""
+
+_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+          "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "add_cross_attention",
+          "reorder_and_upcast_attn")
+_FLOATS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon")
 
 _GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -30,35 +65,114 @@ def _unsupported(option: str, value, why: str) -> ValueError:
 
 def config_from_hf(hc: Mapping, dtype: torch.dtype = torch.float32) -> GPTConfig:
     """The `GPTConfig` of a Hugging Face ``config.json`` (a dict), or a ValueError naming the
-    first option this engine would not reproduce. `dtype`: the weights' (GPT-2's fp32-only
-    option needs it)."""
-    kind = hc.get("model_type")
-    if kind not in FAMILIES:
-        raise _unsupported("model_type", kind, f"the families computed here are {FAMILIES}")
+    first option this engine would not reproduce or field that is malformed (`check_hf_config`;
+    a config implying over `MAX_PARAMS` parameters too). `dtype`: the weights' (GPT-2's
+    fp32-only option needs it)."""
+    kind = check_hf_config(hc)
+    config = _gpt2_config(hc, dtype) if kind == "gpt2" else _llama_config(hc, kind)
+    if config.num_params() > MAX_PARAMS:
+        raise ValueError(f"config.json implies {config.num_params():,} parameters, more than "
+                         f"the {MAX_PARAMS:,} accepted (check its sizes: hidden_size, "
+                         f"intermediate_size, num_hidden_layers, vocab_size, ...)")
+    return config
+
+
+def _eos(hc: Mapping) -> int | None:
     eos = hc.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 lists several: the first
-    eos = eos if isinstance(eos, int) and 0 <= eos < hc["vocab_size"] else None
-    if kind == "gpt2":
-        _check_gpt2_options(SimpleNamespace(**hc), dtype)
-        return GPTConfig(vocab_size=hc["vocab_size"], context_length=hc["n_positions"],
-                         n_layer=hc["n_layer"], n_head=hc["n_head"], n_embd=hc["n_embd"],
-                         tie_embeddings=bool(hc.get("tie_word_embeddings", True)),
-                         eos_token_id=eos, layer_norm_eps=hc.get("layer_norm_epsilon", 1e-5))
+    return eos if isinstance(eos, int) and 0 <= eos < hc["vocab_size"] else None
+
+
+def _gpt2_config(hc: Mapping, dtype: torch.dtype) -> GPTConfig:
+    _check_gpt2_options(SimpleNamespace(**hc), dtype)
+    return _build(vocab_size=hc["vocab_size"], context_length=hc["n_positions"],
+                     n_layer=hc["n_layer"], n_head=hc["n_head"], n_embd=hc["n_embd"],
+                     tie_embeddings=bool(hc.get("tie_word_embeddings", True)),
+                     eos_token_id=_eos(hc), layer_norm_eps=hc.get("layer_norm_epsilon") or 1e-5)
+
+
+def _llama_config(hc: Mapping, kind: str) -> GPTConfig:
     _check_llama_options(hc)
+    if kind == "mistral":
+        _check_mistral_window(hc)
     bias = bool(hc.get("attention_bias", False))
     heads = hc["num_attention_heads"]
     head_dim = hc.get("head_dim") or hc["hidden_size"] // heads
     theta, scaling = _rope(hc)
-    return GPTConfig(
+    return _build(
         vocab_size=hc["vocab_size"], context_length=hc["max_position_embeddings"],
         n_layer=hc["num_hidden_layers"], n_head=heads, n_embd=hc["hidden_size"],
         n_kv_head=hc.get("num_key_value_heads") or heads,
-        tie_embeddings=bool(hc.get("tie_word_embeddings", False)), eos_token_id=eos,
-        layer_norm_eps=hc.get("rms_norm_eps", 1e-6), intermediate_size=hc["intermediate_size"],
-        rope_theta=float(theta), rope_scaling=scaling,
+        tie_embeddings=bool(hc.get("tie_word_embeddings", False)), eos_token_id=_eos(hc),
+        layer_norm_eps=hc.get("rms_norm_eps") or 1e-6, intermediate_size=hc["intermediate_size"],
+        rope_theta=theta, rope_scaling=scaling,
         head_size=None if head_dim * heads == hc["hidden_size"] else head_dim,
         qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", **{**LLAMA, "bias": bias},
     )
+
+
+_OUR_NAMES = ("hidden_size/n_embd → n_embd, num_attention_heads/n_head → n_head, "
+              "num_key_value_heads → n_kv_head, head_dim → head_size, max_position_embeddings/"
+              "n_positions → context_length, num_hidden_layers/n_layer → n_layer")
+
+
+def _build(**fields) -> GPTConfig:
+    """`GPTConfig(**fields)`; a combination it refuses (K/V heads that do not divide the query
+    heads, an odd head dim under RoPE, ...) is a ValueError that says it came from config.json
+    and which of its fields are which of ours."""
+    try:
+        return GPTConfig(**fields)
+    except ValueError as err:
+        raise ValueError(f"config.json describes no model this engine builds: {err} "
+                         f"(config.json's {_OUR_NAMES})") from err
+
+
+def check_hf_config(hc: Mapping, where: str = "config.json") -> str:
+    """The ``model_type`` of config dict `hc` after checking every field this engine reads, or a
+    ValueError naming `where`, the field and what is allowed: sizes are integers in [1,
+    `SIZE_LIMITS`] (the required ones present), booleans JSON booleans (or null), floats finite
+    and positive. Nothing is allocated here."""
+    if not isinstance(hc, Mapping):
+        raise ValueError(f"{where} must be a JSON object, got {type(hc).__name__}")
+    kind = hc.get("model_type")
+    if kind not in FAMILIES:
+        raise _unsupported("model_type", kind, f"the families computed here are {FAMILIES}")
+    for name in REQUIRED["gpt2" if kind == "gpt2" else "llama"]:
+        if hc.get(name) is None:
+            raise ValueError(f"{where}: {name} is missing (a {kind} config needs "
+                             f"{', '.join(REQUIRED['gpt2' if kind == 'gpt2' else 'llama'])})")
+    for name, limit in SIZE_LIMITS.items():
+        if hc.get(name) is not None:
+            check_int(f"{where}: {name}", hc[name], 1, limit)
+    for name in _BOOLS:
+        if hc.get(name) is not None and not isinstance(hc[name], bool):
+            raise ValueError(f"{where}: {name} must be a JSON boolean (true or false), got "
+                             f"{hc[name]!r}")
+    for name in _FLOATS:
+        if hc.get(name) is not None:
+            _check_float(f"{where}: {name}", hc[name])
+    return kind
+
+
+def _check_float(name: str, value) -> float:
+    """`value` if it is a finite positive JSON number, else a ValueError naming `name`."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+    return float(value)
+
+
+def _check_mistral_window(hc: Mapping) -> None:
+    """Mistral is Llama-shaped when its attention sees the whole context: no ``sliding_window``
+    (null), or one at least as long as ``max_position_embeddings``, the longest context used."""
+    window, context = hc.get("sliding_window"), hc["max_position_embeddings"]
+    if window is None:
+        return
+    check_int("config.json: sliding_window", window, 1, why=" (or null)")
+    if window < context:
+        raise _unsupported("sliding_window", window, f"attention here sees the whole context; "
+                           f"a Mistral checkpoint loads when sliding_window is null or >= "
+                           f"max_position_embeddings={context}")
 
 
 def _check_gpt2_options(hc, dtype: torch.dtype) -> None:
@@ -113,9 +227,11 @@ def _check_llama_options(hc: Mapping) -> None:
 
 def _rope(hc: Mapping) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` from either spelling: ``rope_theta`` + ``rope_scaling``
-    (config.json) or ``rope_parameters`` (transformers 5)."""
-    params = dict(hc.get("rope_parameters") or hc.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hc.get("rope_theta", 10000.0))
+    (config.json) or ``rope_parameters`` (transformers 5); both present and disagreeing is a
+    ValueError (which one the model was trained with is then unknown)."""
+    params = _rope_params(hc)
+    theta = params.get("rope_theta")
+    theta = _check_float("config.json: rope_theta", 10000.0 if theta is None else theta)
     kind = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", hc.get("partial_rotary_factor", 1.0)) != 1.0:
         raise _unsupported("partial_rotary_factor", params.get("partial_rotary_factor"),
@@ -125,10 +241,118 @@ def _rope(hc: Mapping) -> tuple[float, RopeScaling | None]:
     if kind != "llama3":
         raise _unsupported("rope_scaling", kind, "the only RoPE scaling computed here is "
                            "Llama 3's ('llama3')")
-    return theta, RopeScaling(
-        factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_context_length=int(params["original_max_position_embeddings"]))
+    number = {k: _check_float(f"config.json: rope_scaling.{k}", params.get(k))
+              for k in ("factor", "low_freq_factor", "high_freq_factor")}
+    return theta, RopeScaling(**number, original_context_length=check_int(
+        "config.json: rope_scaling.original_max_position_embeddings",
+        params.get("original_max_position_embeddings"), 1, SIZE_LIMITS["n_positions"]))
+
+
+def _rope_params(hc: Mapping) -> dict:
+    """The RoPE fields of `hc` as one dict (``rope_theta``, ``rope_type``, ...), merged from
+    ``rope_parameters``, ``rope_scaling`` and the top-level ``rope_theta``; a field two of them
+    give differently is a ValueError naming both."""
+    merged: dict = {}
+    sources = {"rope_parameters": hc.get("rope_parameters"), "rope_scaling": hc.get("rope_scaling"),
+               "": {"rope_theta": hc.get("rope_theta")}}
+    for source, fields in sources.items():
+        if fields is not None and not isinstance(fields, Mapping):
+            raise ValueError(f"config.json: {source} must be a JSON object or null, got {fields!r}")
+        for key, value in (fields or {}).items():
+            key = "rope_type" if key == "type" else key
+            if value is None:
+                continue
+            if key in merged and merged[key][0] != value:
+                first, other = merged[key][1], f"{source}.{key}" if source else key
+                raise ValueError(f"config.json: {first}={merged[key][0]!r} and {other}="
+                                 f"{value!r} disagree (give the RoPE settings once, or the "
+                                 f"same in both)")
+            merged.setdefault(key, (value, f"{source}.{key}" if source else key))
+    return {k: v for k, (v, _) in merged.items()}
+
+
+def hf_tensor_shapes(config: GPTConfig, model_type: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of `config` holds, by its name there, and the shape
+    `config` implies for it: one entry per projection (q, k and v apart), so that a file is
+    checked before anything is concatenated. A tied model's ``lm_head.weight`` is listed too (a
+    file may keep the copy); GPT-2's names have the ``transformer.`` prefix."""
+    d, hd, h, v = config.n_embd, config.head_dim, config.mlp_hidden, config.vocab_size
+    q, kv = config.n_head * hd, config.kv_heads * hd
+    if model_type == "gpt2":
+        shapes = {"transformer.wte.weight": (v, d), "lm_head.weight": (v, d),
+                  "transformer.wpe.weight": (config.context_length, d),
+                  "transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)}
+        layer = {"ln_1.weight": (d,), "ln_1.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
+                 "attn.c_attn.weight": (d, 3 * d), "attn.c_attn.bias": (3 * d,),  # Conv1D: in, out
+                 "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,),
+                 "mlp.c_fc.weight": (d, h), "mlp.c_fc.bias": (h,),
+                 "mlp.c_proj.weight": (h, d), "mlp.c_proj.bias": (d,)}
+        prefix = "transformer.h.{}."
+    else:
+        shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+                  "lm_head.weight": (v, d)}
+        layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+                 "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+                 "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+                 "mlp.gate_proj.weight": (h, d), "mlp.up_proj.weight": (h, d),
+                 "mlp.down_proj.weight": (d, h)}
+        if config.bias or config.qkv_bias:
+            layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                      "self_attn.v_proj.bias": (kv,)}
+        if config.bias:
+            layer |= {"self_attn.o_proj.bias": (d,), "mlp.gate_proj.bias": (h,),
+                      "mlp.up_proj.bias": (h,), "mlp.down_proj.bias": (d,)}
+        if config.qk_norm:
+            layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+        prefix = "model.layers.{}."
+    for i in range(config.n_layer):
+        shapes |= {prefix.format(i) + name: shape for name, shape in layer.items()}
+    return shapes
+
+
+def check_hf_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype | str | None,
+                    expected: Mapping[str, tuple[int, ...]], where: str = "checkpoint") -> None:
+    """A ValueError naming `where` (the file), tensor `name` and what is allowed, unless its
+    `shape` is the one `expected` (`hf_tensor_shapes`) gives it and its `dtype` (a torch dtype,
+    or a safetensors header's name such as ``"BF16"``) a float one (`FLOAT_DTYPES`)."""
+    floats = (*FLOAT_DTYPES, *FLOAT_DTYPES.values())
+    if dtype is not None and dtype not in floats:
+        raise ValueError(f"{where}: tensor {name!r} has dtype {dtype}; the weights must be "
+                         f"float16, bfloat16, float32 or float64 (quantized or integer "
+                         f"checkpoints are not read here: load a float one and call "
+                         f"minifer.quantize)")
+    if name not in expected:
+        raise ValueError(f"{where}: tensor {name!r} has no place in this model (config.json's "
+                         f"num_hidden_layers, model_type or bias options do not imply it)")
+    if tuple(shape) != expected[name]:
+        raise ValueError(f"{where}: tensor {name!r} has shape {tuple(shape)}, but config.json "
+                         f"implies {expected[name]} ({_shape_fields(name)})")
+
+
+def _shape_fields(name: str) -> str:
+    """The config.json fields a tensor's shape follows from, for an error message."""
+    fields = {("q_proj", "o_proj"): "num_attention_heads × head_dim, hidden_size",
+              ("k_proj", "v_proj"): "num_key_value_heads × head_dim, hidden_size",
+              ("q_norm", "k_norm"): "head_dim", ("embed", "wte", "lm_head"): "vocab_size, "
+              "hidden_size", ("_proj.", "mlp."): "intermediate_size, hidden_size",
+              ("wpe",): "n_positions, n_embd", ("attn.",): "n_embd"}
+    for parts, what in fields.items():
+        if any(part in name for part in parts):
+            return what
+    return "hidden_size"
+
+
+def hf_name(name: str, model_type: str) -> str | None:
+    """A file's tensor name as `hf_tensor_shapes` lists it (GPT-2's older files leave out the
+    ``transformer.`` prefix), or None for buffers that are not weights (GPT-2's causal masks,
+    a stored ``rotary_emb.inv_freq``: both recomputed here)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if model_type != "gpt2":
+        return name
+    if name.endswith((".attn.bias", ".attn.masked_bias")):
+        return None
+    return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
 
 
 def state_from_hf(tensors: Mapping[str, torch.Tensor], config: GPTConfig, model_type: str
@@ -136,14 +360,18 @@ def state_from_hf(tensors: Mapping[str, torch.Tensor], config: GPTConfig, model_
     """`GPT`'s state dict from a Hugging Face one (names as in the safetensors files or in
     ``model.state_dict()``). Q, K, V are concatenated into ``c_attn``, gate and up into
     ``c_fc``; GPT-2's `Conv1D` weights are transposed. A tied output head is left out (the
-    embedding is it). Unused tensors are a ValueError naming them."""
-    src = dict(tensors)
+    embedding is it). Unused tensors, and each tensor of another shape than `config` implies or
+    not of a float dtype, are a ValueError naming them (`check_hf_tensor`), checked before any
+    concatenation."""
+    expected = hf_tensor_shapes(config, model_type)
+    src = {}
+    for name, t in tensors.items():
+        if (ours := hf_name(name, model_type)) is not None:
+            check_hf_tensor(name, t.shape, t.dtype, expected)
+            src[ours] = t
     if model_type == "gpt2":
         out = {}
         for name, t in src.items():
-            if name.endswith((".attn.bias", ".attn.masked_bias")):
-                continue  # GPT-2's causal-mask buffers in older files: not weights
-            name = name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
             out[name] = t.t() if name.endswith(_GPT2_CONV1D) else t
         if config.tie_embeddings:
             out.pop("lm_head.weight", None)
@@ -175,7 +403,7 @@ def state_from_hf(tensors: Mapping[str, torch.Tensor], config: GPTConfig, model_
     head = src.pop("lm_head.weight", None)
     if not config.tie_embeddings:
         out["lm_head.weight"] = head if head is not None else take("lm_head.weight")
-    left = sorted(n for n in src if not n.endswith("rotary_emb.inv_freq"))  # (recomputed here)
+    left = sorted(src)
     if left:
         raise ValueError(f"Hugging Face checkpoint: tensor(s) this model has no place for: "
                          f"{left[:8]}{' ...' if len(left) > 8 else ''}")

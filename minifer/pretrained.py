@@ -56,7 +56,9 @@ def data_dir() -> Path:
 def model_files(name: str) -> tuple[Path, Path, Path]:
     """Paths of ``(weights .safetensors, config .json, tokenizer.json)`` of a shipped model."""
     if name not in PRETRAINED:
-        raise ValueError(f"unknown pretrained model {name!r}; known: {sorted(PRETRAINED)}")
+        raise ValueError(f"unknown pretrained model {name!r}; known: {sorted(PRETRAINED)} (or, "
+                         f"for load_pretrained, a Hugging Face hub id such as 'Qwen/Qwen3-0.6B' "
+                         f"or a checkpoint folder)")
     folder, stem = PRETRAINED[name]
     base = data_dir() / folder
     return base / f"{stem}.safetensors", base / f"{stem}.json", base / "tokenizer.json"
@@ -69,10 +71,16 @@ def load_pretrained(
 
     `name` is one of `PRETRAINED` (``"shakespeare"``: the ~9M-parameter target,
     ``"shakespeare-draft"``: its small draft for speculative decoding). `device` and `dtype`
-    default to CPU and the stored dtype (fp32).
+    default to CPU and the stored dtype (fp32). Any other name that is a Hugging Face hub id
+    (``"Qwen/Qwen3-0.6B"``) or a checkpoint folder goes to `minifer.load_hf_checkpoint`.
     """
     if device is not None:
         as_device(device)  # a device this machine lacks: fail before reading any file
+    if name not in PRETRAINED:
+        from .hf_checkpoint import is_hub_id, load_hf_checkpoint
+
+        if is_hub_id(name) or (Path(name).expanduser() / "config.json").is_file():
+            return load_hf_checkpoint(name, device=device, dtype=dtype)
     weights, _config, tok_path = model_files(name)
     missing = [p for p in (weights, weights.with_suffix(".json"), tok_path) if not p.is_file()]
     if missing:
@@ -189,7 +197,8 @@ def load_checkpoint(
     info = read_checkpoint_info(path)
     config = GPTConfig.from_dict(info["config"])
     tensors = read_safetensors(path, f" ({REGENERATE_HINT})")
-    model = GPT(config)  # (a random init we overwrite: ~0.1 s, cheaper than importing meta tensors)
+    with torch.device("meta"):  # shapes only, no random init: the file's tensors are assigned
+        model = GPT(config)  # below (rotary tables are computed for real, on the CPU)
     expected = {k: tuple(v.shape) for k, v in _state_to_save(model).items()}
     _check_tensors(path, expected, tensors)
     model.take_weights(tensors)  # the loaded tensors, no copy, laid out as a new model's

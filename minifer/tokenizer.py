@@ -150,6 +150,9 @@ class Tokenizer:
             hf = HFTokenizer.from_file(str(path))
         except Exception as err:  # the library raises a bare Exception on bad JSON
             raise ValueError(f"corrupt tokenizer file {path}: {err}") from err
+        if hf.get_vocab_size(with_added_tokens=True) == 0:
+            raise ValueError(f"{path}: the tokenizer's vocabulary (model.vocab and added_tokens) "
+                             f"is empty; a tokenizer needs at least one token")
         return cls(hf, **kwargs)
 
     def encode(self, text: str, *, special_tokens: bool = False) -> list[int]:
