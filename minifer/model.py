@@ -337,14 +337,13 @@ class GPT(nn.Module):
             block.attn.impl = impl
 
     # ---- forward -----------------------------------------------------------------------
-    def forward(self, idx: torch.Tensor,
-                cache: KVCache | PackedKVCache | AttentionInputs | None = None,
+    def forward(self, idx: torch.Tensor, cache: KVCache | PackedKVCache | AttentionInputs | None = None,
                 start: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` for token ids `idx` ``(B, T)`` (``(B, 1, vocab)`` with
         `last_only`, all a prefill needs). `cache`: write the new K/V at slots ``cache.pos..``
-        and attend over every cached slot. `start` (no cache): each row's count of left-padding
-        tokens. A packed cache runs `forward_packed`. The layers' inputs, built and checked by
-        the caller, may stand in its place (`AttentionInputs`: the speed-ups' decode step)."""
+        and attend over every cached slot; a packed cache runs `forward_packed`; the layers'
+        `AttentionInputs`, built and checked by the caller (the speed-ups' decode step), may
+        stand in its place. `start` (no cache): each row's count of left-padding tokens."""
         if getattr(cache, "packed", False):
             return self.forward_packed(idx, cache)
         if isinstance(cache, AttentionInputs):

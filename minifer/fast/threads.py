@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import hooks
 from ..checks import check_threads
 
 __all__ = ["cpu_times", "run_queue_wait", "idle_cpus", "auto_threads", "apply_threads",
@@ -118,7 +117,6 @@ def run_queue_wait() -> float | None:
             continue
     return total / 1e9 if found else None
 
-_PLAIN_GENERATION = hooks.generation_threads  # the reference, before `install` replaces it
 
 
 @dataclass(frozen=True)
@@ -301,20 +299,29 @@ def shared_governor() -> ThreadGovernor:
 @contextlib.contextmanager
 def generation_threads(threads: int | str | None, device: torch.device | str = "cpu"
                        ) -> Iterator[Callable[[], None]]:
-    """`hooks.generation_threads` of the speed-up package: as the plain hook (an integer fixes
-    torch's count for the call, None leaves it), and ``"auto"``: the shared governor, up to every
+    """`hooks.generation_threads` of the speed-up package: as the plain hook, an integer fixes
+    torch's count for the call and None leaves it; ``"auto"``: the shared governor, up to every
     idle core, asked before every step (the hook the loop calls)."""
-    if threads != "auto":
-        with _PLAIN_GENERATION(threads, device) as between_steps:
-            yield between_steps
+    if threads == "auto":
+        governor = shared_governor()
+        governor.resume()  # the pause since its last call is not counted
+        governor.maybe_adjust()
+        try:
+            yield governor.maybe_adjust
+        finally:
+            governor.pause()  # the steps since its last reading count (a short call has no other)
         return
-    governor = shared_governor()
-    governor.resume()  # the pause since its last call is not counted
-    governor.maybe_adjust()
+    restore = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(check_threads(threads))
     try:
-        yield governor.maybe_adjust
+        yield _no_adjustment
     finally:
-        governor.pause()  # the steps since its last reading count (a short call has no other)
+        torch.set_num_threads(restore)
+
+
+def _no_adjustment() -> None:
+    """Between steps with a fixed count: nothing to do."""
 
 
 def serving_threads(threads: int | str | None) -> Callable[[], int | None]:
