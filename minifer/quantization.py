@@ -578,18 +578,26 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
     group_size = _int4_group(targets, group_size) if bits == 4 else None
     device = next(model.parameters()).device
     model_impl = _model_impl(bits, impl, device, compute_dtype)
+    _swap_linears(new, targets, bits, model_impl, impl == "reference", group_size, compute_dtype)
+    return new.eval()
+
+
+def _swap_linears(new: nn.Module, targets: list[tuple[str, nn.Linear]], bits: int, impl: str,
+                  reference_asked: bool, group_size: int | None, compute_dtype: torch.dtype) -> None:
+    """Replace each target `nn.Linear` of `new` by its `QuantizedLinear` on the path `impl`
+    gives it; warn once about every layer that fell back to the reference path."""
     unfused: dict[str, list[str]] = {}  # reason -> layers
     choices: dict[str, Int8Choice] = {}  # impl="auto", int8: layer -> the kernel picked
     tied = {m.weight.data_ptr() for m in new.modules() if isinstance(m, nn.Embedding)}
     for name, lin in targets:
         is_tied = lin.weight.data_ptr() in tied
-        layer_impl, problem = _layer_impl(lin, bits, model_impl, group_size, compute_dtype)
-        if model_impl == "auto":
+        layer_impl, problem = _layer_impl(lin, bits, impl, group_size, compute_dtype)
+        if impl == "auto":
             choices[name] = Int8Choice(tuple(lin.weight.shape), layer_impl, problem)
             problem = problem if layer_impl == "reference" else None
         if problem is not None and not is_tied:
             unfused.setdefault(problem, []).append(f"{name} {tuple(lin.weight.shape)}")
-        if is_tied and layer_impl == "reference" and impl != "reference":
+        if is_tied and layer_impl == "reference" and not reference_asked:
             # dequantizing the copy at every call would rebuild the whole embedding-sized
             # matrix per step, slower than reading it in float: keep the float, tied head
             continue
@@ -600,8 +608,7 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
     if choices:
         new.int8_choices = choices
     if unfused:
-        _warn_unfused(unfused, model_impl, bits)
-    return new.eval()
+        _warn_unfused(unfused, impl, bits)
 
 
 def _int4_group(targets: list[tuple[str, nn.Linear]], group_size: int | None) -> int | None:
@@ -669,7 +676,7 @@ def _warn_unfused(unfused: dict[str, list[str]], impl: str, bits: int) -> None:
         impl, f"fused int{bits} kernel")
     verb = "reject" if impl == "auto" else "rejects"
     warnings.warn(f"the {kernel} {verb} the shape of {detail}; those layers "
-                  f"use the dequantize-then-matmul reference path", RuntimeWarning, stacklevel=3)
+                  f"use the dequantize-then-matmul reference path", RuntimeWarning, stacklevel=4)
 
 
 def _linear_targets(model: nn.Module, include_lm_head: bool) -> list[tuple[str, nn.Linear]]:

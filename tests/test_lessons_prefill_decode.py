@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import minifer as mf
+from minifer.cache import AttentionInputs
 from minifer_course.bench import decode as bench_decode
 from minifer_course.bench.__main__ import COMMANDS
 from minifer_course.bench.__main__ import main as bench_main
@@ -47,10 +48,11 @@ def test_time_decode_step_keeps_the_context_fixed(tiny):
     seen = []
 
     def hook(module, args, kwargs):
-        if "inputs" in kwargs:  # the lean decode step: the slot it writes is in a tensor
-            seen.append((args[0].shape, int(kwargs["inputs"].cache.slot)))
+        cache = args[1] if len(args) > 1 else kwargs["cache"]
+        if isinstance(cache, AttentionInputs):  # the lean decode step: its slot is in a tensor
+            seen.append((args[0].shape, int(cache.cache.slot)))
         else:
-            seen.append((args[0].shape, kwargs["cache"].pos))
+            seen.append((args[0].shape, cache.pos))
 
     handle = tiny.register_forward_pre_hook(hook, with_kwargs=True)
     try:

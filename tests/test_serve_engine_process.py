@@ -73,8 +73,8 @@ def test_the_engine_in_a_process_streams_what_the_engine_in_a_thread_streams(mod
     tok = mf.ByteTokenizer()
     seen = {}
     for where in ("thread", "process"):
-        with running_server(model, tok, model_name="tiny", max_num_seqs=4, engine_in=where,
-                            kv_read="kernel") as url:
+        with running_server(model, tok, model_name="tiny", max_num_seqs=4,
+                            engine_in=where) as url:  # the pool read by the paged kernel
             seen[where] = _all_streams(url)
             seen[where].append(_stream(url, "Echo me", echo=True, logprobs=2))
             _until_idle(url)
