@@ -1,29 +1,16 @@
 """`AsyncEngine`: one thread owns the engine; asyncio handlers talk to it through queues.
 
-An `LLMEngine` is not thread-safe and its `step()` blocks for a whole forward pass, so a server
-must not call it from its event loop. Instead one background thread runs the engine loop:
+An `LLMEngine` is not thread-safe and its `step()` blocks for a whole forward pass, so one
+background thread runs the engine loop (`engine.driver.drive`): apply the requests and aborts
+handlers left in the inbox, step while anything is unfinished, else sleep until work comes.
+Each handler's `RequestHandle` receives its request's outputs from that thread
+(``loop.call_soon_threadsafe``); all requests in flight share every step.
 
-    while running:                          (`serve.driver.drive`, the loop of every front)
-        take the new requests and aborts that handlers left in the inbox, apply them;
-        if any request is unfinished: outputs = engine.step(); hand each to its request's queue;
-        else: sleep until a handler brings work.
-
-Each HTTP handler gets a `RequestHandle` whose asyncio queue receives that request's
-`RequestOutput`s (one per generated token) from the engine thread
-(``loop.call_soon_threadsafe``). All requests in flight share every step: this is where
-continuous batching meets many concurrent clients.
-
-Admission control (claim MET-5): at most `max_waiting` requests may wait for their first step;
-past that, `add` refuses with 429 at once (with ``Retry-After``, which OpenAI's clients honour
-when they retry) instead of letting the queue (and everyone's TTFT) grow without bound. The
-default, `DEFAULT_MAX_WAITING`, is large enough that a burst of a few hundred requests is queued,
-as other servers do. An engine error in `step()` fails the requests in flight with a 500 and
-aborts them; the thread keeps serving the next ones. A request that failed alone inside a step
-(finish reason "error", `LLMEngine.step`) hears a 500 naming it; the others never notice.
-
-A request that asks for its prompt's logprobs (``echo`` with ``logprobs``) gets them here, in
-the engine thread, by one forward pass over the prompt (`minifer.engine.logprobs`), so the model
-is only ever run from this thread.
+Admission control (claim MET-5): past `max_waiting` requests waiting for their first step, `add`
+refuses with 429 and ``Retry-After`` instead of letting everyone's TTFT grow. An error in
+`step()` fails the requests in flight with a 500 and the thread serves the next ones; a request
+that failed alone in a step hears a 500 naming it. Prompt logprobs are computed here too, so the
+model only ever runs in this thread.
 """
 
 from __future__ import annotations
@@ -117,12 +104,11 @@ def queue_full(waiting: int, max_waiting: int) -> APIError:
 
 
 class AsyncEngine:
-    """Runs `engine.step()` in one background thread whenever there is work (see module doc).
+    """Runs `engine.step()` in one background thread whenever there is work.
 
     `on_finish(output)` is called in the engine thread for every request's last output,
-    `on_step()` after every step (metrics). `threads`: torch's CPU threads for the steps — None
-    leaves torch's choice, a number sets it when the loop starts, ``"auto"`` keeps it at the
-    cores other programs leave free, looked at again between steps (`hooks.serving_threads`).
+    `on_step()` after every step. `threads`: torch's CPU threads for the steps (None: torch's
+    choice; ``"auto"``: the cores other programs leave free, between steps).
     """
 
     id_prefix = "srv-"  # request ids are id_prefix + a count (`EngineReplicas` sets one each)
@@ -183,13 +169,10 @@ class AsyncEngine:
 
     async def add(self, prompt, params, priority: int = 0, *,
                   prompt_logprobs: int | None = None, **options) -> RequestHandle:
-        """Queue a request; its handle once the engine accepted it.
-
-        `options` go to `engine.add_request` (``logprobs``, ``min_tokens``); `prompt_logprobs`:
-        score the prompt with that many alternatives per token (`RequestHandle.prompt_logprobs`).
-        Raises `APIError` 429 when `max_waiting` requests already wait, 400 when the engine
-        rejects the request (it could never run), 503 when the engine loop is not running.
-        """
+        """Queue a request; its handle once the engine accepted it. `options` go to
+        `engine.add_request`; `prompt_logprobs`: alternatives per prompt token. Raises `APIError`
+        429 when `max_waiting` already wait, 400 when the engine rejects the request, 503 when
+        the loop is not running."""
         if not self.alive or self._stopping:
             raise APIError(503, "the engine is not running", type="server_error",
                            code="engine_stopped")
