@@ -1,21 +1,10 @@
 """Chat prompts: a checkpoint's own chat template, or the play-form template of the shipped models.
 
-A chat model was trained on conversations wrapped in its own special tokens (Qwen's
-``<|im_start|>user ... <|im_end|>``, Llama 3's ``<|start_header_id|>user<|end_header_id|>``).
-Its checkpoint ships the template that writes them: a Jinja template in
-``tokenizer_config.json`` (``chat_template``) or ``chat_template.jinja``, which
-`minifer.hf_checkpoint.load_hf_checkpoint` keeps on the tokenizer. `render_template` renders it
-as transformers' ``apply_chat_template`` does (a sandboxed Jinja environment with
-``trim_blocks``/``lstrip_blocks``, a ``tojson`` that keeps non-ASCII text, ``raise_exception``,
-the tokenizer's special tokens as variables); the prompt then starts the assistant's turn and the
-reply ends at the model's end-of-turn token (the tokenizer's ``eos_token``).
-
-The shipped Shakespeare models' tokenizers (and `ByteTokenizer`) have no template: they get the
-documented play-form template of `minifer.play_chat`, whose reply ends at a blank line. A
-Hugging Face checkpoint without a template (a base model) gets none: `require_chat_template`
-refuses to chat with it, and a server answers ``/v1/chat/completions`` with its message.
-
-jinja2 is imported only to render a checkpoint's template.
+A chat checkpoint ships a Jinja template that wraps messages in its special tokens (Qwen's
+``<|im_start|>user ... <|im_end|>``); `render_template` renders it as transformers'
+``apply_chat_template`` does, and the reply ends at the tokenizer's ``eos_token``. The shipped
+Shakespeare models (and `ByteTokenizer`) get the play form of `minifer.play_chat`; a Hugging Face
+checkpoint without a template (a base model) gets none: `require_chat_template` refuses it.
 """
 
 from __future__ import annotations
