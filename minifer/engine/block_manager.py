@@ -1,20 +1,14 @@
 """The paged KV cache's bookkeeping: a pool of fixed-size blocks and one block table per sequence.
 
-Reserving a KV region of the maximum length for every request wastes most of it (claim KV-12).
-Paging instead cuts the cache into blocks of `block_size` token slots; a sequence owns a list of
-block ids (its *block table*), token ``i`` lives in slot ``i % block_size`` of block
-``table[i // block_size]``, and a sequence asks for one more block only when its last one is
-full. The only waste is the unfilled tail of each sequence's last block (internal fragmentation).
+Reserving the maximum length for every request wastes most of it (claim KV-12). Paging cuts
+the cache into blocks of `block_size` slots; token ``i`` of a sequence lives in slot
+``i % block_size`` of block ``table[i // block_size]`` of its *block table*, and a new block is
+taken only when the last is full.
 
-**Prefix caching.** A *full* block's contents are fixed by the tokens it holds and every token
-before it, so it is named by a hash chained through its parent: ``hash(parent_hash, tokens)``.
-When a new sequence starts with the same tokens (a shared system prompt), its leading blocks are
-found by hash and shared, with a reference count, instead of being computed again. A block whose
-count drops to zero goes back to the free list but keeps its contents and hash: it can be revived
-by a later hit until it is handed out for new contents, least recently freed first (LRU).
-
-This module holds no tensors: it decides *which* slot each token uses; `kv_pool.PagedKVPool`
-holds the keys and values in those slots.
+**Prefix caching.** A full block is named by ``hash(parent_hash, tokens)``, so a sequence that
+starts with the same tokens shares those blocks (reference counted). A freed block keeps its
+contents and hash until it is handed out again, least recently freed first (LRU). No tensors
+here: `kv_pool.PagedKVPool` holds the keys and values.
 """
 
 from __future__ import annotations
