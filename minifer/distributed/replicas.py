@@ -1,22 +1,14 @@
 """`EngineReplicas`: several engine processes behind one server, each with a share of the seats.
 
-torch splits one step over its threads and the threads meet at the end of every operation, so
-a step goes at the pace of its slowest thread: when another program (or the server's own HTTP
-side) takes part of a core, the thread on that core holds up the whole step, and from about 40%
-busy a second thread is worth nothing (BENCHMARKS.md, "Threads under load"). Replicas split
-the work the other way: each is a whole `LLMEngine` in a process of its own (`EngineProcess`)
-with one share of `max_num_seqs` and of the KV pool, stepping its own requests with its own
-threads, and no replica ever waits for another. The operating system shares the cores out
-between them, so a core that is partly busy slows one replica a little instead of every step
-of the only one. vLLM calls the same layout data parallelism (``--data-parallel-size``).
+A step goes at the pace of its slowest thread, so a core partly taken by another program holds
+up every step. Replicas split the work the other way: each is a whole `LLMEngine` in its own
+process (`EngineProcess`) with a share of `max_num_seqs` and of the KV pool, and no replica waits
+for another (vLLM's data parallelism, ``--data-parallel-size``).
 
-The server's limits stay what they say: ``max_num_seqs=32`` over 2 replicas is 16 seats each,
-32 in all; the pool's blocks are split the same way. A new request goes to the live replica with
-the fewest requests in flight. A replica that dies (killed, out of memory) leaves the routing at
-once: its requests in flight end with a 503, the others serve on, ``/health`` says "degraded"
-with the count of live replicas, its gauges leave the metrics' sums, and it is restarted in the
-background (at most `MAX_RESTARTS` times each). The model's weights reach every replica in shared memory (one copy).
-Prefix caching works within a replica; the same prefix sent to two replicas is computed twice.
+``max_num_seqs=32`` over 2 replicas is 16 seats each. A new request goes to the live replica
+with the fewest requests in flight. A replica that dies leaves the routing at once: its requests
+end with a 503, ``/health`` says "degraded", and it is restarted in the background (at most
+`MAX_RESTARTS` times). The weights are shared (one copy); prefix caching works per replica.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """`DisaggregatedEngine`: one front for a prefill process and a decode process.
 
-The front is the caller's process. It starts the two ranks (`minifer.distributed.parallel.Workers`, the
-launcher tensor parallelism uses: torchrun's environment, logs, always ended), checks each
-request as `LLMEngine.add_request` would, writes it to rank 0's stdin as a JSON line, and reads
-finished requests from rank 1's stdout on a thread. The model travels to the workers as a
-safetensors checkpoint in a temporary folder (or by name, for a shipped model).
+The front, in the caller's process, starts the two ranks (`minifer.distributed.parallel.Workers`),
+checks each request as `LLMEngine.add_request` would, writes it to rank 0's stdin as a JSON line,
+and reads finished requests from rank 1's stdout on a thread. The model travels as a safetensors
+checkpoint in a temporary folder (or by name, for a shipped model).
 
-Clean shutdown: :meth:`close` tells rank 0 that no more requests come; rank 0 finishes its
-prompts and tells rank 1, which finishes decoding; both write a final report and exit. If a
-rank fails, the other's `recv`/`send` fails too or is ended: every call that waits checks the
-processes and raises `WorkerError` with the failed rank's output, after ending both, and the
-context manager ends them on any exit (an exception, a timeout, Ctrl-C).
+:meth:`close` tells rank 0 that no more requests come; it finishes and tells rank 1, and both
+write a final report and exit. Every call that waits checks the processes and raises
+`WorkerError` with a failed rank's output, after ending both.
 """
 
 from __future__ import annotations
@@ -87,31 +84,22 @@ class DisaggReport:
 
 
 class DisaggregatedEngine:
-    """Prefill on one process, decode on another, one `LLMEngine`-like front (module docstring).
+    """Prefill on one process, decode on another, one `LLMEngine`-like front.
 
     - `model`: a `GPT` in memory (saved for the workers) or a shipped model's name.
-    - `block_size`: both pools' block size. `prefill_tokens`: rank 0's token budget per step
-      (prompts batched up to it, longer ones chunked); `prefill_max_seqs` prompts at most in
-      flight there.
-    - `decode_blocks`, `decode_max_seqs`: rank 1's pool and batch; a small pool preempts, and a
-      preempted request recomputes on rank 1. `decode_tokens`: rank 1's step budget for that.
-    - `threads`: torch threads per worker; `timeout_s`: how long any wait may take (a worker's
-      send/recv, `generate`, `close`).
-    - `prefill_nice`: lower the prefill worker's CPU priority by this much (``os.nice``, 0-19).
-      Two workers on one machine share its cores; with the prefill worker "nicer" the OS
-      runs decode steps first when both want a core, standing in for two machines.
-    - `keepalive_s`: while idle the prefill worker tells the decode worker it is alive this
-      often (default: a quarter of `timeout_s`, at most 10 s), so an engine left open without
-      requests for longer than `timeout_s` keeps working.
+    - `block_size`: both pools' block size. `prefill_tokens`, `prefill_max_seqs`: rank 0's token
+      budget per step and prompts in flight.
+    - `decode_blocks`, `decode_max_seqs`, `decode_tokens`: rank 1's pool, batch and step budget
+      (a small pool preempts; a preempted request recomputes on rank 1).
+    - `threads`: torch threads per worker; `timeout_s`: how long any wait may take.
+    - `prefill_nice`: lower the prefill worker's CPU priority (``os.nice``), so that on one
+      machine the OS runs decode steps first, standing in for two machines.
+    - `keepalive_s`: how often an idle prefill worker says it is alive (default: a quarter of
+      `timeout_s`, at most 10 s), so an idle engine outlives `timeout_s`.
     - `fault`: tests only — ``"prefill:N"`` / ``"decode:N"`` makes that worker fail at step N.
 
-    Use it as a context manager (or call :meth:`close`); an engine dropped without either ends
-    its workers when it is garbage-collected, and the workers end themselves if this process
-    dies.
-
-    Supports greedy and seeded sampling (``temperature``, ``top_k``, ``top_p``, ``seed``,
-    ``repetition_penalty``, ``logit_bias``, ``ignore_eos``, ``max_new_tokens``); not stop
-    strings, which need the tokenizer on the workers.
+    Use it as a context manager (or call :meth:`close`; garbage collection ends the workers
+    too). Sampling options are supported, not stop strings (the workers have no tokenizer).
     """
 
     def __init__(self, model: torch.nn.Module | str, tokenizer=None, *, block_size: int = 16,

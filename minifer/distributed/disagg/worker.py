@@ -1,25 +1,16 @@
 """The two ranks of disaggregated serving: rank 0 prefills, rank 1 decodes.
 
-Both are `LLMEngine`s over paged pools of their own, in separate processes joined by
-`torch.distributed` (gloo on the CPU, NCCL on GPUs):
+Both are `LLMEngine`s over paged pools of their own, in processes joined by `torch.distributed`:
 
-- **prefill** (rank 0) takes requests (JSON lines on stdin from the front, or prompts given on
-  the command line under `torchrun`), runs their prompts with chunked prefill — several prompts
-  batched in one step, long ones split across steps — samples each first token, takes the
-  request out of its engine (`serve.handoff.export_prefilled`) and sends the prompt's K/V, first
-  token and sampling state to rank 1 (`serve.handoff.send_handoff`). It never decodes.
-- **decode** (rank 1) receives handoffs on a thread (`dist.recv` blocks, the decode steps must
-  not), inserts each into its engine when it fits (`serve.handoff.add_prefilled`: blocks allocated
-  in its own pool, K/V written) and decodes everything with continuous batching. A request
-  preempted here recomputes its tokens here (the engine's recompute mode), never going back to
-  rank 0; requests it preempted are admitted again before new handoffs. Finished requests
-  leave as JSON lines on stdout.
+- **prefill** (rank 0) takes requests (JSON lines on stdin, or prompts on the command line),
+  runs their prompts with chunked prefill, samples each first token and sends the request to
+  rank 1 (`export_prefilled`, `send_handoff`). It never decodes.
+- **decode** (rank 1) receives handoffs on a thread (`dist.recv` blocks), inserts each when it
+  fits (`add_prefilled`) and decodes with continuous batching; a request preempted here
+  recomputes here. Finished requests leave as JSON lines on stdout.
 
-Each rank records a timeline (one span per step: start, end, kind, tokens; one per transfer)
-and writes a final report line. The protocol lines go to the process's original stdout; the
-rest of its output (warnings, prints) goes to stderr, so nothing else can corrupt the stream.
-A failure raises in the rank, which exits non-zero; its peer's `recv` then fails or the front
-ends it (`minifer.distributed.parallel.Workers`).
+Each rank records a timeline and writes a final report line. Only the protocol lines go to the
+original stdout (everything else to stderr). A failure raises in the rank, which exits non-zero.
 """
 
 from __future__ import annotations

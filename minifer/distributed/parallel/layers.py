@@ -1,24 +1,17 @@
 """Megatron-style tensor parallelism for `minifer.model.GPT`: which rank holds which slice.
 
-Each transformer block has two pairs of matrices, and each pair is split the same way
-(Shoeybi et al. 2019, "Megatron-LM", section 3):
+Each block's two pairs of matrices are split the same way (Shoeybi et al. 2019, section 3):
 
 - **column-parallel** first: the fused QKV projection and the MLP's up projection are cut by
-  *output* rows. Rank r computes only its heads' queries/keys/values (or its slice of the MLP's
-  hidden units) from the full input, with no communication.
-- **row-parallel** second: the attention output projection and the MLP's down projection are cut
-  by *input* columns, the matching slice. Each rank's product is a partial sum of the full
-  output; one **all-reduce** (sum over ranks) completes it. The bias is added once, after it.
+  *output* rows; rank r computes its heads (or hidden units) from the full input, alone.
+- **row-parallel** second: the output and down projections are cut by *input* columns; each
+  rank's product is a partial sum, and one **all-reduce** completes it (the bias added after).
 
-So a block costs two all-reduces of a ``(B, T, n_embd)`` activation, and every rank reads only
-1/N of the block's weights. Attention needs nothing from other ranks because whole heads are
-split: a rank keeps the K/V of its own heads only, so its KV cache is 1/N of the full one.
-With grouped-query attention the unit of the split is a K/V head together with the query heads
-that share it. Embeddings, norms and the output head are small here and are replicated.
-
-The Llama/Qwen switches split the same way: rotary positions and Q/K norms act per head (each
-rank applies them to its own heads), and the gated MLP's fused gate|up matrix is cut so that a
-rank keeps the gate rows and the up rows of the same hidden units.
+So a block costs two all-reduces of a ``(B, T, n_embd)`` activation and every rank reads 1/N of
+its weights and keeps 1/N of the KV cache (whole heads are split; with grouped-query attention,
+a K/V head with its query heads). Rotary positions and Q/K norms act per head; the gate|up
+matrix is cut so a rank keeps the gate and up rows of the same hidden units. Embeddings, norms
+and the output head are replicated.
 """
 
 from __future__ import annotations
