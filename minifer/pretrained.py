@@ -1,16 +1,8 @@
 """The shipped trained models: `load_pretrained("shakespeare")` → ``(model, tokenizer)``.
 
-A checkpoint is two files side by side:
-
-- ``<name>.safetensors``: the weights. safetensors is a flat file of named tensors (a JSON
-  header, then raw bytes); loading it cannot run code, unlike ``torch.load`` of a pickle, which
-  can run anything the file's author wanted. We never unpickle.
-- ``<name>.json``: the `GPTConfig` that gives the weights their shapes, plus training metadata
-  (steps, losses, machine, ...), readable by people and by the model card.
-
-The data folder is found as package data (``minifer/data``) with `importlib.resources`, so it
-works from a source checkout, an editable install and a built wheel. Set the environment
-variable ``MINIFER_DATA`` to a folder with the same layout to use other files.
+A checkpoint is ``<name>.safetensors`` (the weights: loading it cannot run code, unlike a
+pickle, which we never load) and ``<name>.json`` (the `GPTConfig` and training metadata). The
+data folder is package data (``minifer/data``), or ``$MINIFER_DATA`` with the same layout.
 """
 
 from __future__ import annotations

@@ -56,17 +56,11 @@ def replica_options(options: dict, replicas: int, blocks_needed: int) -> list[di
 
 
 class EngineReplicas:
-    """`AsyncEngine`'s interface (add, abort, stats, alive, num_waiting; the same admission
-    control and errors) over `replicas` engine processes (see the module docstring).
-
-    `engine`: an `LLMEngine` whose model and options the replicas are built from (it is never
-    stepped). `threads` applies in each replica; ``"auto"`` gives each its share of the cores
-    (``os.cpu_count() // replicas``, at least 1): left to follow the idle cores, two replicas on
-    a quiet 2-core machine each took both, and the p99 time per output token at 2 req/s went
-    from 8 to 19 ms (BENCHMARKS.md). `fallback`: where a replica cannot start, run one
-    `EngineProcess` with every seat instead (itself falling back to a thread), with a warning.
-    `restart`: start a replica again when it dies (see the module docstring).
-    """
+    """`AsyncEngine`'s interface and admission control over `replicas` engine processes built
+    from `engine`'s model and options. `threads` applies in each; ``"auto"`` gives each its
+    share of the cores (following the idle cores, replicas would each take them all).
+    `fallback`: where a replica cannot start, one `EngineProcess` with every seat, with a
+    warning. `restart`: start a replica again when it dies."""
 
     def __init__(self, engine: Any, replicas: int, *, max_waiting: int = DEFAULT_MAX_WAITING,
                  on_finish=None, on_step=None, threads: int | str | None = None,

@@ -1,11 +1,7 @@
-"""OpenAI-shaped replies: the JSON bodies of a whole completion or chat answer and of each
-streamed chunk, built from the engine's `RequestOutput`s.
+"""OpenAI-shaped replies, whole or streamed chunk by chunk, from the engine's `RequestOutput`s.
 
-**Replies.** OpenAI's ``finish_reason`` is ``"stop"`` for a natural end (the end-of-sequence
-token or a stop string) and ``"length"`` when ``max_tokens`` ran out. Logprobs are the model's
-own (see `minifer.engine.logprobs`); a token is shown as its text (``token_to_text``), or as
-``token_id:N`` when the server has no tokenizer; -inf is reported as -9999.0 (JSON has no
-infinity).
+``finish_reason`` is ``"stop"`` for EOS or a stop string, ``"length"`` when ``max_tokens`` ran
+out. A token is shown as its text, or ``token_id:N`` without a tokenizer; -inf as -9999.0.
 """
 
 from __future__ import annotations

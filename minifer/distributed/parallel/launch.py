@@ -1,14 +1,9 @@
 """Run tensor-parallel generation as N local processes, from Python or a notebook.
 
-This is a small `torchrun` for one machine: it starts N copies of ``python -m minifer.distributed.parallel``
-with the environment torchrun would give them (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), waits for them, reads back each rank's JSON
-report, and **always** ends them: on success, on a failing rank (the others would otherwise wait
-in a collective until their timeout), on a timeout and on Ctrl-C / a kernel interrupt.
-
-Subprocesses (not `multiprocessing`) keep this working inside a Jupyter kernel, where functions
-defined in the notebook cannot be sent to a child, and keep the child free of the kernel's state.
-The model travels as a safetensors checkpoint in a temporary folder, never as a pickle.
+A small `torchrun` for one machine: N copies of ``python -m minifer.distributed.parallel`` with
+torchrun's environment, each rank's JSON report read back, and every process **always** ended
+(on success, a failing rank, a timeout, Ctrl-C). Subprocesses, not `multiprocessing`, so it works
+in a Jupyter kernel; the model travels as a safetensors checkpoint, never as a pickle.
 """
 
 from __future__ import annotations
@@ -79,18 +74,11 @@ def free_port() -> int:
 class Workers:
     """N local processes started with torchrun's environment, watched and always ended.
 
-    The process-management core shared by tensor parallelism (:func:`launch`) and the
-    disaggregated prefill/decode pair (`minifer.distributed.disagg`): rank ``r`` runs
-    ``python -m MODULE *argv_per_rank[r]`` with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``OMP_NUM_THREADS=threads`` and this
-    process's pid (so a worker whose launcher dies exits). Its stderr (and its stdout unless
-    `pipes`) go to ``rankR.log`` in `logdir`; with `pipes` each worker's stdin and stdout are
-    pipes the caller talks through (``procs[r].stdin`` / ``.stdout``). `extra_env` adds variables to
-    every worker's environment (this process's own is left as it is).
-
-    Use it as a context manager, or call :meth:`end` in a ``finally``: every process is
-    terminated, then killed, and reaped. :meth:`check` raises :class:`WorkerError` as soon as
-    one rank has failed, with the output of every failed rank.
+    Rank ``r`` runs ``python -m MODULE *argv_per_rank[r]`` with torchrun's variables,
+    ``OMP_NUM_THREADS=threads`` and this process's pid (a worker whose launcher dies exits), plus
+    `extra_env`. Its stderr (and stdout unless `pipes`, then the caller's pipes) go to
+    ``rankR.log`` in `logdir`. Use it as a context manager, or call :meth:`end` in a
+    ``finally``; :meth:`check` raises :class:`WorkerError` with every failed rank's output.
     """
 
     def __init__(self, argv_per_rank: list[list[str]], logdir: str | Path, *,

@@ -143,14 +143,10 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
                 vocab: int | None = None, keep_logits: bool = False) -> RankReport:
     """Generate on a model already sharded by :func:`shard_gpt`; call on every rank at once.
 
-    `prompts`: token ids, one list per row (left padded into one batch, as `minifer.generate`
-    does). Rank 0 samples each token with `params` and broadcasts it. A row stops at
-    `eos_token_id` (unless ``params.ignore_eos``) or after ``params.max_new_tokens``.
-    `vocab`: sample only among the first `vocab` ids (a tokenizer smaller than the model).
-
-    The loop is `minifer.generation.run_batch`'s, the one every generation goes through: this
-    function only brings the rank's cache (its own K/V heads), the sampler (rank 0 samples,
-    everyone receives) and forward hooks that time the prefill and each decode step.
+    `prompts`: token ids, one list per row (left padded into one batch). Rank 0 samples each
+    token with `params` and broadcasts it; a row stops at `eos_token_id` or ``max_new_tokens``.
+    `vocab`: sample only among the first `vocab` ids. The loop is `generation.run_batch`'s, with
+    the rank's cache (its own K/V heads), that sampler and hooks timing each step.
     """
     params = params or SamplingParams()
     device = next(model.parameters()).device
