@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import abc
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -98,19 +98,10 @@ class SpecStats:
         """The sum of two runs' stats (same k)."""
         if other.k != self.k:
             raise ValueError(f"cannot merge stats of k={self.k} and k={other.k}")
-        return SpecStats(
-            k=self.k, drafter=self.drafter, tokens=self.tokens + other.tokens,
-            target_passes=self.target_passes + other.target_passes,
-            draft_passes=self.draft_passes + other.draft_passes,
-            rounds=self.rounds + other.rounds, proposed=self.proposed + other.proposed,
-            accepted=self.accepted + other.accepted,
-            rejections=self.rejections + other.rejections,
-            accept_hist=[a + b for a, b in zip(self.accept_hist, other.accept_hist)],
-            draft_time_s=self.draft_time_s + other.draft_time_s,
-            target_time_s=self.target_time_s + other.target_time_s,
-            wall_time_s=self.wall_time_s + other.wall_time_s,
-            prompts=self.prompts + other.prompts,
-        )
+        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
+                if f.name not in ("k", "drafter", "accept_hist")}
+        return SpecStats(k=self.k, drafter=self.drafter, **sums,
+                         accept_hist=[a + b for a, b in zip(self.accept_hist, other.accept_hist)])
 
     def summary(self) -> str:
         return (f"{self.tokens} tokens in {self.target_passes} target passes "
@@ -167,6 +158,7 @@ class Drafter:
 
     def begin(self, prompt_ids: list[int], ctx: DraftContext) -> None:
         self.ctx = ctx
+        self.passes = 0
 
     def propose(self, seq: list[int], k: int, seen: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -184,8 +176,7 @@ class ModelDrafter(Drafter):
         self.name = f"draft model ({sum(p.numel() for p in model.parameters()):,} params)"
 
     def begin(self, prompt_ids: list[int], ctx: DraftContext) -> None:
-        self.ctx = ctx
-        self.passes = 0
+        super().begin(prompt_ids, ctx)
         cfg = self.model.config
         cache = getattr(self, "cache", None)
         if cache is None or cache.max_len < ctx.max_len or cache.device != ctx.device:
@@ -246,10 +237,6 @@ class PromptLookupDrafter(Drafter):
         max_ngram = check_int("max_ngram", max_ngram, min_ngram, why=" (at least min_ngram)")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.name = f"prompt lookup (n-grams {min_ngram}..{max_ngram})"
-
-    def begin(self, prompt_ids, ctx):
-        self.ctx = ctx
-        self.passes = 0
 
     @staticmethod
     def lookup(seq: abc.Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
