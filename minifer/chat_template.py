@@ -44,12 +44,9 @@ def render_template(template: str, messages: Sequence[Mapping], *,
 
 
 def require_chat_template(tokenizer) -> str | None:
-    """The chat template of `tokenizer`: a Hugging Face checkpoint's template, or None for the
-    tokenizers that chat in the play form (the shipped models', `ByteTokenizer`). A checkpoint
-    loaded by `minifer.load_hf_checkpoint` without one (a base model: no ``chat_template`` in
-    tokenizer_config.json, no ``chat_template.jinja``) is a ValueError, since any prompt form
-    made up for it would be one the model never saw: the server refuses
-    ``/v1/chat/completions`` with this message."""
+    """The chat template of `tokenizer`, or None for the play form (the shipped models',
+    `ByteTokenizer`). A checkpoint without one (a base model) is a ValueError: any prompt form
+    made up for it would be one the model never saw."""
     template = getattr(tokenizer, "chat_template", None)
     if template:
         return template
@@ -64,10 +61,8 @@ def require_chat_template(tokenizer) -> str | None:
 
 def chat_prompt(messages: Sequence[Mapping], tokenizer) -> tuple[str, list[str]]:
     """``(prompt text, stop strings)`` for `messages` (OpenAI-style dicts): the tokenizer's chat
-    template if it has one (no stop strings: the reply ends at its end-of-turn token, the
-    tokenizer's EOS), else the play-form template with its blank-line end of turn; a checkpoint
-    without a template is a ValueError (`require_chat_template`). Encode the prompt with
-    ``special_tokens=True``: the template writes special tokens as text."""
+    template (no stop strings: the reply ends at its EOS), else the play form with its
+    blank-line end of turn. Encode the prompt with ``special_tokens=True``."""
     from .play_chat import END_OF_TURN, render_chat
 
     template = require_chat_template(tokenizer)
@@ -80,11 +75,8 @@ def chat_prompt(messages: Sequence[Mapping], tokenizer) -> tuple[str, list[str]]
 
 
 def chat(model, tokenizer, messages: Sequence[Mapping], params=None, **kwargs):
-    """The model's reply to `messages`, a `minifer.Completion` (its ``.text`` is the reply).
-
-    The prompt is `chat_prompt`'s; `params` (`SamplingParams`, default greedy with 256 new
-    tokens) gets the template's stop strings added. `kwargs` go to `minifer.generate`.
-    """
+    """The model's reply to `messages`, a `minifer.Completion`: `chat_prompt`'s prompt, `params`
+    (default greedy, 256 new tokens) with its stop strings added, `kwargs` to `generate`."""
     from .generation import generate
     from .sampling import SamplingParams
 

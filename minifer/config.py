@@ -25,11 +25,9 @@ def kv_token_bytes(n_layer: int, n_kv_head: int, head_dim: int, bytes_per_value:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3's rotary frequency scaling (``rope_scaling`` of type ``"llama3"`` in a Hugging Face
-    config): wavelengths longer than ``original_context_length / low_freq_factor`` are stretched
-    by `factor`, shorter than ``original_context_length / high_freq_factor`` kept, and the band
-    between interpolated, so a model trained on short contexts reads positions far beyond them.
-    """
+    """Llama 3's rotary frequency scaling: wavelengths longer than ``original_context_length /
+    low_freq_factor`` are stretched by `factor`, shorter than ``original_context_length /
+    high_freq_factor`` kept, the band between interpolated."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -52,11 +50,8 @@ CHOICES = {"positions": ("learned", "rope"), "norm": ("layer", "rms"), "mlp": ("
 @dataclass(frozen=True)
 class GPTConfig:
     """Shape of a pre-norm decoder with a fused QKV projection: GPT-2 by default, Llama or Qwen
-    through the family switches below.
-
-    `n_kv_head` below `n_head` gives grouped-query attention (one K/V head shared by a group of
-    query heads); `n_kv_head=1` is multi-query attention; `None` means plain multi-head attention.
-    """
+    through the family switches below. `n_kv_head` below `n_head`: grouped-query attention
+    (1: multi-query; None: multi-head)."""
 
     vocab_size: int = 1024
     context_length: int = 1024

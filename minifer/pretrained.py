@@ -59,13 +59,9 @@ def model_files(name: str) -> tuple[Path, Path, Path]:
 def load_pretrained(
     name: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> tuple[GPT, Tokenizer]:
-    """A shipped trained model (in eval mode) and its tokenizer.
-
-    `name` is one of `PRETRAINED` (``"shakespeare"``: the ~9M-parameter target,
-    ``"shakespeare-draft"``: its small draft for speculative decoding). `device` and `dtype`
-    default to CPU and the stored dtype (fp32). Any other name that is a Hugging Face hub id
-    (``"Qwen/Qwen3-0.6B"``) or a checkpoint folder goes to `minifer.load_hf_checkpoint`.
-    """
+    """A shipped trained model (in eval mode) and its tokenizer: `name` is one of `PRETRAINED`
+    (``"shakespeare"``, or its draft ``"shakespeare-draft"``); a hub id or checkpoint folder goes
+    to `minifer.load_hf_checkpoint`. `device`, `dtype`: default CPU and the stored dtype."""
     if device is not None:
         as_device(device)  # a device this machine lacks: fail before reading any file
     if name not in PRETRAINED:
@@ -109,11 +105,8 @@ def _state_to_save(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(model: GPT, path: str | Path, metadata: dict | None = None) -> Path:
-    """Write ``path`` (.safetensors weights) and the same name with ``.json`` (config + metadata).
-
-    Both files are written to a temporary name first and then renamed, so an interrupted save
-    never leaves a half-written checkpoint behind. Returns the weights path.
-    """
+    """Write ``path`` (.safetensors weights) and the same name with ``.json`` (config + metadata),
+    each to a temporary name then renamed (never half-written). Returns the weights path."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -175,11 +168,8 @@ def read_safetensors(path: Path, missing: str = "") -> dict[str, torch.Tensor]:
 def load_checkpoint(
     path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> tuple[GPT, dict]:
-    """Rebuild a `GPT` from ``path`` (.safetensors) and its ``.json``: ``(model in eval mode, metadata)``.
-
-    Every tensor the config implies must be in the file with the right shape; anything
-    missing, extra or mis-shaped is a ValueError that names the tensor.
-    """
+    """Rebuild a `GPT` from ``path`` (.safetensors) and its ``.json``: ``(model in eval mode,
+    metadata)``; a tensor missing, extra or mis-shaped is a ValueError naming it."""
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"dtype must be a float torch dtype such as torch.bfloat16, got "
                          f"{dtype!r} (for int8/int4 weights, load in float and call "

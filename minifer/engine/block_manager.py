@@ -23,11 +23,8 @@ __all__ = ["Block", "BlockManager", "block_hash"]
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """The name of a full block: its tokens chained with its parent block's hash.
-
-    Python hashes tuples of ints deterministically (no per-process salt), so equal prefixes get
-    equal names in any run. A collision cannot corrupt output: a hit also compares the tokens.
-    """
+    """The name of a full block: its tokens chained with its parent's hash (tuples of ints hash
+    the same in every run; a hit also compares the tokens, so a collision is harmless)."""
     return hash((-1 if parent is None else parent, tuple(tokens)))
 
 
@@ -48,9 +45,8 @@ class BlockManager:
       many leading tokens are already in cached blocks (those need no compute).
     - `append_slots(seq, n)`: grow the table so the sequence can hold `n` tokens.
     - `commit(seq, tokens, n)`: `n` tokens now have their K/V written; name the full blocks.
-    - `free(seq)`: drop the sequence's references (a second `free` is an error: no double free).
-
-    `can_allocate` / `can_append` tell the scheduler beforehand whether a request fits.
+    - `free(seq)`: drop the sequence's references (a second `free` is an error).
+    - `can_allocate` / `can_append`: whether a request fits, beforehand.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
@@ -104,11 +100,8 @@ class BlockManager:
 
     @property
     def wasted_slots(self) -> int:
-        """Slots reserved in used blocks but holding no token: the tails of last blocks.
-
-        Only a sequence's last block can be partly filled, and partial blocks are never shared,
-        so this sums ``len(table) * block_size - num_tokens`` over sequences.
-        """
+        """Slots reserved in used blocks but holding no token: the tails of last blocks (partial
+        blocks are never shared)."""
         return sum(len(t) * self.block_size - self.num_tokens[s] for s, t in self.tables.items())
 
     @property

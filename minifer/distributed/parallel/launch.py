@@ -126,11 +126,8 @@ class Workers:
         return _tail(self.logs[rank], n)
 
     def check(self) -> list[int | None]:
-        """Each rank's exit code (None: still running); raise WorkerError if one failed.
-
-        One failure usually brings down the ranks waiting on it ("connection reset"): give
-        them a moment, then show every failed rank's output, first failure first.
-        """
+        """Each rank's exit code (None: still running); WorkerError if one failed, with every
+        failed rank's output after a moment (one failure brings down the ranks waiting on it)."""
         codes = [p.poll() for p in self.procs]
         if any(c not in (None, 0) for c in codes):
             first = next(r for r, c in enumerate(codes) if c not in (None, 0))
@@ -158,9 +155,8 @@ class Workers:
             time.sleep(0.05)
 
     def end(self, grace_s: float = 3.0) -> None:
-        """Terminate every process still running, then kill what is left; reap them all.
-
-        Safe to call more than once; closes the pipes and logs."""
+        """Terminate, then kill, every process still running; reap them, close pipes and logs.
+        Safe to call more than once."""
         _end_all(self.procs, grace_s)
         for p in self.procs:
             for f in (p.stdin, p.stdout):
@@ -176,13 +172,9 @@ class Workers:
 
 def launch(args_per_rank: list[list[str]], *, threads: int = 1, timeout_s: float = 120.0,
            workdir: str | Path | None = None) -> list[int]:
-    """Start ``python -m minifer.distributed.parallel --device cpu ARGS`` once per rank (gloo on the CPU,
-    even where CUDA is present) and wait for all to succeed.
-
-    Returns the pids (all exited). Raises :class:`WorkerError` with the failing rank's stderr
-    if any rank exits non-zero or the whole run takes longer than `timeout_s`; every process is
-    ended before this returns or raises, KeyboardInterrupt included.
-    """
+    """Start ``python -m minifer.distributed.parallel --device cpu ARGS`` once per rank and wait
+    for all to succeed: the pids, or :class:`WorkerError` with the failing rank's stderr (also
+    past `timeout_s`). Every process is ended before this returns or raises."""
     if len(args_per_rank) < 1:
         raise ValueError("args_per_rank must hold one argument list per rank (at least one)")
     check_int("threads", threads, 1, max_threads())
@@ -222,11 +214,9 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
               timeout_s: float = 120.0) -> TPResult:
     """Tensor-parallel generation on `world_size` local CPU processes; returns a `TPResult`.
 
-    `model`: a `GPT` in memory (saved to a temporary safetensors checkpoint for the workers) or
-    the name of a shipped model (each worker loads it). `prompts`: a string, a list of strings
-    (needs `tokenizer`; a shipped model brings its own), a list of token ids, or a list of such
-    lists. `threads`: torch threads per process. Errors in the split (heads not divisible,
-    too many ranks) are raised here, before any process starts.
+    `model`: a `GPT` in memory (saved for the workers) or a shipped model's name. `prompts`: a
+    string, a list of strings (needs a tokenizer), token ids, or a list of those. `threads`:
+    torch threads per process. Errors in the split are raised before any process starts.
     """
     params = params or SamplingParams()
     if params.stop or params.repetition_penalty != 1.0:

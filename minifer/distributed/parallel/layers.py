@@ -59,12 +59,9 @@ def _split(n: int, world: int, rank: int) -> tuple[int, int]:
 
 def shard_plan(config: GPTConfig, world_size: int, rank: int, *,
                allow_uneven: bool = False) -> ShardPlan:
-    """The slice of `config`'s heads and MLP units that `rank` holds, or a ValueError.
-
-    Even splits are the rule (every rank does the same work, none waits). ``allow_uneven=True``
-    accepts counts that do not divide, giving the first ranks one extra head: the shipped
-    Shakespeare model has 5 heads, so 2 ranks hold 3 and 2. The slowest rank sets the pace.
-    """
+    """The slice of `config`'s heads and MLP units that `rank` holds, or a ValueError. Splits
+    are even unless ``allow_uneven=True`` (the first ranks get one more; the slowest sets the
+    pace)."""
     check_int("world_size", world_size, 1)
     check_int("rank", rank, 0, world_size - 1, allowed=f"lie in [0, {world_size})")
     nh, nkv, hidden = config.n_head, config.kv_heads, config.mlp_hidden
@@ -101,11 +98,8 @@ def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 
 class TPAttention(CausalSelfAttention):
-    """This rank's heads of a `CausalSelfAttention`: QKV column-parallel, output row-parallel.
-
-    Attention itself is the model's own (`CausalSelfAttention.attend`) over this rank's heads;
-    only the output projection differs: a partial sum, all-reduced, then the bias added once.
-    """
+    """This rank's heads of a `CausalSelfAttention`: QKV column-parallel, attention the model's
+    own (`attend`), output row-parallel (a partial sum, all-reduced, the bias added once)."""
 
     def __init__(self, attn: CausalSelfAttention, plan: ShardPlan, all_reduce: AllReduce) -> None:
         nn.Module.__init__(self)
@@ -160,12 +154,9 @@ class TPMLP(MLP):
 
 
 def shard_gpt(model: nn.Module, plan: ShardPlan, all_reduce: AllReduce) -> nn.Module:
-    """Replace every block's attention and MLP of `model` by this rank's slices, in place.
-
-    The rest of `GPT` (embeddings, LayerNorms, output head, the forward pass itself) is unchanged
-    and replicated, so ``model(ids, cache=...)`` runs as before, with a cache of this rank's
-    K/V heads (see :func:`minifer.distributed.parallel.rank_cache`). The sharded attention keeps the
-    attention implementation the block had (``"sdpa"`` or ``"math"``). Returns `model`.
+    """Replace every block's attention and MLP of `model` by this rank's slices, in place, and
+    return it. The rest is replicated, so ``model(ids, cache=...)`` runs as before with a cache
+    of this rank's K/V heads (`rank_cache`), in the block's attention implementation.
     """
     for block in model.transformer.h:
         block.attn = TPAttention(block.attn, plan, all_reduce)

@@ -33,13 +33,8 @@ PARENT_ENV = "MINIFER_TP_PARENT_PID"
 
 
 class Comm:
-    """The process group's all-reduce and broadcast, timed and counted.
-
-    Timing a collective honestly needs the device idle before and after it (GPU work is
-    asynchronous), so each call syncs the device: free on the CPU, a small cost on a GPU. The
-    time includes waiting for the slowest rank to arrive, which is part of what communication
-    costs a tensor-parallel step.
-    """
+    """The process group's all-reduce and broadcast, timed and counted: each call syncs the
+    device (GPU work is asynchronous), and the time includes waiting for the slowest rank."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group, self.device = group, device
@@ -237,12 +232,9 @@ def _timed_forwards(model, comm: Comm, report: RankReport):
 
 def init_group(backend: str | None = None, device: torch.device | str | None = None,
                timeout_s: float = 60.0) -> tuple[Comm, int, int]:
-    """Join the process group described by torchrun's environment variables.
-
-    ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK``) are set by
-    `torchrun` or by :func:`minifer.distributed.parallel.run_local`. The backend is NCCL when CUDA is present
-    (each rank on ``cuda:LOCAL_RANK``), gloo on the CPU. Returns ``(comm, rank, world_size)``.
-    """
+    """Join the process group of torchrun's environment variables (set by `torchrun` or
+    `run_local`): NCCL on ``cuda:LOCAL_RANK`` where CUDA is present, gloo on the CPU. Returns
+    ``(comm, rank, world_size)``."""
     import datetime
 
     if device is None:
@@ -285,13 +277,9 @@ def watch_parent() -> None:
 
 
 def leave_group(done: bool) -> None:
-    """Leave the process group together: a barrier first, then destroy it.
-
-    A worker started by `run_local` (its launcher's pid in the environment) that finished its
-    run (`done`) has written its report by now and ends right after the barrier with
-    ``os._exit(0)``: with torch 2.4.1's gloo, tearing the group and the interpreter down could
-    now and then hang a finished rank. A failed run only destroys the group and lets its error
-    end the process with a non-zero code.
+    """Leave the process group together: a barrier, then destroy it. A `run_local` worker that
+    is `done` (its report written) ends with ``os._exit(0)`` after the barrier, since tearing
+    gloo and the interpreter down can hang a finished rank; a failed run ends with its error.
     """
     if not done:
         dist.destroy_process_group()
