@@ -226,14 +226,12 @@ def _eos_ids(folder: Path, hc: dict) -> list[int]:
 
 def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = None,
                        dtype: torch.dtype | None = None) -> tuple[GPT, Tokenizer]:
-    """A Hugging Face checkpoint folder, or hub id (`resolve_checkpoint`), as ``(model in eval
-    mode, tokenizer)``.
+    """A Hugging Face checkpoint folder, or hub id, as ``(model in eval mode, tokenizer)``.
 
-    Every file is checked before the weights are read: config.json field by field, each
-    tensor's dtype and shape from the headers, every file name and link confined to the folder.
-    `dtype` defaults to the stored one. The tokenizer's EOS is tokenizer_config.json's
-    ``eos_token``; every other id config.json or generation_config.json lists ends a reply too.
-    It adds BOS where the checkpoint's tokenizer does and carries its chat template, if any.
+    Every file is checked before the weights are read (config.json field by field, tensors'
+    dtypes and shapes from the headers, names and links confined to the folder). `dtype`
+    defaults to the stored one. EOS is tokenizer_config.json's ``eos_token``; other ids the
+    configs list end a reply too. BOS and the chat template are the checkpoint's.
     """
     device = None if device is None else as_device(device)  # a missing device: fail first
     folder = resolve_checkpoint(folder)

@@ -30,10 +30,8 @@ class TokenLogprob:
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int],
                    vocab: int | None = None) -> list[TokenLogprob]:
-    """Row ``i`` of ``logits (B, V)`` scored at ``tokens[i]``, with ``num_top[i]`` alternatives.
-
-    One device→host copy for the whole batch. `vocab`: leading entries that are real tokens
-    (the rest is padding, -inf)."""
+    """Row ``i`` of ``logits (B, V)`` scored at ``tokens[i]``, with ``num_top[i]`` alternatives,
+    in one device→host copy. `vocab`: leading entries that are real tokens (the rest -inf)."""
     if logits.dim() != 2 or logits.shape[0] != len(tokens) or len(tokens) != len(num_top):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(tokens)} tokens")
     lg = logits.float()

@@ -200,14 +200,9 @@ class DisaggregatedEngine:
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0) -> str:
-        """Send one request (text with a tokenizer, or token ids) to the prefill worker.
-
-        Checked here first by `LLMEngine.add_request`'s own check (`options.prepare_request`:
-        prompt, params, priority, arrival_time, request_id), then against the decode pool: a
-        ValueError for a request that could never run (also stop strings, which the workers
-        cannot match). A request that fails inside a step ends alone, finish reason "error".
-        `arrival_time` (``time.perf_counter()``) defaults to now.
-        """
+        """Send one request (text with a tokenizer, or token ids) to the prefill worker, after
+        `LLMEngine.add_request`'s own check (`prepare_request`) and the decode pool's: a
+        ValueError for a request that could never run (or has stop strings)."""
         if self.report is not None or self._closed:
             raise RuntimeError("the engine is closed; no more requests")
         params = params or SamplingParams()
@@ -319,11 +314,8 @@ class DisaggregatedEngine:
             self.poll(timeout_s=0.2)
 
     def close(self) -> DisaggReport:
-        """No more requests: let both workers finish, collect their reports, end them.
-
-        Returns the `DisaggReport` (also kept as ``.report``). Unfinished requests are run to
-        completion first (their outputs are kept, see `outputs`).
-        """
+        """No more requests: let both workers finish the unfinished ones, end them, and return
+        their `DisaggReport` (also kept as ``.report``)."""
         if self.report is not None:
             return self.report
         self.start()
@@ -350,9 +342,8 @@ class DisaggregatedEngine:
 
 
 def _front_model(model, tokenizer) -> tuple[str | None, torch.nn.Module, Tokenizer | None, str]:
-    """The model the front checks requests against, its name (a shipped model's, which the
-    workers load by name; None: the model is saved for them), its tokenizer and its weights'
-    dtype (TypeError, ValueError for a model the workers cannot run)."""
+    """``(shipped model's name or None, model, tokenizer, dtype name)`` for the front; a
+    TypeError or ValueError for a model the workers cannot run."""
     if isinstance(model, str):
         if model not in PRETRAINED:
             raise ValueError(f"model must be a GPT or one of {sorted(PRETRAINED)}, got {model!r}")

@@ -40,8 +40,7 @@ from ..handoff import (
 
 PREFILL, DECODE = 0, 1
 FAULT_ENV = "MINIFER_DISAGG_FAULT"
-"""Fault injection for tests: ``"prefill:N"`` or ``"decode:N"`` makes that rank raise at its
-N-th step (a worker that fails mid-run, to check that every process still ends)."""
+"""Fault injection for tests: ``"prefill:N"`` or ``"decode:N"`` makes that rank raise at step N."""
 
 
 @dataclass
@@ -85,11 +84,8 @@ def _drain(q: queue.Queue, block: bool) -> list:
 
 
 class StdinRequests:
-    """Requests from the front: JSON lines on stdin, read by a thread into a queue.
-
-    ``{"op": "add", "request_id", "prompt_ids", "params", "arrival_time", "priority"}`` queues a
-    request; ``{"op": "close"}`` (or the end of stdin: the front is gone) means no more.
-    """
+    """Requests from the front, JSON lines on stdin read by a thread: ``{"op": "add", ...}``, then
+    ``{"op": "close"}`` (or the end of stdin)."""
 
     def __init__(self) -> None:
         self.q: queue.Queue = queue.Queue()
@@ -148,13 +144,9 @@ class _Loop:
 
 def run_prefill(engine, source, lines: Lines, device, *, dst: int = DECODE,
                 keepalive_s: float = 10.0) -> dict:
-    """Rank 0's loop (`serve.driver.drive`): admit requests, step, hand every prefilled
-    request to rank `dst`.
-
-    While idle it sends rank `dst` a keep-alive every `keepalive_s` seconds, so a front that
-    stays open without requests for longer than the group's timeout does not fail the decode
-    worker's waiting ``recv``. A request the engine refuses, or one that fails in a step,
-    goes to rank `dst` as a finished handoff with reason "error"."""
+    """Rank 0's loop (`drive`): admit requests, step, hand every prefilled request to rank `dst`
+    (a refused or failed one as a finished handoff, reason "error"); while idle, a keep-alive
+    every `keepalive_s` seconds, so the decode worker's ``recv`` never times out."""
     loop = _Prefill(engine, device, source, dst, keepalive_s)
     drive(engine, loop.take, loop.deliver)
     send_done(dst, device=device)
@@ -229,7 +221,7 @@ def _refused(msg: dict, params: SamplingParams, err: Exception) -> Handoff:
 
 
 def run_decode(engine, lines: Lines, device, *, src: int = PREFILL, text=None) -> dict:
-    """Rank 1's loop (`serve.driver.drive`): insert received handoffs when they fit, decode,
+    """Rank 1's loop (`drive`): insert received handoffs when they fit, decode,
     emit finished requests (a request that fails here alone ends with reason "error")."""
     # The receiver thread needs the interpreter lock between its recv calls; Python's default
     # 5 ms switch interval would add up to that much to every message while a step runs.
@@ -293,22 +285,22 @@ class _Decode(_Loop):
 
     def admit(self, h: Handoff) -> bool:
         """Start decoding `h` here (or emit it, finished at its first token); False: no room."""
-        first = [] if h.first_token is None else [h.first_token]
-        times = [h.first_token_time] if first else []
-        if h.finish_reason is not None:
-            self.emit(h.request_id, h.prompt_ids, first, h.finish_reason, h.arrival_time,
-                      h.first_scheduled_time, times, h.first_token_time, 0, h.error)
-            return True
-        try:
-            if not add_prefilled(self.engine, h):
+        reason, finished, error = h.finish_reason, h.first_token_time, h.error
+        if reason is None:
+            try:
+                if add_prefilled(self.engine, h):
+                    return True
                 if not self.engine.has_unfinished():
                     raise RuntimeError(f"request {h.request_id!r} does not fit the decode "
                                        f"worker's empty pool ({self.engine!r})")
                 return False
-        except ValueError as err:  # it can never run here: it alone fails
-            self.emit(h.request_id, h.prompt_ids, first, "error", h.arrival_time,
-                      h.first_scheduled_time, times, time.perf_counter(), 0,
-                      f"request {h.request_id!r} failed: {err}")
+            except ValueError as err:  # it can never run here: it alone fails
+                reason, finished = "error", time.perf_counter()
+                error = f"request {h.request_id!r} failed: {err}"
+        first = [] if h.first_token is None else [h.first_token]
+        self.emit(h.request_id, h.prompt_ids, first, reason, h.arrival_time,
+                  h.first_scheduled_time, [h.first_token_time] if first else [], finished, 0,
+                  error)
         return True
 
     def take(self, idle: bool) -> bool:
