@@ -1,8 +1,7 @@
 """Argument checks shared by the whole package: one wording for "an integer in this range".
 
-Every public function checks its numeric arguments up front, so a bad value fails here, with the
-parameter's name, the allowed range and the value given, rather than later inside torch. A bool
-is never taken for an integer (``True`` is an int to Python, but never what a caller meant).
+A bad value fails up front with the parameter's name, the allowed range and the value, not
+later inside torch. A bool is never taken for a number.
 """
 
 from __future__ import annotations

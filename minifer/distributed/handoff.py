@@ -1,10 +1,8 @@
 """A prefilled request handed from one engine to another, and its wire format over torch.distributed.
 
-Disaggregated serving (claim PD-12) runs a request's prompt on a *prefill* engine and its decode
-steps on a *decode* engine, each with its own paged KV pool. :func:`export_prefilled` takes a
-request whose first token was sampled out of the prefill engine as a :class:`Handoff` (prompt,
-first token, sampling state, timestamps, and exactly the prompt tokens' K/V);
-:func:`add_prefilled` writes it into the decode engine's pool to continue there.
+Disaggregated serving (claim PD-12): :func:`export_prefilled` takes a request whose first token
+was sampled out of the *prefill* engine as a :class:`Handoff` (with exactly the prompt tokens'
+K/V); :func:`add_prefilled` writes it into the *decode* engine's pool to continue there.
 
 On the wire (:func:`send_handoff` / :func:`recv_handoff`, point-to-point, gloo or NCCL) a
 handoff is three messages, few because each is a round trip:

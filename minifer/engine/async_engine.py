@@ -1,16 +1,10 @@
 """`AsyncEngine`: one thread owns the engine; asyncio handlers talk to it through queues.
 
-An `LLMEngine` is not thread-safe and its `step()` blocks for a whole forward pass, so one
-background thread runs the engine loop (`engine.driver.drive`): apply the requests and aborts
-handlers left in the inbox, step while anything is unfinished, else sleep until work comes.
-Each handler's `RequestHandle` receives its request's outputs from that thread
-(``loop.call_soon_threadsafe``); all requests in flight share every step.
-
-Admission control (claim MET-5): past `max_waiting` requests waiting for their first step, `add`
-refuses with 429 and ``Retry-After`` instead of letting everyone's TTFT grow. An error in
-`step()` fails the requests in flight with a 500 and the thread serves the next ones; a request
-that failed alone in a step hears a 500 naming it. Prompt logprobs are computed here too, so the
-model only ever runs in this thread.
+An `LLMEngine` is not thread-safe and its `step()` blocks, so one background thread runs the
+engine loop (`drive`); each handler's `RequestHandle` receives its outputs from there
+(``loop.call_soon_threadsafe``). Past `max_waiting` requests waiting for their first step, `add`
+refuses with 429 (claim MET-5). A step that raises fails the requests in flight with a 500; the
+thread serves on. The model only ever runs in this thread (prompt logprobs too).
 """
 
 from __future__ import annotations

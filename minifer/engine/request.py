@@ -1,9 +1,7 @@
 """One request inside the serving engine, and what `LLMEngine.step` reports about it.
 
-A `Request` wraps the `minifer.sequence.Sequence` that every generation loop uses (prompt,
-tokens so far, incremental text, stop strings, finish reason) and adds what a scheduler needs:
-an id, a priority, a status, how many of its tokens already have K/V in the cache
-(`num_computed`), its own random generator, and its serving metrics.
+A `Request` wraps the `Sequence` every generation loop uses and adds what a scheduler needs: id,
+priority, status, `num_computed`, its own random generator and its metrics.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """An OpenAI-compatible HTTP server on the serving engine (FastAPI + uvicorn, as vLLM uses).
 
-Endpoints (one function each in `minifer.serve.routes`): ``POST /v1/completions`` and ``POST
-/v1/chat/completions``, answered whole or streamed as server-sent events; ``GET /v1/models``,
-``GET /health``, and ``GET /metrics`` (Prometheus text). The fields are at ``/openapi.json``.
-
-A request's path (claim REQ-1): the body is checked against its schema (400 naming the
-parameter), the prompt tokenized, and the `AsyncEngine` thread adds it to the engine and steps
-while anything is unfinished; each step's output leaves as an SSE chunk at once, and at the end
-the engine frees the request's KV blocks (REQ-3), as it does when a client disconnects. Limits
-(MET-5): the context window, ``max_tokens``, a per-request timeout, a bounded waiting queue
-(429 past it). Guards (`minifer.serve.guard`) check hosts, key, bodies and connections before
-any route. Shutdown (`make_server`) drains the requests in flight.
-
-`running_server` serves from Python in a background thread; from a shell, ``python -m
-minifer.serve --model shakespeare``. FastAPI and uvicorn (the ``serve`` extra) are imported only
-when a server is built.
+The routes (`minifer.serve.routes`): completions and chat, whole or streamed as server-sent
+events, models, health and Prometheus metrics (the fields at ``/openapi.json``). A request's
+path (claim REQ-1): the body is checked (400 naming the parameter), the `AsyncEngine` thread
+adds it and steps, each step's output leaves at once, and the KV blocks are freed at the end or
+when the client leaves (REQ-3). Limits (MET-5) and guards (`minifer.serve.guard`) come before
+any route; shutdown (`make_server`) drains. `running_server` serves from Python; FastAPI and
+uvicorn are imported only when a server is built.
 """
 
 from __future__ import annotations

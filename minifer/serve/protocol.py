@@ -398,16 +398,15 @@ def _check_length(ids: list[int], max_tokens: int, limits: Limits, param: str,
 
 
 def _sampling(b: _Sampling, max_tokens: int, stop: list[str],
-              priorities: bool) -> tuple[SamplingParams, int, int]:
-    """`SamplingParams`, priority and min_tokens from the shared fields (what the engine checks
-    is left to it: `add_failure` turns its ValueError into a 400 naming the parameter)."""
+              priorities: bool) -> tuple[SamplingParams, dict]:
+    """`SamplingParams` and `CompletionRequest`'s other shared fields (what the engine checks is
+    left to it: `add_failure` turns its ValueError into a 400 naming the parameter)."""
     if b.stream_options is not None and not b.stream:
         raise _bad("stream_options", "only allowed when stream is true")
     priority = b.priority or 0
     if priority and not priorities:
         raise _bad("priority", f"{priority} is not honoured: this server schedules first come, "
                    "first served (start it with --scheduling-policy priority)", code="unsupported")
-    min_tokens = b.min_tokens or 0
     bias = {int(key): value for key, value in (b.logit_bias or {}).items()}
     top_k = 0 if b.top_k in (None, -1) else b.top_k  # vLLM: -1 = off
     params = SamplingParams(
@@ -416,7 +415,9 @@ def _sampling(b: _Sampling, max_tokens: int, stop: list[str],
         repetition_penalty=1.0 if b.repetition_penalty is None else float(b.repetition_penalty),
         max_new_tokens=max_tokens, stop=tuple(stop), seed=b.seed,
         ignore_eos=bool(b.ignore_eos), logit_bias=bias)
-    return params, priority, min_tokens
+    include_usage = bool(b.stream_options and b.stream_options.include_usage)
+    return params, dict(stream=bool(b.stream), include_usage=include_usage, priority=priority,
+                        model=b.model, min_tokens=b.min_tokens or 0)
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -438,8 +439,7 @@ def parse_completion_requests(body: Any, *, model_name: str, limits: Limits, tok
     score_only = max_tokens == 0
     if score_only and not b.echo:
         raise _bad("max_tokens", "0 is only allowed with echo (to score the prompt)")
-    params, priority, min_tokens = _sampling(b, max(max_tokens, 1), _stops(b.stop), priorities)
-    include_usage = bool(b.stream_options and b.stream_options.include_usage)
+    params, shared = _sampling(b, max(max_tokens, 1), _stops(b.stop), priorities)
     reqs: list[CompletionRequest] = []
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -453,9 +453,8 @@ def parse_completion_requests(body: Any, *, model_name: str, limits: Limits, tok
             raise APIError(err.status, message, param=param, type=err.type,
                            code=err.code) from None
         reqs.append(CompletionRequest(
-            ids, params, stream=bool(b.stream), include_usage=include_usage, priority=priority,
-            model=b.model, logprobs=b.logprobs, echo=bool(b.echo), prompt_text=text,
-            min_tokens=min_tokens, index=i, score_only=score_only,
+            ids, params, logprobs=b.logprobs, echo=bool(b.echo), prompt_text=text, index=i,
+            score_only=score_only, **shared,
             **({"id": reqs[0].id, "created": reqs[0].created} if reqs else {})))
     return reqs
 
@@ -494,10 +493,7 @@ def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=
     if b.top_logprobs is not None and not b.logprobs:
         raise _bad("top_logprobs", "only allowed when logprobs is true")
     stop = _stops(b.stop)
-    params, priority, min_tokens = _sampling(b, max_tokens, [*stop, *turn_stops], priorities)
-    include_usage = bool(b.stream_options and b.stream_options.include_usage)
-    return CompletionRequest(ids, params, stream=bool(b.stream), include_usage=include_usage,
-                             priority=priority, model=b.model, kind="chat",
-                             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+    params, shared = _sampling(b, max_tokens, [*stop, *turn_stops], priorities)
+    return CompletionRequest(ids, params, kind="chat", id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
                              logprobs=(b.top_logprobs or 0) if b.logprobs else None,
-                             prompt_text=prompt, min_tokens=min_tokens)
+                             prompt_text=prompt, **shared)

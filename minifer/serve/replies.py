@@ -1,5 +1,4 @@
-"""OpenAI-shaped replies, whole or streamed chunk by chunk, from the engine's `RequestOutput`s.
-
+"""OpenAI-shaped replies, whole or streamed chunk by chunk, from the engine's `RequestOutput`s:
 ``finish_reason`` is ``"stop"`` for EOS or a stop string, ``"length"`` when ``max_tokens`` ran
 out. A token is shown as its text, or ``token_id:N`` without a tokenizer; -inf as -9999.0.
 """
@@ -217,17 +216,14 @@ class Streamer:
             lp = self.shape.chat(new_ids, entries) if entries is not None else None
             delta = {"content": out.delta} if out.delta or not out.finished else {}
             return chat_chunk_body(req, delta, reason, logprobs=lp)
-        lp = None
-        if entries is not None:
-            lp = self.shape.text(new_ids, entries)
+        lp = self.shape.text(new_ids, entries) if entries is not None else None
         return chunk_body(req, out.delta, reason, logprobs=lp)
 
     def usage(self, completion_tokens: int, prompt_tokens: int | None = None) -> dict:
         """The usage-only last chunk (`prompt_tokens`: all prompts of a batch; default this
         request's)."""
-        if prompt_tokens is None:
-            prompt_tokens = len(self.req.prompt_ids)
-        u = usage_body(prompt_tokens, completion_tokens)
+        u = usage_body(len(self.req.prompt_ids) if prompt_tokens is None else prompt_tokens,
+                       completion_tokens)
         if self.req.kind == "chat":
             return chat_chunk_body(self.req, None, usage=u)
         return chunk_body(self.req, None, usage=u)

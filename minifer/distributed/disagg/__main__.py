@@ -1,10 +1,8 @@
 """``torchrun --nproc-per-node 2 -m minifer.distributed.disagg --model shakespeare --prompt "ROMEO:"``
 
-The program of both ranks of disaggregated serving (`worker`): rank 0 prefills, rank 1 decodes
-(gloo on the CPU, NCCL with CUDA, each rank on ``cuda:LOCAL_RANK``). Under `torchrun` the
-prompts come from ``--prompt`` (repeatable) and rank 1 prints each completion and a summary;
-`minifer.distributed.disagg.DisaggregatedEngine` starts the same program with ``--front``, feeding
-requests on rank 0's stdin and reading results from rank 1's stdout.
+Both ranks' program (`worker`): under `torchrun` the prompts come from ``--prompt`` and rank 1
+prints each completion; `DisaggregatedEngine` starts it with ``--front`` (requests on rank 0's
+stdin, results on rank 1's stdout).
 """
 
 from __future__ import annotations

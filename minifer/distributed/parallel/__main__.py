@@ -1,9 +1,7 @@
 """``torchrun --nproc-per-node N -m minifer.distributed.parallel --model shakespeare --prompt "..."``
 
-Every rank runs this same program: join the process group (gloo on the CPU, NCCL with CUDA,
-each rank on ``cuda:LOCAL_RANK``), load the full model, keep its own slice, generate in
-lockstep. Rank 0 prints the text and every rank's accounting. `minifer.distributed.parallel.run_local`
-starts the same program as N local processes, so notebooks and torchrun share one code path.
+Every rank joins the group, loads the full model, keeps its slice and generates in lockstep;
+rank 0 prints the text and the accounting. `run_local` starts the same program from Python.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """One rank's side of tensor-parallel generation: join the group, shard, generate, account.
 
-Every rank runs the same program (SPMD). All ranks run the replicated parts of the model
-(embeddings, LayerNorms, output head) on identical inputs, so after the last all-reduce every
-rank holds the same logits. **Rank 0 samples** the next token and **broadcasts** it; the others
-use what it sent. That keeps the ranks in lockstep even if their logits differed in the last
-bit (they should not, but nothing else then depends on it), and costs one tiny message per step.
+Every rank runs the same program (SPMD) and holds the same logits after the last all-reduce;
+**rank 0 samples** the next token and **broadcasts** it, which keeps the ranks in lockstep even
+if their logits differed in the last bit, for one tiny message per step.
 """
 
 from __future__ import annotations
