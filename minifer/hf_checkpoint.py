@@ -25,11 +25,10 @@ from .hf_convert import (
     hf_tensor_shapes,
 )
 from .model import GPT
-from .pretrained import read_safetensors
 from .tokenizer import Tokenizer
 
 __all__ = ["HUB_FILES", "is_hub_id", "load_hf_checkpoint", "read_hf_tensors",
-           "resolve_checkpoint"]
+           "read_safetensors", "resolve_checkpoint"]
 
 HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "chat_template.jinja", "model.safetensors", "model.safetensors.index.json",
@@ -165,6 +164,20 @@ def _headers(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str, Path]]:
                              f"each tensor must be in one shard only")
         headers.update(found)
     return headers
+
+
+def read_safetensors(path: Path, missing: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (never a pickle). A missing file is a
+    FileNotFoundError (`missing` says what to do), a damaged one a ValueError naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint weights not found: {path}{missing}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"corrupt checkpoint weights {path}: {err}") from err
 
 
 def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch
 
 from .config import GPTConfig
 from .device import as_device
+from .hf_checkpoint import is_hub_id, load_hf_checkpoint, read_safetensors
 from .model import GPT
 from .tokenizer import Tokenizer
 
@@ -65,8 +66,6 @@ def load_pretrained(
     if device is not None:
         as_device(device)  # a device this machine lacks: fail before reading any file
     if name not in PRETRAINED:
-        from .hf_checkpoint import is_hub_id, load_hf_checkpoint
-
         if is_hub_id(name) or (Path(name).expanduser() / "config.json").is_file():
             return load_hf_checkpoint(name, device=device, dtype=dtype)
     weights, _config, tok_path = model_files(name)
@@ -149,20 +148,6 @@ def read_checkpoint_info(path: str | Path) -> dict:
         raise ValueError(f"bad model config in {json_path}: {err}") from err
     info.setdefault("metadata", {})
     return info
-
-
-def read_safetensors(path: Path, missing: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file (never a pickle). A missing file is a
-    FileNotFoundError (`missing` says what to do), a damaged one a ValueError naming the file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint weights not found: {path}{missing}")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"corrupt checkpoint weights {path}: {err}") from err
 
 
 def load_checkpoint(

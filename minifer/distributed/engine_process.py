@@ -18,6 +18,7 @@ the server's end of the pipe closes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import signal
@@ -215,10 +216,8 @@ class EngineProcess(AsyncEngine):
             with self._cv:
                 self._unstarted.discard(rid)
             err = detail
-        try:
+        with contextlib.suppress(RuntimeError):  # its event loop is closed
             loop.call_soon_threadsafe(settle, accepted, err)
-        except RuntimeError:  # its event loop is closed
-            pass
 
     def _fail_all(self, reason: str) -> None:
         """The engine process is gone: every request in flight ends with a 503."""
@@ -228,10 +227,8 @@ class EngineProcess(AsyncEngine):
         for rid, (loop, _, accepted) in pending.items():
             with self._cv:
                 self._unstarted.discard(rid)
-            try:
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(settle, accepted, err)
-            except RuntimeError:
-                pass
         for rid in list(self._handles):
             self._deliver(rid, copy.copy(err))
 

@@ -34,13 +34,10 @@ from ...sampling import SamplingParams
 from ...sequence import check_model
 from ...tokenizer import Tokenizer
 from ..handoff import params_to_dict
-from ..parallel.launch import WorkerError, Workers
+from ..parallel.launch import DTYPE_NAMES, WorkerError, Workers
 from .worker import FAULT_ENV
 
 __all__ = ["DisaggOutput", "DisaggReport", "DisaggregatedEngine", "FAULT_ENV"]
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
 
 @dataclass
 class DisaggOutput:
@@ -359,9 +356,9 @@ def _front_model(model, tokenizer) -> tuple[str | None, torch.nn.Module, Tokeniz
                         f"{type(model).__name__}")
     check_model(model)  # once here: `prepare_request` trusts the model it is given
     dtype = next(model.parameters()).dtype
-    if dtype not in _DTYPE_NAMES:
+    if dtype not in DTYPE_NAMES:
         raise ValueError(f"model weights must be fp32, bf16 or fp16, got {dtype}")
-    return None, model, tokenizer, _DTYPE_NAMES[dtype]
+    return None, model, tokenizer, DTYPE_NAMES[dtype]
 
 
 def _read_lines(events: queue.Queue, rank: int, stream) -> None:

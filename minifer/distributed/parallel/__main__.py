@@ -86,6 +86,7 @@ def run_rank(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from ...sampling import SamplingParams
+    from ..handoff import params_from_dict
     from .runtime import generate_tp, leave_group, shard_for_rank
 
     comm, rank, world = join_group(args)
@@ -95,9 +96,7 @@ def run_rank(args: argparse.Namespace) -> dict:
         model = model.to(dtype=getattr(torch, DTYPES[args.dtype]))
         if args.request:
             req = json.loads(Path(args.request).read_text())
-            kw = dict(req["params"])
-            kw["logit_bias"] = {int(k): v for k, v in kw.get("logit_bias", {}).items()}
-            prompts, params = req["prompts"], SamplingParams(**kw)
+            prompts, params = req["prompts"], params_from_dict(req["params"])
         else:
             if tok is None:
                 raise ValueError(f"model {args.model!r} has no tokenizer; give a shipped model")

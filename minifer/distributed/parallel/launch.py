@@ -27,6 +27,7 @@ from ...pretrained import PRETRAINED, model_files, save_checkpoint
 from ...sampling import SamplingParams
 from ...sequence import encode_prompts
 from ...tokenizer import Tokenizer
+from ..handoff import params_to_dict
 from .layers import shard_plan
 from .runtime import PARENT_ENV, RankReport
 
@@ -233,7 +234,7 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
         dtype = "fp32"
     elif isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None), GPTConfig):
         name, config = None, model.config
-        dtype = _DTYPE_NAMES.get(next(model.parameters()).dtype)
+        dtype = DTYPE_NAMES.get(next(model.parameters()).dtype)
         if dtype is None:
             raise ValueError(f"model weights must be fp32, bf16 or fp16, got "
                              f"{next(model.parameters()).dtype}")
@@ -241,7 +242,7 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
         raise TypeError(f"model must be a minifer GPT or a shipped model's name, got {type(model)}")
     shard_plan(config, world_size, 0, allow_uneven=allow_uneven)  # fail fast, no processes
     ids = encode_prompts(prompts, tokenizer, config.vocab_size)
-    request = {"prompts": ids, "params": _params_dict(params)}
+    request = {"prompts": ids, "params": params_to_dict(params)}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="minifer-tp-") as tmp:
         tmp = Path(tmp)
@@ -263,12 +264,5 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
                     wall_s=time.perf_counter() - t0, text=text)
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def _params_dict(params: SamplingParams) -> dict:
-    """SamplingParams as JSON-able keyword arguments (logit_bias keys become strings in JSON)."""
-    return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-            "max_new_tokens": params.max_new_tokens, "seed": params.seed,
-            "ignore_eos": params.ignore_eos,
-            "logit_bias": {str(k): v for k, v in params.logit_bias.items()}}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""The weight dtypes a worker runs, by their ``--dtype`` names."""
