@@ -57,9 +57,8 @@ def model_files(name: str) -> tuple[Path, Path, Path]:
     return base / f"{stem}.safetensors", base / f"{stem}.json", base / "tokenizer.json"
 
 
-def load_pretrained(
-    name: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-) -> tuple[GPT, Tokenizer]:
+def load_pretrained(name: str, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> tuple[GPT, Tokenizer]:
     """A shipped trained model (in eval mode) and its tokenizer: `name` is one of `PRETRAINED`
     (``"shakespeare"``, or its draft ``"shakespeare-draft"``); a hub id or checkpoint folder goes
     to `minifer.load_hf_checkpoint`. `device`, `dtype`: default CPU and the stored dtype."""
@@ -71,18 +70,14 @@ def load_pretrained(
     weights, _config, tok_path = model_files(name)
     missing = [p for p in (weights, weights.with_suffix(".json"), tok_path) if not p.is_file()]
     if missing:
-        raise FileNotFoundError(
-            f"pretrained model {name!r}: missing file(s) {[str(p) for p in missing]} "
-            f"(looked in {weights.parent}; set ${DATA_ENV} to use another folder, or "
-            f"{REGENERATE_HINT})"
-        )
+        raise FileNotFoundError(f"pretrained model {name!r}: missing file(s) "
+                                f"{[str(p) for p in missing]} (looked in {weights.parent}; set "
+                                f"${DATA_ENV} to use another folder, or {REGENERATE_HINT})")
     model, _meta = load_checkpoint(weights, device=device, dtype=dtype)
     tokenizer = Tokenizer.from_file(tok_path)
     if tokenizer.vocab_size != model.config.vocab_size:
-        raise ValueError(
-            f"{tok_path}: tokenizer has {tokenizer.vocab_size} tokens but the model "
-            f"{weights.name} expects vocab_size={model.config.vocab_size}"
-        )
+        raise ValueError(f"{tok_path}: tokenizer has {tokenizer.vocab_size} tokens but the model "
+                         f"{weights.name} expects vocab_size={model.config.vocab_size}")
     return model, tokenizer
 
 
@@ -150,9 +145,8 @@ def read_checkpoint_info(path: str | Path) -> dict:
     return info
 
 
-def load_checkpoint(
-    path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-) -> tuple[GPT, dict]:
+def load_checkpoint(path: str | Path, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> tuple[GPT, dict]:
     """Rebuild a `GPT` from ``path`` (.safetensors) and its ``.json``: ``(model in eval mode,
     metadata)``; a tensor missing, extra or mis-shaped is a ValueError naming it."""
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
@@ -181,7 +175,5 @@ def _check_tensors(path: Path, expected: dict[str, tuple], tensors: dict[str, to
         raise ValueError(f"{path}: unexpected tensor(s) not in the model: {unexpected}")
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(
-                f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, but the config "
-                f"in {path.with_suffix('.json').name} implies {shape}"
-            )
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, but "
+                             f"the config in {path.with_suffix('.json').name} implies {shape}")

@@ -290,19 +290,11 @@ def _check_tokenizers(tokenizer, draft_tokenizer) -> None:
 
 
 # ---- the loop --------------------------------------------------------------------------------
-def speculative_generate(
-    target: torch.nn.Module,
-    draft,
-    prompts,
-    params: SamplingParams | None = None,
-    k: int = 4,
-    tokenizer=None,
-    *,
-    draft_tokenizer=None,
-    target_cache: StaticKVCache | None = None,
-    accept: AcceptRule = accept_with_ratio,
-    threads: int | str | None = None,
-) -> list[SpecCompletion]:
+def speculative_generate(target: torch.nn.Module, draft, prompts,
+                         params: SamplingParams | None = None, k: int = 4, tokenizer=None, *,
+                         draft_tokenizer=None, target_cache: StaticKVCache | None = None,
+                         accept: AcceptRule = accept_with_ratio,
+                         threads: int | str | None = None) -> list[SpecCompletion]:
     """Generate with speculative decoding: one `SpecCompletion` (with `.stats`) per prompt.
 
     `draft`: a small GPT sharing the target's vocabulary, or any `Drafter`. `k`: tokens drafted
@@ -322,9 +314,9 @@ def speculative_generate(
     if isinstance(drafter, ModelDrafter):
         dcfg = drafter.model.config
         if dcfg.vocab_size != cfg.vocab_size or dcfg.eos_token_id != cfg.eos_token_id:
-            raise ValueError(
-                f"draft and target must share a vocabulary: draft has {dcfg.vocab_size} tokens "
-                f"(eos {dcfg.eos_token_id}), target {cfg.vocab_size} (eos {cfg.eos_token_id})")
+            raise ValueError(f"draft and target must share a vocabulary: draft has "
+                             f"{dcfg.vocab_size} tokens (eos {dcfg.eos_token_id}), target "
+                             f"{cfg.vocab_size} (eos {cfg.eos_token_id})")
         if next(drafter.model.parameters()).device != device:
             raise ValueError("draft and target must be on the same device")
         windows["draft model"] = dcfg.context_length

@@ -80,9 +80,8 @@ class RequestMetrics:
     @property
     def queue_time(self) -> float:
         """First scheduled − arrival (nan if never scheduled)."""
-        if self.first_scheduled_time is None:
-            return NAN
-        return self.first_scheduled_time - self.arrival_time
+        first = self.first_scheduled_time
+        return NAN if first is None else first - self.arrival_time
 
     @property
     def ttft(self) -> float:
