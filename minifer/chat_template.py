@@ -44,9 +44,8 @@ def render_template(template: str, messages: Sequence[Mapping], *,
 
 
 def require_chat_template(tokenizer) -> str | None:
-    """The chat template of `tokenizer`, or None for the play form (the shipped models',
-    `ByteTokenizer`). A checkpoint without one (a base model) is a ValueError: any prompt form
-    made up for it would be one the model never saw."""
+    """The chat template of `tokenizer`, or None for the play form; a checkpoint without one (a
+    base model) is a ValueError: any prompt form made up for it is one it never saw."""
     template = getattr(tokenizer, "chat_template", None)
     if template:
         return template

@@ -56,8 +56,7 @@ def _unsupported(option: str, value, why: str) -> ValueError:
 
 def config_from_hf(hc: Mapping, dtype: torch.dtype = torch.float32) -> GPTConfig:
     """The `GPTConfig` of config.json dict `hc`, or a ValueError naming the first option not
-    reproduced here, malformed field, or a size over `MAX_PARAMS` parameters. `dtype`: the
-    weights' (GPT-2's fp32-only option needs it)."""
+    reproduced here or malformed field. `dtype`: the weights' (a GPT-2 option needs it)."""
     kind = check_hf_config(hc)
     config = _gpt2_config(hc, dtype) if kind == "gpt2" else _llama_config(hc, kind)
     if config.num_params() > MAX_PARAMS:
@@ -295,9 +294,8 @@ def hf_tensor_shapes(config: GPTConfig, model_type: str) -> dict[str, tuple[int,
 
 def check_hf_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype | str | None,
                     expected: Mapping[str, tuple[int, ...]], where: str = "checkpoint") -> None:
-    """A ValueError naming `where` (the file), tensor `name` and what is allowed, unless its
-    `shape` is the one `expected` gives it and its `dtype` (torch's, or a safetensors name such
-    as ``"BF16"``) a float one."""
+    """A ValueError naming `where` (the file), tensor `name` and what is allowed, unless `shape`
+    is `expected`'s and `dtype` (torch's, or a safetensors name) a float one."""
     floats = (*FLOAT_DTYPES, *FLOAT_DTYPES.values())
     if dtype is not None and dtype not in floats:
         raise ValueError(f"{where}: tensor {name!r} has dtype {dtype}; the weights must be "

@@ -50,9 +50,8 @@ __all__ = ["SpecStats", "SpecCompletion", "Drafter", "DraftContext", "ModelDraft
 # ---- statistics ------------------------------------------------------------------------------
 @dataclass
 class SpecStats:
-    """What one speculative run did. `target_passes` includes the prefill, so it compares with
-    plain decoding's one pass per token; without an early stop, ``tokens == accepted +
-    target_passes``."""
+    """What one speculative run did (`target_passes` includes the prefill; without an early
+    stop, ``tokens == accepted + target_passes``)."""
 
     k: int
     drafter: str = ""
@@ -229,8 +228,7 @@ class ModelDrafter(Drafter):
 
 class PromptLookupDrafter(Drafter):
     """Prompt lookup decoding: propose the tokens that followed the latest earlier occurrence of
-    the last `max_ngram` (down to `min_ngram`) tokens. No forward pass; shines when the output
-    repeats its input; no match proposes nothing (an ordinary decode step)."""
+    the last `max_ngram` (down to `min_ngram`) tokens; no forward pass, no match no proposal."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         min_ngram = check_int("min_ngram", min_ngram, 1)

@@ -67,9 +67,8 @@ class EngineProcess(AsyncEngine):
 
     # ---- life ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine process, wait until its engine is built (`start_timeout_s`), then
-        the two threads. Where it cannot (a RuntimeError naming why) and `fallback` is set, the
-        engine steps in a thread of this process instead, with a warning."""
+        """Start the engine process and, once its engine is built, the two threads; where it
+        cannot (a RuntimeError naming why), with `fallback`, step in a thread here instead."""
         if self._thread is not None:
             raise RuntimeError("EngineProcess already started")
         try:

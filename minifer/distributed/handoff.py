@@ -88,9 +88,8 @@ class Handoff:
 
 
 def export_prefilled(engine, request_id: str) -> Handoff:
-    """Take a request whose prompt is computed and whose first token was just sampled out of
-    `engine` (an `LLMEngine`) right after that step, with a copy of its prompt's K/V; its
-    blocks are freed there. (One the first token finished: :func:`finished_handoff`.)"""
+    """Take a request out of `engine` right after the step of its first token, with a copy of
+    its prompt's K/V (one the first token finished: :func:`finished_handoff`)."""
     req = engine.get_request(request_id)
     if req is None:
         raise KeyError(f"no unfinished request {request_id!r} in this engine")

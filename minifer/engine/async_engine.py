@@ -56,9 +56,8 @@ def engine_stats(engine: Any) -> dict[str, float]:
 
 
 def engine_max_model_len(engine: Any) -> int:
-    """The most tokens (prompt + max_tokens - 1) one request can ever have on this engine: the
-    model's context window, the whole KV pool, and — without chunked prefill — one step's token
-    budget (a preempted request recomputes all its tokens in one step)."""
+    """The most tokens (prompt + max_tokens - 1) one request can ever have on this engine: within
+    the context window, the KV pool and, without chunked prefill, one step's token budget."""
     limit = engine.model.config.context_length
     bm, sch = getattr(engine, "block_manager", None), getattr(engine, "scheduler", None)
     if bm is not None:
@@ -326,9 +325,8 @@ REQUEST_FIELDS = frozenset({"logit_bias", "logprobs", "min_tokens", "stop", "max
 
 
 def add_failure(err: Exception) -> APIError:
-    """What a client hears when `add_request` raised: a ValueError or TypeError means the
-    engine says the request can never run (400, naming the field its message starts with, else
-    the prompt); anything else is the engine's fault (500)."""
+    """What a client hears when `add_request` raised: a 400 for a ValueError or TypeError (naming
+    the field its message starts with, else the prompt), else a 500 (the engine's fault)."""
     if isinstance(err, (ValueError, TypeError)):
         first = re.match(r"\w+", str(err))
         param = first.group(0) if first and first.group(0) in REQUEST_FIELDS else "prompt"

@@ -46,9 +46,8 @@ def prepare_request(model, tokenizer, prompt, params: SamplingParams | None, *,
                     priority: int = 0, arrival_time: float | None = None,
                     request_id: str | None = None, logprobs: int | None = None,
                     min_tokens: int = 0):
-    """The one check of a request, for every front (`LLMEngine`, `DisaggregatedEngine`): its
-    `Sequence` and the vocabulary it may sample from, or a ValueError naming what is wrong.
-    `sequence.prepare`'s checks of one prompt; the front checked `model` once (`check_model`)."""
+    """The one check of a request, for every front: its `Sequence` and the vocabulary it may
+    sample from, or a ValueError naming what is wrong (`model` is checked once by the front)."""
     check_request(prompt, priority)
     if arrival_time is not None:
         check_number("arrival_time", arrival_time, finite=True,

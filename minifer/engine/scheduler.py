@@ -200,9 +200,8 @@ class Scheduler:
 
     def postprocess(self, out: SchedulerOutput, tokens: Sequence[int | Exception],
                     now: float | None = None) -> list[RequestOutput]:
-        """Record a step: `tokens` holds one sampled token (or the exception sampling it
-        raised) per chunk of ``out.due``; returns an output for each of those requests. `now`
-        (default: ``time.perf_counter()``) stamps the tokens: a simulator's own clock."""
+        """Record a step: one sampled token (or the exception sampling raised) per chunk of
+        ``out.due``, an output for each; `now` (default ``time.perf_counter()``) stamps them."""
         for c in out.chunks:
             req = c.request
             req.num_computed = c.start + c.num_new

@@ -217,9 +217,8 @@ def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int
 # ---- in-process server ---------------------------------------------------------------------
 def server_config(app, *, max_connections: int = MAX_CONNECTIONS, log_level: str = "warning",
                   shutdown_grace_s: float = SHUTDOWN_GRACE_S, **kwargs):
-    """The `uvicorn.Config` for `app`: the h11 protocol with the app's header deadline and size
-    limit, at most `max_connections` connections, a graceful shutdown of `shutdown_grace_s`
-    (see `make_server`). `kwargs`: more uvicorn options (``host``, ``port``, ...)."""
+    """The `uvicorn.Config` for `app`: `h11_protocol`, at most `max_connections` connections, a
+    graceful shutdown of `shutdown_grace_s`; `kwargs`: more uvicorn options (``host``, ...)."""
     import uvicorn
 
     check_int("max_connections", max_connections, 1)

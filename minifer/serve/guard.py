@@ -67,9 +67,8 @@ def _host_allowed(host: str | None, allowed: frozenset[str]) -> bool:
 
 
 class Guard:
-    """Pure ASGI middleware around the whole app (see the module docstring): the guards, a
-    deadline and a size limit on reading the body, one JSON 500 for any unexpected exception,
-    and the count of every error response by status."""
+    """Pure ASGI middleware around the whole app: the guards, the body's deadline and size
+    limit, one JSON 500 for any unexpected exception, every error counted by status."""
 
     BODY_METHODS = ("POST", "PUT", "PATCH")
 
@@ -216,9 +215,8 @@ def h11_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYT
 
 
 class SlowClients:
-    """`h11_protocol`'s methods, a mixin before uvicorn's ``H11Protocol`` (which is imported
-    only when a server is built): the deadlines, the eviction, the JSON 431. `h11_protocol`
-    sets ``h11`` (the module), ``header_timeout_s`` and ``max_header_bytes``."""
+    """`h11_protocol`'s methods, a mixin before uvicorn's ``H11Protocol``; `h11_protocol` sets
+    ``h11`` (the module), ``header_timeout_s`` and ``max_header_bytes``."""
 
     _header_timer = None
     _request_timer = None

@@ -428,8 +428,7 @@ def parse_completion_requests(body: Any, *, model_name: str, limits: Limits, tok
                               vocab_size: int, priorities: bool = False
                               ) -> list[CompletionRequest]:
     """Check a ``/v1/completions`` body (a dict or a `CompletionBody`): one request per prompt,
-    sharing the answer's id, or an `APIError` (400). `priorities`: whether ``priority`` is
-    honoured."""
+    sharing the answer's id, or an `APIError` (400). `priorities`: ``priority`` honoured."""
     b = _validate(CompletionBody, body)
     _check_model(b.model, model_name)
     prompts = b.prompt

@@ -228,9 +228,8 @@ def shutting_down() -> APIError:
 
 
 async def collect(handles: list, s: ServerState, deadline: float, request: Request):
-    """Wait for the whole answers; abort them as soon as the client leaves, the timeout
-    passes or the server's shutdown grace ends. The last `RequestOutput` of each, or None if
-    the client left."""
+    """The last `RequestOutput` of each request, or None if the client left; aborted as soon as
+    the client leaves, the timeout passes or the shutdown grace ends."""
     gone = asyncio.ensure_future(_until_disconnect(request.receive))
     outs = []
     nxt = None
@@ -267,9 +266,8 @@ def event(obj: dict) -> bytes:
 
 
 async def _events(streamer, handle, s: ServerState, deadline: float, sent: list[int]):
-    """One request's events: one chunk per generated token (its text may be "" while held
-    back), the finish reason on the last; an error event ends it early. `sent`: its count of
-    tokens, kept up to date (for usage)."""
+    """One request's events: a chunk per token (text "" while held back), the finish reason on
+    the last, or an error event early. `sent`: its count of tokens (for usage)."""
     for first in streamer.first():
         yield event(first)
     while True:

@@ -59,9 +59,8 @@ def _split(n: int, world: int, rank: int) -> tuple[int, int]:
 
 def shard_plan(config: GPTConfig, world_size: int, rank: int, *,
                allow_uneven: bool = False) -> ShardPlan:
-    """The slice of `config`'s heads and MLP units that `rank` holds, or a ValueError. Splits
-    are even unless ``allow_uneven=True`` (the first ranks get one more; the slowest sets the
-    pace)."""
+    """The slice of `config`'s heads and MLP units that `rank` holds, or a ValueError; even
+    unless ``allow_uneven=True`` (the first ranks get one more)."""
     check_int("world_size", world_size, 1)
     check_int("rank", rank, 0, world_size - 1, allowed=f"lie in [0, {world_size})")
     nh, nkv, hidden = config.n_head, config.kv_heads, config.mlp_hidden

@@ -230,9 +230,8 @@ def _timed_forwards(model, comm: Comm, report: RankReport):
 
 def init_group(backend: str | None = None, device: torch.device | str | None = None,
                timeout_s: float = 60.0) -> tuple[Comm, int, int]:
-    """Join the process group of torchrun's environment variables (set by `torchrun` or
-    `run_local`): NCCL on ``cuda:LOCAL_RANK`` where CUDA is present, gloo on the CPU. Returns
-    ``(comm, rank, world_size)``."""
+    """``(comm, rank, world_size)`` after joining the group of torchrun's environment: NCCL on
+    ``cuda:LOCAL_RANK`` where CUDA is present, gloo on the CPU."""
     import datetime
 
     if device is None:
