@@ -28,8 +28,8 @@ from .errors import APIError
 
 __all__ = ["AsyncEngine", "RequestHandle", "engine_stats", "engine_max_model_len",
            "check_loop_options", "add_request", "add_failure", "step_failure", "request_failure",
-           "score_prompt",
-           "quietly", "settle", "shutting_down", "DEFAULT_MAX_WAITING", "RETRY_AFTER_S"]
+           "score_prompt", "quietly", "settle", "shutting_down", "DEFAULT_MAX_WAITING",
+           "RETRY_AFTER_S"]
 
 log = logging.getLogger("minifer.serve")
 

@@ -8,6 +8,7 @@ in a Jupyter kernel; the model travels as a safetensors checkpoint, never as a p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -162,10 +163,8 @@ class Workers:
         for p in self.procs:
             for f in (p.stdin, p.stdout):
                 if f is not None:
-                    try:
+                    with contextlib.suppress(OSError):
                         f.close()
-                    except OSError:
-                        pass
         for log in self.logs:
             if not log.closed:
                 log.close()
