@@ -11,10 +11,8 @@ keeps the drafted prefix it agrees with plus one token of its own.
   output follows p exactly (Leviathan et al. 2023; Chen et al. 2023), p and q being the same
   logits processing as `minifer.generate`'s, the drafts before a position counting as seen.
 
-`ModelDrafter` runs a small model with its own KV cache; `PromptLookupDrafter` copies what
-followed the latest earlier occurrence of the last few tokens (a deterministic proposal is a
-valid q, so it is exact under sampling too). Both caches roll back the rejected tail. Batch 1:
-rows would accept different numbers of tokens, so prompts run one after another.
+`ModelDrafter` runs a small model with its own KV cache; `PromptLookupDrafter` needs no model (a
+deterministic proposal is a valid q). Batch 1: prompts run one after another.
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ a pipe. The split, as in vLLM's engine-core process:
     reader thread: pipe -> each handle's queue <──  ("accepted", ...), ("outputs", ...), ...
 
 The weights go over in shared memory and the engine there is built with the given one's
-options (`LLMEngine.options`); the given engine only answers questions and is never stepped.
-The process is spawned (a fork after OpenMP threads can hang), ignores Ctrl-C and exits when
-the server's end of the pipe closes.
+options; the given engine is never stepped. The process is spawned (a fork after OpenMP threads
+can hang) and exits when the server's end of the pipe closes.
 """
 
 from __future__ import annotations

@@ -89,10 +89,9 @@ class DisaggregatedEngine:
     - `decode_blocks`, `decode_max_seqs`, `decode_tokens`: rank 1's pool, batch and step budget
       (a small pool preempts; a preempted request recomputes on rank 1).
     - `threads`: torch threads per worker; `timeout_s`: how long any wait may take.
-    - `prefill_nice`: lower the prefill worker's CPU priority (``os.nice``), so that on one
-      machine the OS runs decode steps first, standing in for two machines.
+    - `prefill_nice`: lower the prefill worker's CPU priority (``os.nice``).
     - `keepalive_s`: how often an idle prefill worker says it is alive (default: a quarter of
-      `timeout_s`, at most 10 s), so an idle engine outlives `timeout_s`.
+      `timeout_s`, at most 10 s).
     - `fault`: tests only — ``"prefill:N"`` / ``"decode:N"`` makes that worker fail at step N.
 
     Use it as a context manager (or call :meth:`close`; garbage collection ends the workers
