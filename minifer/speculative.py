@@ -375,7 +375,10 @@ class _SpecRun:
                 self.drafter.begin(seq.prompt_ids, ctx)
                 stats.draft_time_s += time.perf_counter() - t1
                 return [[first]]
-            self._extend(tokens, seq.output_ids[len(tokens) - len(seq.prompt_ids):])
+            new = seq.output_ids[len(tokens) - len(seq.prompt_ids):]
+            tokens.extend(new)
+            if self.seen is not None:  # (repetition penalty)
+                self.seen[0, new] = True
             accepted, drafted, pending = self._round(seq, tokens, cache, stats)
             return [drafted[:accepted] + [pending]]
 
@@ -388,12 +391,6 @@ class _SpecRun:
         stats.tokens = len(seq.output_ids)
         stats.draft_passes = self.drafter.passes
         return SpecCompletion(**vars(seq.result), stats=stats)
-
-    def _extend(self, tokens: list[int], new: list[int]) -> None:
-        """Append tokens to the sequence and mark them seen (repetition penalty)."""
-        tokens.extend(new)
-        if self.seen is not None:
-            self.seen[0, new] = True
 
     def _round(self, seq: Sequence, tokens: list[int], cache: StaticKVCache,
                stats: SpecStats) -> tuple[int, list[int], int]:
