@@ -125,8 +125,7 @@ def _read_json(folder: Path, name: str, required: bool = False) -> dict:
 
 
 def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of `folder`: ``model.safetensors``, or the shards that
-    ``model.safetensors.index.json`` names."""
+    """``model.safetensors`` of `folder`, or the shards ``model.safetensors.index.json`` names."""
     index = folder / "model.safetensors.index.json"
     if _inside(folder, index.name).is_file():
         weight_map = _read_json(folder, index.name).get("weight_map")
@@ -181,8 +180,7 @@ def read_safetensors(path: Path, missing: str = "") -> dict[str, torch.Tensor]:
 
 
 def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder's safetensors files (a pickle, which can run code, is
-    refused)."""
+    """Every tensor of a checkpoint folder's safetensors files (never a pickle: it runs code)."""
     tensors: dict[str, torch.Tensor] = {}
     for path in _weight_files(Path(folder).expanduser()):
         tensors.update(read_safetensors(path, " (named by the folder's index)"))

@@ -211,8 +211,7 @@ def _check_llama_options(hc: Mapping) -> None:
 
 
 def _rope(hc: Mapping) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, rope_scaling)`` from ``rope_theta`` + ``rope_scaling`` or
-    ``rope_parameters`` (transformers 5)."""
+    """``(rope_theta, rope_scaling)`` from ``rope_scaling`` or ``rope_parameters``."""
     params = _rope_params(hc)
     theta = params.get("rope_theta")
     theta = _check_float("config.json: rope_theta", 10000.0 if theta is None else theta)

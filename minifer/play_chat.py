@@ -33,8 +33,7 @@ def speech(text: str) -> str:
 
 
 def render_chat(messages: Iterable[Mapping]) -> tuple[str, str]:
-    """``(prompt, reply speaker)`` for OpenAI-style messages (``role``, ``content`` text, optional
-    ``name``)."""
+    """``(prompt, reply speaker)`` for OpenAI-style messages (``role``, ``content``, ``name``)."""
     parts, reply = [], ASSISTANT
     for i, m in enumerate(messages):
         role, text, name = m["role"], speech(m["content"]), m.get("name")

@@ -448,8 +448,7 @@ class _SpecRun:
     @staticmethod
     def _verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams,
                        seen_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep the drafts equal to the target's argmax; (accepted, the target's next token), on
-        the device."""
+        """Keep the drafts equal to the target's argmax: (accepted, next token), on the device."""
         n = drafts.shape[0]
         proc = logits if params.plain_argmax else process_logits(logits, params, seen_rows)
         choice = proc.argmax(dim=-1)  # (n+1,)

@@ -146,8 +146,7 @@ class Tokenizer:
         return batch([text], add_special_tokens=False)[0].ids
 
     def _special_tokenizer(self):
-        """A copy of the library's tokenizer that reads special tokens' text as their ids (the
-        flag is the tokenizer's, not the call's)."""
+        """A copy of the library's tokenizer that reads special tokens' text as their ids."""
         if self._hf_special is None:
             from tokenizers import Tokenizer as HFTokenizer
 

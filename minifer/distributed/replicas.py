@@ -87,8 +87,7 @@ class EngineReplicas:
         self._watcher: threading.Thread | None = None
 
     def _child(self, i: int, generation: int) -> EngineProcess:
-        """Replica `i`'s engine process (its `generation`-th start: ids of a dead one's
-        requests never reach its successor)."""
+        """Replica `i`'s engine process, its `generation`-th start (with request ids of its own)."""
         shard = self._shards[i]
         child = EngineProcess(shard, max_waiting=self.max_waiting, on_finish=self._on_finish,
                               on_step=self._on_step, threads=self.replica_threads)

@@ -100,8 +100,7 @@ class BlockManager:
 
     @property
     def wasted_slots(self) -> int:
-        """Slots reserved in used blocks but holding no token: the tails of last blocks (partial
-        blocks are never shared)."""
+        """Slots reserved in used blocks but holding no token: the tails of last blocks."""
         return sum(len(t) * self.block_size - self.num_tokens[s] for s, t in self.tables.items())
 
     @property

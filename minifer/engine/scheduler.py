@@ -243,8 +243,7 @@ class Scheduler:
         return req.output("")
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Move waiting requests into `running`, most important first, while seats, blocks and
-        `budget` last."""
+        """Admit waiting requests, most important first, while seats, blocks and `budget` last."""
         candidates = sorted(self.waiting, key=self.rank)
         if self.policy == "static":
             candidates = self._static_group(candidates)

@@ -115,8 +115,7 @@ def api_key(flag: str | None) -> str | None:
 
 
 def server_options(args: argparse.Namespace) -> dict:
-    """`create_app`'s options from the command line (the API key from the environment too).
-    ValueError for an empty API key."""
+    """`create_app`'s options from the command line (ValueError for an empty API key)."""
     from .api import LOOPBACK_HOSTS
 
     hosts = args.allowed_hosts

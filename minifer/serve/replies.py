@@ -220,8 +220,7 @@ class Streamer:
         return chunk_body(req, out.delta, reason, logprobs=lp)
 
     def usage(self, completion_tokens: int, prompt_tokens: int | None = None) -> dict:
-        """The usage-only last chunk (`prompt_tokens`: all prompts of a batch; default this
-        request's)."""
+        """The usage-only last chunk (`prompt_tokens`: a batch's, default this request's)."""
         u = usage_body(len(self.req.prompt_ids) if prompt_tokens is None else prompt_tokens,
                        completion_tokens)
         if self.req.kind == "chat":

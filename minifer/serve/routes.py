@@ -157,8 +157,7 @@ async def chat_completions(body: P.ChatCompletionBody, request: Request):
 
 
 async def generate(reqs: list, request: Request):
-    """Hand checked requests (one per prompt) to the engine at once; answer whole (one choice
-    per prompt) or as one stream of events."""
+    """Hand checked requests (one per prompt) to the engine at once; answer whole or streamed."""
     s = state(request)
     limits = s.limits
     deadline = request.scope.get("minifer.arrival", time.monotonic()) + limits.request_timeout_s

@@ -157,8 +157,7 @@ class Workers:
             time.sleep(0.05)
 
     def end(self, grace_s: float = 3.0) -> None:
-        """Terminate, then kill, every process still running; reap them, close pipes and logs.
-        Safe to call more than once."""
+        """Terminate, then kill, what still runs; reap it, close pipes and logs (idempotent)."""
         _end_all(self.procs, grace_s)
         for p in self.procs:
             for f in (p.stdin, p.stdout):

@@ -129,8 +129,7 @@ class TPAttention(CausalSelfAttention):
 
 
 class TPMLP(MLP):
-    """This rank's hidden units of an `MLP` (or a `GatedMLP`): up column-parallel, down
-    row-parallel."""
+    """This rank's hidden units of an `MLP` or `GatedMLP`: up column-, down row-parallel."""
 
     def __init__(self, mlp: MLP, plan: ShardPlan, all_reduce: AllReduce) -> None:
         nn.Module.__init__(self)
