@@ -87,8 +87,7 @@ def _is_real(value: Any) -> bool:
 
 
 def max_threads() -> int:
-    """The most CPU threads a call may ask for: four per core this process may run on. More
-    only oversubscribes the cores (and torch crashes at around 100,000)."""
+    """The most CPU threads a call may ask for: four per core this process may run on."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return 4 * (cores or 1)
 

@@ -107,8 +107,8 @@ def _inside(folder: Path, name: str, where: str | None = None) -> Path:
 
 
 def _read_json(folder: Path, name: str, required: bool = False) -> dict:
-    """The JSON object in `folder`'s file `name` ({} if absent and not `required`); a file that
-    is not a JSON object is a ValueError naming it."""
+    """The JSON object in `folder`'s file `name` ({} if absent and not `required`), else a
+    ValueError naming it."""
     path = _inside(folder, name)
     if not path.is_file():
         if required:

@@ -108,8 +108,7 @@ def export_prefilled(engine, request_id: str) -> Handoff:
 
 
 def finished_handoff(out, params: SamplingParams) -> Handoff:
-    """The handoff of a request that ended at its first token (or failed before it): no K/V,
-    nothing to decode; `out` is its last `RequestOutput`."""
+    """A K/V-less handoff for a request that ended by its first token; `out`: its last output."""
     m = out.metrics
     return Handoff(out.request_id, list(out.prompt_token_ids),
                    out.token_ids[0] if out.token_ids else None, params, None, m.arrival_time,

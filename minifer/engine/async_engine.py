@@ -88,8 +88,7 @@ class RequestHandle:
 
 
 def queue_full(waiting: int, max_waiting: int) -> APIError:
-    """The 429 a server answers when `max_waiting` requests already wait for their first
-    token (`AsyncEngine` and `EngineReplicas` alike)."""
+    """The 429 a server answers when `max_waiting` requests already wait for their first token."""
     return APIError(429, f"server over capacity: {waiting} requests are already waiting for "
                     f"their first token (max_waiting={max_waiting}); retry in {RETRY_AFTER_S} s",
                     type="rate_limit_error", code="queue_full",
@@ -208,8 +207,7 @@ class AsyncEngine:
         self.stats = engine_stats(self.engine)
 
     def _take(self, idle: bool) -> bool:
-        """`drive`'s intake: apply what handlers left in the inbox, waiting for it while the
-        engine is idle; False once the loop is stopping."""
+        """`drive`'s intake: apply the inbox (waiting for it while idle); False once stopping."""
         self.stats = engine_stats(self.engine)
         with self._cv:
             while idle and not self._inbox and not self._stopping:

@@ -135,8 +135,7 @@ def _check_slo(slo: dict[str, float] | None) -> dict[str, float]:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0 ≤ q ≤ 100) of ``values``, interpolating linearly between the
-    two nearest ranks (numpy's default method); nan for no values."""
+    """The ``q``-th percentile (0 ≤ q ≤ 100) of ``values`` as numpy's default; nan for none."""
     check_number("q", q, ge=0, le=100)
     xs = sorted(values)
     if not xs:

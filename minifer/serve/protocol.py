@@ -45,8 +45,7 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
 
 @dataclass(frozen=True)
 class Limits:
-    """What the server accepts (claim MET-5): context window, most output tokens per request,
-    and how long a request may run before it is aborted."""
+    """What the server accepts (claim MET-5): context window, output tokens, time per request."""
 
     max_model_len: int
     max_tokens: int

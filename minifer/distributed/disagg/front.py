@@ -41,8 +41,7 @@ __all__ = ["DisaggOutput", "DisaggReport", "DisaggregatedEngine", "FAULT_ENV"]
 
 @dataclass
 class DisaggOutput:
-    """A finished request: its tokens, its metrics (one clock across both processes) and the
-    K/V it moved from the prefill to the decode process."""
+    """A finished request: its tokens, its metrics and the K/V it moved between the processes."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -310,8 +309,7 @@ class DisaggregatedEngine:
             self.poll(timeout_s=0.2)
 
     def close(self) -> DisaggReport:
-        """No more requests: let both workers finish the unfinished ones, end them, and return
-        their `DisaggReport` (also kept as ``.report``)."""
+        """No more requests: let both workers finish, end them, return (and keep) the report."""
         if self.report is not None:
             return self.report
         self.start()

@@ -116,8 +116,7 @@ class ListRequests:
 
 
 class _Loop:
-    """What both ranks' loops keep: the engine, the step timeline, the step count (and the fault
-    injected at a step, `FAULT_ENV`); `role` is the subclass's."""
+    """What both ranks' loops keep: engine, step timeline, step count, injected fault."""
 
     def __init__(self, engine, device) -> None:
         self.engine, self.device = engine, device

@@ -164,8 +164,7 @@ def shard_gpt(model: nn.Module, plan: ShardPlan, all_reduce: AllReduce) -> nn.Mo
 
 
 def sharded_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the parameters that are split across ranks (the blocks' four matrices and the
-    column-parallel biases); everything else is replicated."""
+    """Names of the parameters split across ranks; everything else is replicated."""
     return [n for n, _ in model.named_parameters()
             if n.startswith("transformer.h.") and (".c_attn." in n or ".c_fc." in n
                                                   or n.endswith("c_proj.weight"))]
