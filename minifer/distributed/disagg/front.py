@@ -1,12 +1,8 @@
 """`DisaggregatedEngine`: one front for a prefill process and a decode process.
 
-The front, in the caller's process, starts the two ranks (`minifer.distributed.parallel.Workers`),
-checks each request as `LLMEngine.add_request` would, writes it to rank 0's stdin as a JSON line,
-and reads finished requests from rank 1's stdout on a thread. The model travels as a safetensors
-checkpoint in a temporary folder (or by name, for a shipped model).
-
-:meth:`close` tells rank 0 that no more requests come; it finishes and tells rank 1, and both
-write a final report and exit. Every call that waits checks the processes and raises
+The front, in the caller's process, starts the two ranks (`Workers`), checks each request as
+`LLMEngine.add_request` would, writes it to rank 0's stdin as a JSON line and reads finished
+requests from rank 1's stdout on a thread. Every call that waits checks the processes and raises
 `WorkerError` with a failed rank's output, after ending both.
 """
 
