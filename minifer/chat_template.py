@@ -1,21 +1,10 @@
 """Chat prompts: a checkpoint's own chat template, or the play-form template of the shipped models.
 
-A chat model was trained on conversations wrapped in its own special tokens (Qwen's
-``<|im_start|>user ... <|im_end|>``, Llama 3's ``<|start_header_id|>user<|end_header_id|>``).
-Its checkpoint ships the template that writes them: a Jinja template in
-``tokenizer_config.json`` (``chat_template``) or ``chat_template.jinja``, which
-`minifer.hf_checkpoint.load_hf_checkpoint` keeps on the tokenizer. `render_template` renders it
-as transformers' ``apply_chat_template`` does (a sandboxed Jinja environment with
-``trim_blocks``/``lstrip_blocks``, a ``tojson`` that keeps non-ASCII text, ``raise_exception``,
-the tokenizer's special tokens as variables); the prompt then starts the assistant's turn and the
-reply ends at the model's end-of-turn token (the tokenizer's ``eos_token``).
-
-The shipped Shakespeare models' tokenizers (and `ByteTokenizer`) have no template: they get the
-documented play-form template of `minifer.play_chat`, whose reply ends at a blank line. A
-Hugging Face checkpoint without a template (a base model) gets none: `require_chat_template`
-refuses to chat with it, and a server answers ``/v1/chat/completions`` with its message.
-
-jinja2 is imported only to render a checkpoint's template.
+A chat checkpoint ships a Jinja template that wraps messages in its special tokens (Qwen's
+``<|im_start|>user ... <|im_end|>``); `render_template` renders it as transformers'
+``apply_chat_template`` does, and the reply ends at the tokenizer's ``eos_token``. The shipped
+Shakespeare models (and `ByteTokenizer`) get the play form of `minifer.play_chat`; a Hugging Face
+checkpoint without a template (a base model) gets none: `require_chat_template` refuses it.
 """
 
 from __future__ import annotations
@@ -55,12 +44,8 @@ def render_template(template: str, messages: Sequence[Mapping], *,
 
 
 def require_chat_template(tokenizer) -> str | None:
-    """The chat template of `tokenizer`: a Hugging Face checkpoint's template, or None for the
-    tokenizers that chat in the play form (the shipped models', `ByteTokenizer`). A checkpoint
-    loaded by `minifer.load_hf_checkpoint` without one (a base model: no ``chat_template`` in
-    tokenizer_config.json, no ``chat_template.jinja``) is a ValueError, since any prompt form
-    made up for it would be one the model never saw: the server refuses
-    ``/v1/chat/completions`` with this message."""
+    """The chat template of `tokenizer`, or None for the play form; a checkpoint without one (a
+    base model) is a ValueError: any prompt form made up for it is one it never saw."""
     template = getattr(tokenizer, "chat_template", None)
     if template:
         return template
@@ -75,10 +60,8 @@ def require_chat_template(tokenizer) -> str | None:
 
 def chat_prompt(messages: Sequence[Mapping], tokenizer) -> tuple[str, list[str]]:
     """``(prompt text, stop strings)`` for `messages` (OpenAI-style dicts): the tokenizer's chat
-    template if it has one (no stop strings: the reply ends at its end-of-turn token, the
-    tokenizer's EOS), else the play-form template with its blank-line end of turn; a checkpoint
-    without a template is a ValueError (`require_chat_template`). Encode the prompt with
-    ``special_tokens=True``: the template writes special tokens as text."""
+    template (no stop strings: the reply ends at its EOS), else the play form with its
+    blank-line end of turn. Encode the prompt with ``special_tokens=True``."""
     from .play_chat import END_OF_TURN, render_chat
 
     template = require_chat_template(tokenizer)
@@ -91,11 +74,8 @@ def chat_prompt(messages: Sequence[Mapping], tokenizer) -> tuple[str, list[str]]
 
 
 def chat(model, tokenizer, messages: Sequence[Mapping], params=None, **kwargs):
-    """The model's reply to `messages`, a `minifer.Completion` (its ``.text`` is the reply).
-
-    The prompt is `chat_prompt`'s; `params` (`SamplingParams`, default greedy with 256 new
-    tokens) gets the template's stop strings added. `kwargs` go to `minifer.generate`.
-    """
+    """The model's reply to `messages`, a `minifer.Completion`: `chat_prompt`'s prompt, `params`
+    (default greedy, 256 new tokens) with its stop strings added, `kwargs` to `generate`."""
     from .generation import generate
     from .sampling import SamplingParams
 

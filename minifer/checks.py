@@ -1,8 +1,7 @@
 """Argument checks shared by the whole package: one wording for "an integer in this range".
 
-Every public function checks its numeric arguments up front, so a bad value fails here, with the
-parameter's name, the allowed range and the value given, rather than later inside torch. A bool
-is never taken for an integer (``True`` is an int to Python, but never what a caller meant).
+A bad value fails up front with the parameter's name, the allowed range and the value, not
+later inside torch. A bool is never taken for a number.
 """
 
 from __future__ import annotations
@@ -88,8 +87,7 @@ def _is_real(value: Any) -> bool:
 
 
 def max_threads() -> int:
-    """The most CPU threads a call may ask for: four per core this process may run on. More
-    only oversubscribes the cores (and torch crashes at around 100,000)."""
+    """The most CPU threads a call may ask for: four per core this process may run on."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return 4 * (cores or 1)
 

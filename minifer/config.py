@@ -1,11 +1,8 @@
 """Model shapes: `GPTConfig` and the named presets the course uses.
 
-A config describes the *shape* of a decoder and nothing else: no dtype, no device, no weights.
-The same config builds a model on a laptop CPU in fp32 or on a GPU in bf16.
-
-One decoder, a few named switches: the defaults are GPT-2 (learned positions, LayerNorm, GELU
-MLP, biases); ``positions="rope"``, ``norm="rms"``, ``mlp="swiglu"`` and ``bias=False`` make it
-Llama; ``qkv_bias=True`` on top makes it Qwen2, ``qk_norm=True`` Qwen3.
+A config is the *shape* of a decoder only (no dtype, device or weights). The defaults are GPT-2
+(learned positions, LayerNorm, GELU MLP, biases); `LLAMA`'s switches make it Llama;
+``qkv_bias=True`` on top makes it Qwen2, ``qk_norm=True`` Qwen3.
 """
 
 from __future__ import annotations
@@ -18,18 +15,16 @@ from .checks import check_int
 
 
 def kv_token_bytes(n_layer: int, n_kv_head: int, head_dim: int, bytes_per_value: float) -> float:
-    """The KV-cache formula, the one every cache and estimate here uses: the bytes one token's
-    keys and values take in all layers, 2 (K and V) × layers × KV heads × head dim × bytes."""
+    """The bytes one token's keys and values take in all layers (every cache and estimate here):
+    2 (K and V) × layers × KV heads × head dim × bytes."""
     return 2 * n_layer * n_kv_head * head_dim * bytes_per_value
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3's rotary frequency scaling (``rope_scaling`` of type ``"llama3"`` in a Hugging Face
-    config): wavelengths longer than ``original_context_length / low_freq_factor`` are stretched
-    by `factor`, shorter than ``original_context_length / high_freq_factor`` kept, and the band
-    between interpolated, so a model trained on short contexts reads positions far beyond them.
-    """
+    """Llama 3's rotary frequency scaling: wavelengths longer than ``original_context_length /
+    low_freq_factor`` are stretched by `factor`, shorter than ``original_context_length /
+    high_freq_factor`` kept, the band between interpolated."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -52,11 +47,8 @@ CHOICES = {"positions": ("learned", "rope"), "norm": ("layer", "rms"), "mlp": ("
 @dataclass(frozen=True)
 class GPTConfig:
     """Shape of a pre-norm decoder with a fused QKV projection: GPT-2 by default, Llama or Qwen
-    through the family switches below.
-
-    `n_kv_head` below `n_head` gives grouped-query attention (one K/V head shared by a group of
-    query heads); `n_kv_head=1` is multi-query attention; `None` means plain multi-head attention.
-    """
+    through the family switches below. `n_kv_head` below `n_head`: grouped-query attention
+    (1: multi-query; None: multi-head)."""
 
     vocab_size: int = 1024
     context_length: int = 1024
@@ -81,8 +73,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            check_int(f"GPTConfig.{name}", value, 1)
+            check_int(f"GPTConfig.{name}", getattr(self, name), 1)
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got "
@@ -91,9 +82,8 @@ class GPTConfig:
             if getattr(self, name) is not None:
                 check_int(f"GPTConfig.{name}", getattr(self, name), 1)
         if self.head_size is None and self.n_embd % self.n_head:
-            raise ValueError(
-                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
-            )
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head "
+                             f"({self.n_head})")
         self._check_rope()
         kv = check_int("GPTConfig.n_kv_head", self.kv_heads, 1, self.n_head,
                        why=f" (a divisor of n_head={self.n_head})")
@@ -181,33 +171,26 @@ class GPTConfig:
         try:
             return PRESETS[name]
         except KeyError:
-            raise ValueError(
-                f"unknown preset {name!r}; choose one of {sorted(PRESETS)}"
-            ) from None
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
 
 PRESETS: dict[str, GPTConfig] = {
-    # The course's reference model: 26,792,960 parameters. Used with random weights for timing
-    # lessons (timings do not depend on the weights' values).
-    "reference": GPTConfig(
-        vocab_size=1024, context_length=1024, n_layer=8, n_head=8, n_embd=512
-    ),
-    # GPT-2 small (124M): tied embeddings, 50,257-token vocabulary.
+    # the course's reference model, with random weights for timing lessons
+    "reference": GPTConfig(vocab_size=1024, context_length=1024, n_layer=8, n_head=8, n_embd=512),
+    # GPT-2 small: tied embeddings
     "gpt2": GPTConfig(
         vocab_size=50257, context_length=1024, n_layer=12, n_head=12, n_embd=768,
         tie_embeddings=True, eos_token_id=50256,
     ),
-    # A few thousand parameters' worth of model for fast tests (vocab fits ByteTokenizer).
+    # fast tests (the vocabulary fits ByteTokenizer)
     "tiny": GPTConfig(vocab_size=257, context_length=128, n_layer=2, n_head=4, n_embd=32,
                       eos_token_id=256),
     "tiny-gqa": GPTConfig(vocab_size=257, context_length=128, n_layer=2, n_head=4, n_embd=32,
                           n_kv_head=2, eos_token_id=256),
-    # The shipped Shakespeare models (trained by `python -m minifer_course.training`, loaded with
-    # `minifer.load_pretrained`). Same 2048-token BPE tokenizer; <|endoftext|> is its last id.
-    # Target: 8,791,040 parameters.
+    # the shipped Shakespeare models (`minifer.load_pretrained`), one BPE tokenizer: the target
     "shakespeare": GPTConfig(vocab_size=2048, context_length=256, n_layer=6, n_head=5, n_embd=320,
                              eos_token_id=2047),
-    # Draft for speculative decoding: 23x fewer parameters (378,624), cheap to run.
+    # ... and its draft for speculative decoding
     "shakespeare-draft": GPTConfig(vocab_size=2048, context_length=256, n_layer=2, n_head=2,
                                    n_embd=64, eos_token_id=2047),
 }
@@ -217,22 +200,17 @@ LLAMA = dict(positions="rope", norm="rms", mlp="swiglu", bias=False)
 ``qk_norm=True`` for Qwen3)."""
 
 PRESETS.update({
-    # The reference model's shape, Llama-style: rotary positions, RMSNorm, SwiGLU, no biases.
-    # The MLP's width is Llama's ⅔ × 4 × n_embd (rounded up to a multiple of 32), so its three
-    # matrices hold GPT-2's two matrices' parameters to within 1%: 26,354,176 parameters in all
-    # (no position table, no biases). Multi-head attention, as the reference; set n_kv_head for
-    # GQA/MQA.
+    # the reference, Llama-style; the MLP is ⅔ × 4 × n_embd wide (rounded up to a multiple of
+    # 32), so its three matrices hold about GPT-2's two matrices' parameters
     "llama-reference": GPTConfig(vocab_size=1024, context_length=1024, n_layer=8, n_head=8,
                                  n_embd=512, intermediate_size=1376, **LLAMA),
-    # Its tiny twin for fast tests (grouped-query: 4 query heads, 2 K/V heads).
+    # its tiny twin for fast tests, grouped-query
     "tiny-llama": GPTConfig(vocab_size=257, context_length=128, n_layer=2, n_head=4, n_embd=32,
                             n_kv_head=2, intermediate_size=64, eos_token_id=256, **LLAMA),
-    # The shapes of real checkpoints, for analytic lessons (build them on the meta device; the
-    # names match `minifer_course.roofline.MODELS`). Llama-3-8B: 8,030,261,248 parameters, GQA 32 → 8.
+    # real checkpoints' shapes for analytic lessons (on the meta device), GQA 32 → 8 and 64 → 8
     "llama-3-8b": GPTConfig(vocab_size=128256, context_length=8192, n_layer=32, n_head=32,
                             n_embd=4096, n_kv_head=8, intermediate_size=14336,
                             rope_theta=500000.0, **LLAMA),
-    # Llama-2-70B: 68,976,648,192 parameters, GQA 64 → 8.
     "llama-2-70b": GPTConfig(vocab_size=32000, context_length=4096, n_layer=80, n_head=64,
                              n_embd=8192, n_kv_head=8, intermediate_size=28672, **LLAMA),
 })

@@ -1,18 +1,10 @@
-"""Hugging Face checkpoints of the GPT-2, Llama, Mistral (no sliding window), Qwen2 and Qwen3
-families, read without transformers.
+"""Hugging Face checkpoint folders (GPT-2, Llama, Mistral without a sliding window, Qwen2,
+Qwen3) read with safetensors, json and tokenizers only: no transformers, no pickle.
 
-A model downloaded from the Hugging Face hub is a folder (the hub cache keeps one per revision
-under ``~/.cache/huggingface/hub/models--<org>--<name>/snapshots/<revision>/``):
-
-- ``config.json``: the architecture (`config_from_hf` turns it into a `GPTConfig`);
-- ``model.safetensors``, or shards listed in ``model.safetensors.index.json``: the weights,
-  one tensor per projection (`state_from_hf` fuses Q/K/V, and gate/up, into our layers);
-- ``tokenizer.json`` (the `tokenizers` library's file) and ``tokenizer_config.json`` (the chat
-  template and the special tokens; newer files keep the template in ``chat_template.jinja``).
-
-`load_hf_checkpoint(folder)` reads all of it with safetensors, json and tokenizers only: no
-``transformers``, no network, no pickle. `GPT.from_hf` uses the same two conversions
-(`minifer.hf_convert`) for a `transformers` model already in memory.
+A folder (the hub cache keeps one per revision, ``models--<org>--<name>/snapshots/<rev>/``)
+holds ``config.json`` (→ `GPTConfig` by `config_from_hf`), ``model.safetensors`` or the shards
+of ``model.safetensors.index.json`` (→ our layers by `state_from_hf`), ``tokenizer.json`` and
+``tokenizer_config.json`` (special tokens and chat template, or ``chat_template.jinja``).
 """
 
 from __future__ import annotations
@@ -33,17 +25,15 @@ from .hf_convert import (
     hf_tensor_shapes,
 )
 from .model import GPT
-from .pretrained import read_safetensors
 from .tokenizer import Tokenizer
 
 __all__ = ["HUB_FILES", "is_hub_id", "load_hf_checkpoint", "read_hf_tensors",
-           "resolve_checkpoint"]
+           "read_safetensors", "resolve_checkpoint"]
 
 HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "chat_template.jinja", "model.safetensors", "model.safetensors.index.json",
              "model-*.safetensors"]
-"""What `resolve_checkpoint` fetches of a hub repository: JSON, Jinja and safetensors only (a
-repository's pickled ``*.bin``/``*.pt`` weights are never downloaded, nor loaded)."""
+"""What `resolve_checkpoint` fetches of a hub repository (pickled weights never)."""
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -56,9 +46,8 @@ def is_hub_id(name: str | Path) -> bool:
 
 
 def resolve_checkpoint(name: str | Path) -> Path:
-    """The checkpoint folder `name` names: an existing folder as it is, or a hub id's snapshot
-    in the Hugging Face cache (downloaded first when online and not cached, with a progress
-    bar). Anything else is a FileNotFoundError saying what was looked for."""
+    """The checkpoint folder `name` names: an existing folder, or a hub id's snapshot in the
+    Hugging Face cache (downloaded when online); else a FileNotFoundError."""
     folder = Path(name).expanduser()
     if folder.is_dir():
         return folder
@@ -70,9 +59,8 @@ def resolve_checkpoint(name: str | Path) -> Path:
 
 
 def _from_hub(repo_id: str) -> Path:
-    """`repo_id`'s snapshot folder from the Hugging Face cache (``$HF_HUB_CACHE``), downloading
-    `HUB_FILES` when online; offline and not cached is a FileNotFoundError naming the cache path
-    it looked in and how to download the model."""
+    """`repo_id`'s snapshot folder from ``$HF_HUB_CACHE``, downloading `HUB_FILES` when online;
+    offline and not cached is a FileNotFoundError naming the cache path and how to download."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -93,19 +81,19 @@ def _from_hub(repo_id: str) -> Path:
 
 
 def _root(folder: Path) -> Path:
-    """Where the files of `folder` may really be: inside it, or, for a snapshot of the hub cache
-    (``models--org--name/snapshots/<revision>/``, whose files link to ``../../blobs/``), inside
-    its repository's cache folder."""
+    """Where the files of `folder` may really be: inside it, or, for a hub cache snapshot (whose
+    files link to ``../../blobs/``), inside its repository's cache folder."""
     real = folder.resolve()
     if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
         return real.parent.parent
     return real
 
 
-def _inside(folder: Path, name: str, where: str) -> Path:
-    """``folder / name``, refused (a ValueError naming `where`) unless `name` is a plain relative
-    path and the file, links followed, is inside the checkpoint (`_root`): a checkpoint reads
-    its own files only, never ``/etc/passwd`` through an index entry or a symlink."""
+def _inside(folder: Path, name: str, where: str | None = None) -> Path:
+    """``folder / name``, refused (a ValueError naming `where`, by default that path) unless
+    `name` is a plain relative path and the file, links followed, is inside the checkpoint
+    (`_root`): never ``/etc/passwd`` through an index entry or a symlink."""
+    where = where or str(folder / name)
     if not isinstance(name, str) or not name or PurePosixPath(name).is_absolute() or \
             PureWindowsPath(name).is_absolute() or ".." in re.split(r"[/\\]", name):
         raise ValueError(f"{where}: file name {name!r} must be a path relative to the "
@@ -119,9 +107,9 @@ def _inside(folder: Path, name: str, where: str) -> Path:
 
 
 def _read_json(folder: Path, name: str, required: bool = False) -> dict:
-    """The JSON object in `folder`'s file `name` ({} if absent and not `required`); a file that
-    is not a JSON object is a ValueError naming it."""
-    path = _inside(folder, name, str(folder / name))
+    """The JSON object in `folder`'s file `name` ({} if absent and not `required`), else a
+    ValueError naming it."""
+    path = _inside(folder, name)
     if not path.is_file():
         if required:
             raise FileNotFoundError(f"{folder}: no {name} (a Hugging Face checkpoint folder has "
@@ -137,18 +125,16 @@ def _read_json(folder: Path, name: str, required: bool = False) -> dict:
 
 
 def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of `folder`: ``model.safetensors``, or the shards that
-    ``model.safetensors.index.json`` names (each confined to the folder)."""
+    """``model.safetensors`` of `folder`, or the shards ``model.safetensors.index.json`` names."""
     index = folder / "model.safetensors.index.json"
-    if _inside(folder, index.name, str(index)).is_file():
+    if _inside(folder, index.name).is_file():
         weight_map = _read_json(folder, index.name).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: weight_map must be a non-empty JSON object (tensor name "
                              f"→ shard file name), got {weight_map!r}")
-        where = f"{index} (weight_map)"
-        return [_inside(folder, shard, where) for shard in sorted(set(weight_map.values()),
-                                                                  key=str)]
-    if _inside(folder, "model.safetensors", str(folder / "model.safetensors")).is_file():
+        shards = sorted(set(weight_map.values()), key=str)
+        return [_inside(folder, shard, f"{index} (weight_map)") for shard in shards]
+    if _inside(folder, "model.safetensors").is_file():
         return [folder / "model.safetensors"]
     pickled = " (only pickled weights, which are never loaded here)" if any(
         folder.glob("*.bin")) or any(folder.glob("*.pt")) else ""
@@ -157,8 +143,7 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def _headers(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str, Path]]:
-    """``name → (shape, dtype as safetensors writes it, file)`` of every tensor of `files`, read
-    from the files' JSON headers alone (no tensor data)."""
+    """``name → (shape, safetensors dtype, file)`` of every tensor of `files`, from the headers."""
     from safetensors import SafetensorError, safe_open
 
     headers: dict[str, tuple[tuple[int, ...], str, Path]] = {}
@@ -180,10 +165,22 @@ def _headers(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str, Path]]:
     return headers
 
 
+def read_safetensors(path: Path, missing: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (never a pickle). A missing file is a
+    FileNotFoundError (`missing` says what to do), a damaged one a ValueError naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint weights not found: {path}{missing}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"corrupt checkpoint weights {path}: {err}") from err
+
+
 def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder: ``model.safetensors``, or the shards named in
-    ``model.safetensors.index.json``. (safetensors only: a ``pytorch_model.bin`` pickle is
-    refused, since loading a pickle can run code.)"""
+    """Every tensor of a checkpoint folder's safetensors files (never a pickle: it runs code)."""
     tensors: dict[str, torch.Tensor] = {}
     for path in _weight_files(Path(folder).expanduser()):
         tensors.update(read_safetensors(path, " (named by the folder's index)"))
@@ -191,8 +188,8 @@ def read_hf_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _check_weights(hc: dict, headers: dict, dtype: torch.dtype | None) -> None:
-    """Every tensor's dtype and shape, from the files' headers, against config.json `hc`, before
-    any tensor is read: a ValueError naming the file, the tensor and what the config implies."""
+    """Every tensor's dtype and shape, from the headers, against config.json `hc`: a ValueError
+    naming the file, the tensor and what the config implies."""
     for name, (_, kind, path) in headers.items():
         if kind not in FLOAT_DTYPES:
             check_hf_tensor(name, (), kind, {}, str(path))  # raises, naming the dtype
@@ -212,16 +209,14 @@ def _check_weights(hc: dict, headers: dict, dtype: torch.dtype | None) -> None:
 
 
 def _token_text(value) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or ``{"content": ...}``
-    (anything else: none)."""
+    """A special token as tokenizer_config.json writes it (a string or ``{"content": ...}``)."""
     value = value.get("content") if isinstance(value, dict) else value
     return value if isinstance(value, str) else None
 
 
 def _bos_id(tokenizer: Tokenizer, tc: dict) -> int | None:
-    """The BOS id a plain prompt starts with, as transformers' ``tokenizer(text)`` adds it: the
-    one token tokenizer.json's post-processor puts before any text (Llama's), unless
-    tokenizer_config.json's ``add_bos_token`` says otherwise."""
+    """The BOS id transformers' ``tokenizer(text)`` starts a prompt with: the one token
+    tokenizer.json's post-processor adds (Llama's), unless ``add_bos_token`` says otherwise."""
     added = tokenizer.hf.encode("", add_special_tokens=True).ids
     bos = added[0] if len(added) == 1 else None
     if "add_bos_token" in tc:  # the flag transformers' Llama tokenizer follows
@@ -232,8 +227,7 @@ def _bos_id(tokenizer: Tokenizer, tc: dict) -> int | None:
 
 
 def _eos_ids(folder: Path, hc: dict) -> list[int]:
-    """Every end-of-sequence id that config.json and generation_config.json list (an id or a
-    list of ids: Llama 3.1's instruct models stop at any of three)."""
+    """Every end-of-sequence id config.json and generation_config.json list (an id or a list)."""
     ids = []
     for config in (hc, _read_json(folder, "generation_config.json")):
         value = config.get("eos_token_id")
@@ -245,21 +239,12 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = N
                        dtype: torch.dtype | None = None) -> tuple[GPT, Tokenizer]:
     """A Hugging Face checkpoint folder, or hub id, as ``(model in eval mode, tokenizer)``.
 
-    `folder` holds ``config.json``, the safetensors weights and ``tokenizer.json`` (see the
-    module doc); a hub id such as ``"Qwen/Qwen3-0.6B"`` is its snapshot in the Hugging Face
-    cache, downloaded first when online (`resolve_checkpoint`). Every file is checked before the
-    weights are read: config.json field by field, each tensor's dtype and shape from the files'
-    headers, every file name and link confined to the folder. `dtype` defaults to the stored
-    one (bf16 for most current checkpoints; pass ``torch.float32`` for the engine's exact fp32
-    path). The tokenizer's end-of-sequence token is ``tokenizer_config.json``'s ``eos_token``
-    (for chat models the end of a turn); every other id that config.json or
-    generation_config.json lists ends a reply too. A plain prompt starts with the BOS token
-    where the checkpoint's tokenizer adds one (Llama's), as transformers' ``tokenizer(text)``
-    does. The tokenizer carries the checkpoint's chat template, if any
-    (`minifer.chat_template.require_chat_template` refuses chat without one).
+    Every file is checked before the weights are read (config.json field by field, tensors'
+    dtypes and shapes from the headers, names and links confined to the folder). `dtype`
+    defaults to the stored one. EOS is tokenizer_config.json's ``eos_token``; other ids the
+    configs list end a reply too. BOS and the chat template are the checkpoint's.
     """
-    # a device this machine lacks: fail before reading any file
-    device = None if device is None else as_device(device)
+    device = None if device is None else as_device(device)  # a missing device: fail first
     folder = resolve_checkpoint(folder)
     hc = _read_json(folder, "config.json", required=True)
     files = _weight_files(folder)  # (no weights, or pickled ones only: said first)
@@ -269,7 +254,7 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = N
     if not isinstance(tc.get("add_bos_token", False), bool):
         raise ValueError(f"{folder / 'tokenizer_config.json'}: add_bos_token must be a JSON "
                          f"boolean (true or false), got {tc['add_bos_token']!r}")
-    tok_path = _inside(folder, "tokenizer.json", str(folder / "tokenizer.json"))
+    tok_path = _inside(folder, "tokenizer.json")
     template = _chat_template(folder, tc)
     model = GPT.from_hf_state(hc, read_hf_tensors(folder), dtype, device)
     eos = _token_text(tc.get("eos_token"))
@@ -289,7 +274,7 @@ def _chat_template(folder: Path, tc: dict) -> str | None:
     """The checkpoint's chat template: ``chat_template.jinja``, else tokenizer_config.json's
     ``chat_template`` (a string, or a list of named ones, of which the ``"default"``), else
     None. Anything else is a ValueError naming the file and field."""
-    jinja = _inside(folder, "chat_template.jinja", str(folder / "chat_template.jinja"))
+    jinja = _inside(folder, "chat_template.jinja")
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
     template = tc.get("chat_template")

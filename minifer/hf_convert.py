@@ -1,22 +1,15 @@
-"""Hugging Face model configs and weights → `GPTConfig` and `GPT`'s state dict (GPT-2, Llama,
-Mistral without a sliding window, Qwen2, Qwen3), on plain dicts: no transformers, no torch model.
-
-Used by `GPT.from_hf` (a transformers model in memory) and `minifer.hf_checkpoint` (a checkpoint
-folder on disk). Options this engine does not compute (sliding-window attention, RoPE scalings
-other than Llama 3's, partial rotary dims, mixture-of-experts, bias layouts other than none, all
-or Q/K/V only) are a ValueError naming the option: a model is converted exactly or not at all.
-
-A config.json is checked field by field before anything is built from it (`check_hf_config`):
-booleans must be JSON booleans, sizes integers within `SIZE_LIMITS`, floats finite and positive,
-so that a damaged or hostile file fails with the field's name instead of allocating gigabytes or
-silently flipping an option ("false" is a true string).
+"""Hugging Face configs and weights → `GPTConfig` and `GPT`'s state dict (GPT-2, Llama,
+Mistral without a sliding window, Qwen2, Qwen3), on plain dicts, for `GPT.from_hf` and
+`minifer.hf_checkpoint`. An option this engine does not compute is a ValueError naming it: a
+model is converted exactly or not at all. A config.json is checked field by field first
+(`check_hf_config`), so a damaged file fails with the field's name instead of allocating
+gigabytes or silently flipping an option ("false" is a true string).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from types import SimpleNamespace
 
 import torch
 
@@ -27,8 +20,7 @@ __all__ = ["FAMILIES", "FLOAT_DTYPES", "MAX_PARAMS", "SIZE_LIMITS", "check_hf_co
            "config_from_hf", "hf_tensor_shapes", "state_from_hf"]
 
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
-"""The Hugging Face ``model_type`` values this engine computes exactly (Mistral only without a
-sliding window: it is then Llama-shaped)."""
+"""The Hugging Face ``model_type`` values computed exactly (Mistral without a sliding window)."""
 
 SIZE_LIMITS = {  # field → largest value accepted (far above any released model's)
     "vocab_size": 2**22, "hidden_size": 2**16, "n_embd": 2**16, "intermediate_size": 2**18,
@@ -36,20 +28,19 @@ SIZE_LIMITS = {  # field → largest value accepted (far above any released mode
     "num_attention_heads": 2**10, "n_head": 2**10, "num_key_value_heads": 2**10,
     "head_dim": 2**12, "max_position_embeddings": 2**24, "n_positions": 2**24,
 }
-"""The size fields of a config.json, each an integer in [1, limit]: checked before any tensor
-is allocated (a ``head_dim`` of 10**9 would otherwise build a 4 GB rotary table first)."""
+"""Size fields, each an integer in [1, limit], checked before any allocation."""
 
 REQUIRED = {"gpt2": ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd"),
             "llama": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                       "num_attention_heads", "max_position_embeddings")}
-"""The size fields a config.json of each layout must have (Llama's serves every other family)."""
+"""The size fields each layout requires (Llama's serves every other family)."""
 
 MAX_PARAMS = 10**12
-"""The most parameters a config may imply (a trillion: no laptop or single GPU holds more)."""
+"""The most parameters a config may imply (no single GPU holds more)."""
 
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
                 "F64": torch.float64}
-"""The safetensors dtypes a checkpoint's weights may have (the engine computes in float)."""
+"""The safetensors dtypes a checkpoint's weights may have."""
 
 _BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
           "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "add_cross_attention",
@@ -64,10 +55,8 @@ def _unsupported(option: str, value, why: str) -> ValueError:
 
 
 def config_from_hf(hc: Mapping, dtype: torch.dtype = torch.float32) -> GPTConfig:
-    """The `GPTConfig` of a Hugging Face ``config.json`` (a dict), or a ValueError naming the
-    first option this engine would not reproduce or field that is malformed (`check_hf_config`;
-    a config implying over `MAX_PARAMS` parameters too). `dtype`: the weights' (GPT-2's
-    fp32-only option needs it)."""
+    """The `GPTConfig` of config.json dict `hc`, or a ValueError naming the first option not
+    reproduced here or malformed field. `dtype`: the weights' (a GPT-2 option needs it)."""
     kind = check_hf_config(hc)
     config = _gpt2_config(hc, dtype) if kind == "gpt2" else _llama_config(hc, kind)
     if config.num_params() > MAX_PARAMS:
@@ -84,11 +73,11 @@ def _eos(hc: Mapping) -> int | None:
 
 
 def _gpt2_config(hc: Mapping, dtype: torch.dtype) -> GPTConfig:
-    _check_gpt2_options(SimpleNamespace(**hc), dtype)
+    _check_gpt2_options(hc, dtype)
     return _build(vocab_size=hc["vocab_size"], context_length=hc["n_positions"],
-                     n_layer=hc["n_layer"], n_head=hc["n_head"], n_embd=hc["n_embd"],
-                     tie_embeddings=bool(hc.get("tie_word_embeddings", True)),
-                     eos_token_id=_eos(hc), layer_norm_eps=hc.get("layer_norm_epsilon") or 1e-5)
+                  n_layer=hc["n_layer"], n_head=hc["n_head"], n_embd=hc["n_embd"],
+                  tie_embeddings=bool(hc.get("tie_word_embeddings", True)),
+                  eos_token_id=_eos(hc), layer_norm_eps=hc.get("layer_norm_epsilon") or 1e-5)
 
 
 def _llama_config(hc: Mapping, kind: str) -> GPTConfig:
@@ -117,9 +106,8 @@ _OUR_NAMES = ("hidden_size/n_embd → n_embd, num_attention_heads/n_head → n_h
 
 
 def _build(**fields) -> GPTConfig:
-    """`GPTConfig(**fields)`; a combination it refuses (K/V heads that do not divide the query
-    heads, an odd head dim under RoPE, ...) is a ValueError that says it came from config.json
-    and which of its fields are which of ours."""
+    """`GPTConfig(**fields)`; a combination it refuses is a ValueError saying it came from
+    config.json and which of its fields are which of ours."""
     try:
         return GPTConfig(**fields)
     except ValueError as err:
@@ -129,18 +117,19 @@ def _build(**fields) -> GPTConfig:
 
 def check_hf_config(hc: Mapping, where: str = "config.json") -> str:
     """The ``model_type`` of config dict `hc` after checking every field this engine reads, or a
-    ValueError naming `where`, the field and what is allowed: sizes are integers in [1,
+    ValueError naming `where`, the field and what is allowed: sizes integers in [1,
     `SIZE_LIMITS`] (the required ones present), booleans JSON booleans (or null), floats finite
-    and positive. Nothing is allocated here."""
+    and positive."""
     if not isinstance(hc, Mapping):
         raise ValueError(f"{where} must be a JSON object, got {type(hc).__name__}")
     kind = hc.get("model_type")
     if kind not in FAMILIES:
         raise _unsupported("model_type", kind, f"the families computed here are {FAMILIES}")
-    for name in REQUIRED["gpt2" if kind == "gpt2" else "llama"]:
+    required = REQUIRED["gpt2" if kind == "gpt2" else "llama"]
+    for name in required:
         if hc.get(name) is None:
             raise ValueError(f"{where}: {name} is missing (a {kind} config needs "
-                             f"{', '.join(REQUIRED['gpt2' if kind == 'gpt2' else 'llama'])})")
+                             f"{', '.join(required)})")
     for name, limit in SIZE_LIMITS.items():
         if hc.get(name) is not None:
             check_int(f"{where}: {name}", hc[name], 1, limit)
@@ -163,8 +152,7 @@ def _check_float(name: str, value) -> float:
 
 
 def _check_mistral_window(hc: Mapping) -> None:
-    """Mistral is Llama-shaped when its attention sees the whole context: no ``sliding_window``
-    (null), or one at least as long as ``max_position_embeddings``, the longest context used."""
+    """Mistral is Llama-shaped when ``sliding_window`` is null or >= the longest context."""
     window, context = hc.get("sliding_window"), hc["max_position_embeddings"]
     if window is None:
         return
@@ -175,26 +163,23 @@ def _check_mistral_window(hc: Mapping) -> None:
                            f"max_position_embeddings={context}")
 
 
-def _check_gpt2_options(hc, dtype: torch.dtype) -> None:
+def _check_gpt2_options(hc: Mapping, dtype: torch.dtype) -> None:
     """Raise a ValueError naming the first GPT-2 config option `GPT` cannot reproduce."""
-    act = getattr(hc, "activation_function", "gelu_new")
+    act = hc.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"from_hf supports GPT-2's tanh GELU, got activation {act!r}")
-    unsupported = [  # (option, value that this engine computes)
-        ("scale_attn_weights", True),  # attention scores divided by √head_dim
-        ("scale_attn_by_inverse_layer_idx", False),  # ... and not also by the layer number
-        ("add_cross_attention", False),  # a decoder-only model
-    ]
-    for option, ours in unsupported:
-        value = getattr(hc, option, ours)
-        if bool(value) != ours:
+    ours = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "add_cross_attention": False}  # scores scaled by √head_dim only; decoder-only
+    for option, computed in ours.items():
+        value = hc.get(option, computed)
+        if bool(value) != computed:
             raise ValueError(f"from_hf: GPT-2 config {option}={value!r} is not supported "
-                             f"(this engine computes {option}={ours})")
-    n_inner = getattr(hc, "n_inner", None)
-    if n_inner is not None and n_inner != 4 * hc.n_embd:
+                             f"(this engine computes {option}={computed})")
+    n_inner = hc.get("n_inner")
+    if n_inner is not None and n_inner != 4 * hc["n_embd"]:
         raise ValueError(f"from_hf: GPT-2 config n_inner={n_inner!r} is not supported (the MLP "
-                         f"width here is 4 × n_embd = {4 * hc.n_embd})")
-    if getattr(hc, "reorder_and_upcast_attn", False) and dtype != torch.float32:
+                         f"width here is 4 × n_embd = {4 * hc['n_embd']})")
+    if hc.get("reorder_and_upcast_attn", False) and dtype != torch.float32:
         raise ValueError(f"from_hf: GPT-2 config reorder_and_upcast_attn=True computes attention "
                          f"in float32; this engine matches it only for a float32 model, got "
                          f"{dtype} (convert the model with .float() first)")
@@ -226,9 +211,7 @@ def _check_llama_options(hc: Mapping) -> None:
 
 
 def _rope(hc: Mapping) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, rope_scaling)`` from either spelling: ``rope_theta`` + ``rope_scaling``
-    (config.json) or ``rope_parameters`` (transformers 5); both present and disagreeing is a
-    ValueError (which one the model was trained with is then unknown)."""
+    """``(rope_theta, rope_scaling)`` from ``rope_scaling`` or ``rope_parameters``."""
     params = _rope_params(hc)
     theta = params.get("rope_theta")
     theta = _check_float("config.json: rope_theta", 10000.0 if theta is None else theta)
@@ -272,10 +255,8 @@ def _rope_params(hc: Mapping) -> dict:
 
 
 def hf_tensor_shapes(config: GPTConfig, model_type: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face checkpoint of `config` holds, by its name there, and the shape
-    `config` implies for it: one entry per projection (q, k and v apart), so that a file is
-    checked before anything is concatenated. A tied model's ``lm_head.weight`` is listed too (a
-    file may keep the copy); GPT-2's names have the ``transformer.`` prefix."""
+    """Every tensor a Hugging Face checkpoint of `config` holds, by its name there (q, k and v
+    apart; a tied ``lm_head.weight`` too, a file may keep it), and the shape `config` implies."""
     d, hd, h, v = config.n_embd, config.head_dim, config.mlp_hidden, config.vocab_size
     q, kv = config.n_head * hd, config.kv_heads * hd
     if model_type == "gpt2":
@@ -312,9 +293,8 @@ def hf_tensor_shapes(config: GPTConfig, model_type: str) -> dict[str, tuple[int,
 
 def check_hf_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype | str | None,
                     expected: Mapping[str, tuple[int, ...]], where: str = "checkpoint") -> None:
-    """A ValueError naming `where` (the file), tensor `name` and what is allowed, unless its
-    `shape` is the one `expected` (`hf_tensor_shapes`) gives it and its `dtype` (a torch dtype,
-    or a safetensors header's name such as ``"BF16"``) a float one (`FLOAT_DTYPES`)."""
+    """A ValueError naming `where` (the file), tensor `name` and what is allowed, unless `shape`
+    is `expected`'s and `dtype` (torch's, or a safetensors name) a float one."""
     floats = (*FLOAT_DTYPES, *FLOAT_DTYPES.values())
     if dtype is not None and dtype not in floats:
         raise ValueError(f"{where}: tensor {name!r} has dtype {dtype}; the weights must be "
@@ -343,9 +323,8 @@ def _shape_fields(name: str) -> str:
 
 
 def hf_name(name: str, model_type: str) -> str | None:
-    """A file's tensor name as `hf_tensor_shapes` lists it (GPT-2's older files leave out the
-    ``transformer.`` prefix), or None for buffers that are not weights (GPT-2's causal masks,
-    a stored ``rotary_emb.inv_freq``: both recomputed here)."""
+    """A file's tensor name as `hf_tensor_shapes` lists it (older GPT-2 files lack the
+    ``transformer.`` prefix), or None for recomputed buffers (causal masks, ``inv_freq``)."""
     if name.endswith("rotary_emb.inv_freq"):
         return None
     if model_type != "gpt2":
@@ -357,12 +336,9 @@ def hf_name(name: str, model_type: str) -> str | None:
 
 def state_from_hf(tensors: Mapping[str, torch.Tensor], config: GPTConfig, model_type: str
                   ) -> dict[str, torch.Tensor]:
-    """`GPT`'s state dict from a Hugging Face one (names as in the safetensors files or in
-    ``model.state_dict()``). Q, K, V are concatenated into ``c_attn``, gate and up into
-    ``c_fc``; GPT-2's `Conv1D` weights are transposed. A tied output head is left out (the
-    embedding is it). Unused tensors, and each tensor of another shape than `config` implies or
-    not of a float dtype, are a ValueError naming them (`check_hf_tensor`), checked before any
-    concatenation."""
+    """`GPT`'s state dict from a Hugging Face one: Q, K, V concatenated into ``c_attn``, gate and
+    up into ``c_fc``, GPT-2's `Conv1D` weights transposed, a tied head left out. Each tensor is
+    checked first (`check_hf_tensor`); unused or missing ones are a ValueError naming them."""
     expected = hf_tensor_shapes(config, model_type)
     src = {}
     for name, t in tensors.items():
@@ -370,9 +346,7 @@ def state_from_hf(tensors: Mapping[str, torch.Tensor], config: GPTConfig, model_
             check_hf_tensor(name, t.shape, t.dtype, expected)
             src[ours] = t
     if model_type == "gpt2":
-        out = {}
-        for name, t in src.items():
-            out[name] = t.t() if name.endswith(_GPT2_CONV1D) else t
+        out = {name: t.t() if name.endswith(_GPT2_CONV1D) else t for name, t in src.items()}
         if config.tie_embeddings:
             out.pop("lm_head.weight", None)
         return out

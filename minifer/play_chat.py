@@ -1,8 +1,4 @@
-"""The chat template: a conversation rendered as a scene of a play.
-
-Chat models are trained on conversations wrapped in special tokens (``<|im_start|>user ...``);
-their chat template turns OpenAI's ``messages`` into that text. minifer's shipped model was
-trained on Shakespeare's plays instead, where a conversation looks like this::
+"""The chat template of minifer's Shakespeare model: a conversation rendered as a scene of a play::
 
     ROMEO:
     But, soft! what light through yonder window breaks?
@@ -10,20 +6,11 @@ trained on Shakespeare's plays instead, where a conversation looks like this::
     JULIET:
     Ay me!
 
-So that is the template (`render_chat`): every ``user`` or ``assistant`` message is a speaker's
-turn — the speaker's name, a colon, a new line, the speech, a blank line — and a ``system`` (or
-``developer``) message is a stage direction: a plain paragraph, as "Enter ROMEO and JULIET" is
-in the plays. The prompt ends with the replying speaker's name and a colon, so the model's most
-likely continuation is that character's speech; the reply ends at the blank line that ends a
-turn (`END_OF_TURN`, always a stop string of a chat request), or at the end-of-text token.
-
-Speakers: a message's ``name`` if it has one (OpenAI's optional field: ``{"role": "user",
-"name": "HAMLET", ...}``), else ``USER`` for user messages and ``ASSISTANT`` for assistant
-messages. The reply is spoken by the name of the latest named assistant message, else
-``ASSISTANT``. A speech is normalized so that it stays one turn: line endings become ``\\n``,
-blank lines inside it are dropped, and leading and trailing white space is removed.
-
-Plain Python: no web stack, no torch.
+Every ``user`` or ``assistant`` message is a speaker's turn (name, colon, new line, speech,
+blank line); a ``system`` or ``developer`` message is a stage direction, a plain paragraph. The
+prompt ends with the replying speaker's name and a colon; the reply ends at the blank line
+(`END_OF_TURN`, always a stop string of a chat request) or at the end-of-text token. Speakers: a
+message's ``name``, else `USER` or `ASSISTANT`; the reply's is the latest named assistant's.
 """
 
 from __future__ import annotations
@@ -46,8 +33,7 @@ def speech(text: str) -> str:
 
 
 def render_chat(messages: Iterable[Mapping]) -> tuple[str, str]:
-    """``(prompt, reply speaker)`` for OpenAI-style messages (``role``, ``content`` text, optional
-    ``name``). See the module docstring for the format."""
+    """``(prompt, reply speaker)`` for OpenAI-style messages (``role``, ``content``, ``name``)."""
     parts, reply = [], ASSISTANT
     for i, m in enumerate(messages):
         role, text, name = m["role"], speech(m["content"]), m.get("name")

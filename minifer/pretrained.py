@@ -1,16 +1,8 @@
 """The shipped trained models: `load_pretrained("shakespeare")` → ``(model, tokenizer)``.
 
-A checkpoint is two files side by side:
-
-- ``<name>.safetensors``: the weights. safetensors is a flat file of named tensors (a JSON
-  header, then raw bytes); loading it cannot run code, unlike ``torch.load`` of a pickle, which
-  can run anything the file's author wanted. We never unpickle.
-- ``<name>.json``: the `GPTConfig` that gives the weights their shapes, plus training metadata
-  (steps, losses, machine, ...), readable by people and by the model card.
-
-The data folder is found as package data (``minifer/data``) with `importlib.resources`, so it
-works from a source checkout, an editable install and a built wheel. Set the environment
-variable ``MINIFER_DATA`` to a folder with the same layout to use other files.
+A checkpoint is ``<name>.safetensors`` (the weights: loading it cannot run code, unlike a
+pickle, which we never load) and ``<name>.json`` (the `GPTConfig` and training metadata). The
+data folder is package data (``minifer/data``), or ``$MINIFER_DATA`` with the same layout.
 """
 
 from __future__ import annotations
@@ -24,6 +16,7 @@ import torch
 
 from .config import GPTConfig
 from .device import as_device
+from .hf_checkpoint import is_hub_id, load_hf_checkpoint, read_safetensors
 from .model import GPT
 from .tokenizer import Tokenizer
 
@@ -64,38 +57,27 @@ def model_files(name: str) -> tuple[Path, Path, Path]:
     return base / f"{stem}.safetensors", base / f"{stem}.json", base / "tokenizer.json"
 
 
-def load_pretrained(
-    name: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-) -> tuple[GPT, Tokenizer]:
-    """A shipped trained model (in eval mode) and its tokenizer.
-
-    `name` is one of `PRETRAINED` (``"shakespeare"``: the ~9M-parameter target,
-    ``"shakespeare-draft"``: its small draft for speculative decoding). `device` and `dtype`
-    default to CPU and the stored dtype (fp32). Any other name that is a Hugging Face hub id
-    (``"Qwen/Qwen3-0.6B"``) or a checkpoint folder goes to `minifer.load_hf_checkpoint`.
-    """
+def load_pretrained(name: str, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> tuple[GPT, Tokenizer]:
+    """A shipped trained model (in eval mode) and its tokenizer: `name` is one of `PRETRAINED`
+    (``"shakespeare"``, or its draft ``"shakespeare-draft"``); a hub id or checkpoint folder goes
+    to `minifer.load_hf_checkpoint`. `device`, `dtype`: default CPU and the stored dtype."""
     if device is not None:
         as_device(device)  # a device this machine lacks: fail before reading any file
     if name not in PRETRAINED:
-        from .hf_checkpoint import is_hub_id, load_hf_checkpoint
-
         if is_hub_id(name) or (Path(name).expanduser() / "config.json").is_file():
             return load_hf_checkpoint(name, device=device, dtype=dtype)
     weights, _config, tok_path = model_files(name)
     missing = [p for p in (weights, weights.with_suffix(".json"), tok_path) if not p.is_file()]
     if missing:
-        raise FileNotFoundError(
-            f"pretrained model {name!r}: missing file(s) {[str(p) for p in missing]} "
-            f"(looked in {weights.parent}; set ${DATA_ENV} to use another folder, or "
-            f"{REGENERATE_HINT})"
-        )
+        raise FileNotFoundError(f"pretrained model {name!r}: missing file(s) "
+                                f"{[str(p) for p in missing]} (looked in {weights.parent}; set "
+                                f"${DATA_ENV} to use another folder, or {REGENERATE_HINT})")
     model, _meta = load_checkpoint(weights, device=device, dtype=dtype)
     tokenizer = Tokenizer.from_file(tok_path)
     if tokenizer.vocab_size != model.config.vocab_size:
-        raise ValueError(
-            f"{tok_path}: tokenizer has {tokenizer.vocab_size} tokens but the model "
-            f"{weights.name} expects vocab_size={model.config.vocab_size}"
-        )
+        raise ValueError(f"{tok_path}: tokenizer has {tokenizer.vocab_size} tokens but the model "
+                         f"{weights.name} expects vocab_size={model.config.vocab_size}")
     return model, tokenizer
 
 
@@ -117,11 +99,8 @@ def _state_to_save(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(model: GPT, path: str | Path, metadata: dict | None = None) -> Path:
-    """Write ``path`` (.safetensors weights) and the same name with ``.json`` (config + metadata).
-
-    Both files are written to a temporary name first and then renamed, so an interrupted save
-    never leaves a half-written checkpoint behind. Returns the weights path.
-    """
+    """Write ``path`` (.safetensors weights) and the same name with ``.json`` (config + metadata),
+    each to a temporary name then renamed (never half-written). Returns the weights path."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -166,28 +145,10 @@ def read_checkpoint_info(path: str | Path) -> dict:
     return info
 
 
-def read_safetensors(path: Path, missing: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file (never a pickle). A missing file is a
-    FileNotFoundError (`missing` says what to do), a damaged one a ValueError naming the file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint weights not found: {path}{missing}")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"corrupt checkpoint weights {path}: {err}") from err
-
-
-def load_checkpoint(
-    path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-) -> tuple[GPT, dict]:
-    """Rebuild a `GPT` from ``path`` (.safetensors) and its ``.json``: ``(model in eval mode, metadata)``.
-
-    Every tensor the config implies must be in the file with the right shape; anything
-    missing, extra or mis-shaped is a ValueError that names the tensor.
-    """
+def load_checkpoint(path: str | Path, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> tuple[GPT, dict]:
+    """Rebuild a `GPT` from ``path`` (.safetensors) and its ``.json``: ``(model in eval mode,
+    metadata)``; a tensor missing, extra or mis-shaped is a ValueError naming it."""
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"dtype must be a float torch dtype such as torch.bfloat16, got "
                          f"{dtype!r} (for int8/int4 weights, load in float and call "
@@ -214,7 +175,5 @@ def _check_tensors(path: Path, expected: dict[str, tuple], tensors: dict[str, to
         raise ValueError(f"{path}: unexpected tensor(s) not in the model: {unexpected}")
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(
-                f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, but the config "
-                f"in {path.with_suffix('.json').name} implies {shape}"
-            )
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, but "
+                             f"the config in {path.with_suffix('.json').name} implies {shape}")

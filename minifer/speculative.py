@@ -1,37 +1,18 @@
 """Speculative decoding: a cheap drafter guesses k tokens, the target checks them in one pass.
 
-Decoding costs one target forward pass per token, and at batch 1 each pass is limited by reading
-the weights, not by arithmetic: checking k + 1 tokens costs about as much as producing one
-(claim SPEC-1). So a *drafter* proposes k tokens cheaply, the target runs once over
-``[last token, d1 … dk]`` — like a small prefill on top of its KV cache — and keeps the drafted
-prefix it agrees with plus one token of its own. Every target pass yields at least one token.
+At batch 1 a decode pass is limited by reading the weights, so checking k + 1 tokens costs about
+as much as producing one (claim SPEC-1). The target runs once over ``[last token, d1 … dk]`` and
+keeps the drafted prefix it agrees with plus one token of its own.
 
-- **Greedy** (temperature 0): a draft token is kept when it equals the target's argmax, so the
-  output is the target's own greedy output (SPEC-2) — token for token in fp32 (tested); in
-  bf16/fp16 the k + 1-token verification pass rounds differently from one-token steps, so a
-  near-tie can flip.
-- **Sampling**: draft token d (drawn from the draft's distribution q) is accepted with
-  probability min(1, p(d)/q(d)); at the first rejection a token is drawn from
-  normalise(max(0, p − q)); after k acceptances a bonus token is drawn from p. The output then
-  follows the target's distribution p exactly, up to float rounding (Leviathan et al. 2023;
-  Chen et al. 2023).
-  The same logits processing (logit bias, repetition penalty, temperature, top-k, top-p) turns
-  logits into p and q, position by position, so "the target's distribution" is the one
-  `minifer.generate` samples from. The repetition penalty is applied exactly: the draft tokens
-  before a position count as seen at that position, for the draft and for the target.
+- **Greedy**: a draft token is kept when it equals the target's argmax, so the output is the
+  target's own greedy output (SPEC-2; token for token in fp32).
+- **Sampling**: draft token d ~ q is accepted with probability min(1, p(d)/q(d)); at the first
+  rejection a token is drawn from normalise(max(0, p − q)), after k acceptances from p. The
+  output follows p exactly (Leviathan et al. 2023; Chen et al. 2023), p and q being the same
+  logits processing as `minifer.generate`'s, the drafts before a position counting as seen.
 
-Drafters share one small interface (`Drafter`): `ModelDrafter` runs a small model with its own
-KV cache; `PromptLookupDrafter` copies the tokens that followed the latest earlier occurrence of
-the last few tokens (n-gram / prompt-lookup decoding) and needs no model at all. A deterministic
-proposal is a valid q (all its mass on the proposed token), so prompt lookup is exact under
-sampling too.
-
-Both caches roll back the rejected tail (`StaticKVCache.rollback`). The draft's cache lags the
-sequence by the tokens it has not been fed yet (after a full acceptance, the last draft token
-and the bonus token): the next round feeds them in its first draft pass.
-
-Batch 1: the cache's write slot is shared by all rows and rows accept different numbers of
-tokens, so several prompts are run one after another (each `SpecCompletion` has its own stats).
+`ModelDrafter` runs a small model with its own KV cache; `PromptLookupDrafter` needs no model (a
+deterministic proposal is a valid q). Batch 1: prompts run one after another.
 """
 
 from __future__ import annotations
@@ -39,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import abc
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -67,13 +48,8 @@ __all__ = ["SpecStats", "SpecCompletion", "Drafter", "DraftContext", "ModelDraft
 # ---- statistics ------------------------------------------------------------------------------
 @dataclass
 class SpecStats:
-    """What one speculative run did.
-
-    `target_passes` counts every target forward pass (the prompt's prefill included), so it
-    compares directly with plain decoding, which needs one pass per token. Without an early stop
-    (EOS or a stop string cutting a verified chunk short), ``tokens == accepted + target_passes``:
-    the prefill yields the first token, every verification pass its accepted drafts plus one.
-    """
+    """What one speculative run did (`target_passes` includes the prefill; without an early
+    stop, ``tokens == accepted + target_passes``)."""
 
     k: int
     drafter: str = ""
@@ -101,11 +77,8 @@ class SpecStats:
 
     @property
     def alpha(self) -> float:
-        """Per-token acceptance probability α: accepted / (accepted + rejections).
-
-        Each round tests drafts until the first rejection, so drafts after it were never tested;
-        accepted / proposed counts them as failures and underestimates α.
-        """
+        """Per-token acceptance probability α: accepted / (accepted + rejections) (drafts after a
+        rejection were never tested, so accepted / proposed underestimates α)."""
         tested = self.accepted + self.rejections
         return self.accepted / tested if tested else float("nan")
 
@@ -122,19 +95,10 @@ class SpecStats:
         """The sum of two runs' stats (same k)."""
         if other.k != self.k:
             raise ValueError(f"cannot merge stats of k={self.k} and k={other.k}")
-        return SpecStats(
-            k=self.k, drafter=self.drafter, tokens=self.tokens + other.tokens,
-            target_passes=self.target_passes + other.target_passes,
-            draft_passes=self.draft_passes + other.draft_passes,
-            rounds=self.rounds + other.rounds, proposed=self.proposed + other.proposed,
-            accepted=self.accepted + other.accepted,
-            rejections=self.rejections + other.rejections,
-            accept_hist=[a + b for a, b in zip(self.accept_hist, other.accept_hist)],
-            draft_time_s=self.draft_time_s + other.draft_time_s,
-            target_time_s=self.target_time_s + other.target_time_s,
-            wall_time_s=self.wall_time_s + other.wall_time_s,
-            prompts=self.prompts + other.prompts,
-        )
+        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
+                if f.name not in ("k", "drafter", "accept_hist")}
+        return SpecStats(k=self.k, drafter=self.drafter, **sums,
+                         accept_hist=[a + b for a, b in zip(self.accept_hist, other.accept_hist)])
 
     def summary(self) -> str:
         return (f"{self.tokens} tokens in {self.target_passes} target passes "
@@ -178,15 +142,12 @@ class DraftContext:
 
 
 class Drafter:
-    """Proposes draft tokens. Subclasses implement `begin`, `propose` and `commit`.
+    """Proposes draft tokens; `passes` counts its model forward passes.
 
     - ``begin(prompt_ids, ctx)``: a new sequence starts (a model drafter prefills here);
     - ``propose(seq, k, seen)`` → ``(tokens, q)``: up to k draft tokens ``(n,)`` continuing the
-      host list `seq` (prompt + all tokens so far) and, when sampling, their distributions
-      ``(n, V)`` (None: the proposal is deterministic — all of q's mass on each token);
+      host list `seq` and, when sampling, their distributions ``(n, V)`` (None: deterministic);
     - ``commit(accepted, proposed)``: the target kept the first `accepted` of `proposed` tokens.
-
-    `passes` counts the drafter's model forward passes.
     """
 
     name = "drafter"
@@ -194,6 +155,7 @@ class Drafter:
 
     def begin(self, prompt_ids: list[int], ctx: DraftContext) -> None:
         self.ctx = ctx
+        self.passes = 0
 
     def propose(self, seq: list[int], k: int, seen: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -211,8 +173,7 @@ class ModelDrafter(Drafter):
         self.name = f"draft model ({sum(p.numel() for p in model.parameters()):,} params)"
 
     def begin(self, prompt_ids: list[int], ctx: DraftContext) -> None:
-        self.ctx = ctx
-        self.passes = 0
+        super().begin(prompt_ids, ctx)
         cfg = self.model.config
         cache = getattr(self, "cache", None)
         if cache is None or cache.max_len < ctx.max_len or cache.device != ctx.device:
@@ -264,24 +225,14 @@ class ModelDrafter(Drafter):
 
 
 class PromptLookupDrafter(Drafter):
-    """Draft-free n-gram drafting ("prompt lookup decoding").
-
-    Find the most recent earlier occurrence of the last `max_ngram` tokens (then shorter n-grams,
-    down to `min_ngram`) in the prompt and the output so far, and propose the tokens that
-    followed it. Costs no forward pass; shines when the output repeats its input (quoting,
-    editing code, summarising, a passage seen before); proposes nothing when there is no match
-    (the round is then an ordinary decode step).
-    """
+    """Prompt lookup decoding: propose the tokens that followed the latest earlier occurrence of
+    the last `max_ngram` (down to `min_ngram`) tokens; no forward pass, no match no proposal."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         min_ngram = check_int("min_ngram", min_ngram, 1)
         max_ngram = check_int("max_ngram", max_ngram, min_ngram, why=" (at least min_ngram)")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.name = f"prompt lookup (n-grams {min_ngram}..{max_ngram})"
-
-    def begin(self, prompt_ids, ctx):
-        self.ctx = ctx
-        self.passes = 0
 
     @staticmethod
     def lookup(seq: abc.Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -314,13 +265,9 @@ AcceptRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def accept_with_ratio(p_d: torch.Tensor, q_d: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The rule that keeps the target's distribution: accept draft token d with probability
-    min(1, p(d)/q(d)), i.e. when u·q(d) < p(d) for u ~ U[0, 1).
-
-    Written without a division, so q(d) = 0 (a token the draft could not have sampled) accepts
-    when p(d) > 0 and never when p(d) = 0. Any other rule (`accept=` of `speculative_generate`)
-    changes what the output follows; lesson 10 passes a wrong one to show it.
-    """
+    """Accept draft token d with probability min(1, p(d)/q(d)), i.e. when u·q(d) < p(d) for
+    u ~ U[0, 1): the rule that keeps the target's distribution. Without a division, q(d) = 0
+    accepts when p(d) > 0 and never when p(d) = 0."""
     return u * q_d < p_d
 
 
@@ -339,36 +286,19 @@ def _check_tokenizers(tokenizer, draft_tokenizer) -> None:
 
 
 # ---- the loop --------------------------------------------------------------------------------
-def speculative_generate(
-    target: torch.nn.Module,
-    draft,
-    prompts,
-    params: SamplingParams | None = None,
-    k: int = 4,
-    tokenizer=None,
-    *,
-    draft_tokenizer=None,
-    target_cache: StaticKVCache | None = None,
-    accept: AcceptRule = accept_with_ratio,
-    threads: int | str | None = None,
-) -> list[SpecCompletion]:
-    """Generate with speculative decoding; returns one `SpecCompletion` (with `.stats`) per prompt.
+def speculative_generate(target: torch.nn.Module, draft, prompts,
+                         params: SamplingParams | None = None, k: int = 4, tokenizer=None, *,
+                         draft_tokenizer=None, target_cache: StaticKVCache | None = None,
+                         accept: AcceptRule = accept_with_ratio,
+                         threads: int | str | None = None) -> list[SpecCompletion]:
+    """Generate with speculative decoding: one `SpecCompletion` (with `.stats`) per prompt.
 
-    `draft` is a small GPT sharing the target's vocabulary, or any `Drafter` (e.g.
-    `PromptLookupDrafter()`). `k` is the number of tokens drafted per target pass (fewer near
-    `max_new_tokens`, which is never exceeded). Stops like `minifer.generate`: EOS,
-    `max_new_tokens`, stop strings matched on text. Prompts run one at a time (batch 1).
-    Any prompt `generate` accepts is accepted: drafting never goes past prompt + max_new_tokens.
-
-    Greedy output equals the target's own greedy output exactly in fp32 (tested). In bf16/fp16
-    the verification pass scores k + 1 positions at once, so its rounding differs from
-    one-token decoding and a near-tie can flip; sampled output follows the target's distribution.
-
-    `draft_tokenizer`: the draft's tokenizer, checked against `tokenizer` (they must agree).
-    `target_cache`: a batch-1 `StaticKVCache` for the target to use (and leave filled) instead
-    of allocating one; pass a `ModelDrafter` as `draft` to keep the draft's cache (`.cache`)
-    the same way. `accept(p_d, q_d, u)`: the acceptance rule used when sampling (default: the
-    exact one, `accept_with_ratio`). `threads`: torch's CPU threads, as for `minifer.generate`.
+    `draft`: a small GPT sharing the target's vocabulary, or any `Drafter`. `k`: tokens drafted
+    per target pass (fewer near `max_new_tokens`). Stops like `minifer.generate`. In bf16/fp16
+    the k + 1-position verification rounds differently from one-token decoding, so a greedy
+    near-tie can flip. `draft_tokenizer`: checked against `tokenizer`. `target_cache`: a batch-1
+    `StaticKVCache` to use (and leave filled) instead of allocating one. `accept(p_d, q_d, u)`:
+    the acceptance rule when sampling. `threads`: as for `minifer.generate`.
     """
     check_int("k (draft tokens per target pass)", k, 1)
     if not callable(accept):
@@ -380,9 +310,9 @@ def speculative_generate(
     if isinstance(drafter, ModelDrafter):
         dcfg = drafter.model.config
         if dcfg.vocab_size != cfg.vocab_size or dcfg.eos_token_id != cfg.eos_token_id:
-            raise ValueError(
-                f"draft and target must share a vocabulary: draft has {dcfg.vocab_size} tokens "
-                f"(eos {dcfg.eos_token_id}), target {cfg.vocab_size} (eos {cfg.eos_token_id})")
+            raise ValueError(f"draft and target must share a vocabulary: draft has "
+                             f"{dcfg.vocab_size} tokens (eos {dcfg.eos_token_id}), target "
+                             f"{cfg.vocab_size} (eos {cfg.eos_token_id})")
         if next(drafter.model.parameters()).device != device:
             raise ValueError("draft and target must be on the same device")
         windows["draft model"] = dcfg.context_length
@@ -413,8 +343,7 @@ class _SpecRun:
         self.rows = torch.arange(k + 1, device=device)
 
     def generate(self, seq: Sequence, cache: StaticKVCache | None) -> SpecCompletion:
-        """Prefill, then rounds of draft → verify → accept until the sequence finishes: the
-        generation loop (`minifer.generation.advance`) with a step that makes several tokens."""
+        """Prefill, then rounds of draft → verify → accept: `advance` with a multi-token step."""
         params, device = seq.params, self.device
         stats = SpecStats(k=self.k, drafter=self.drafter.name)
         gens = make_generators(params, 1, device)
@@ -446,7 +375,10 @@ class _SpecRun:
                 self.drafter.begin(seq.prompt_ids, ctx)
                 stats.draft_time_s += time.perf_counter() - t1
                 return [[first]]
-            self._extend(tokens, seq.output_ids[len(tokens) - len(seq.prompt_ids):])
+            new = seq.output_ids[len(tokens) - len(seq.prompt_ids):]
+            tokens.extend(new)
+            if self.seen is not None:  # (repetition penalty)
+                self.seen[0, new] = True
             accepted, drafted, pending = self._round(seq, tokens, cache, stats)
             return [drafted[:accepted] + [pending]]
 
@@ -460,18 +392,10 @@ class _SpecRun:
         stats.draft_passes = self.drafter.passes
         return SpecCompletion(**vars(seq.result), stats=stats)
 
-    def _extend(self, tokens: list[int], new: list[int]) -> None:
-        """Append tokens to the sequence and mark them seen (repetition penalty)."""
-        tokens.extend(new)
-        if self.seen is not None:
-            self.seen[0, new] = True
-
     def _round(self, seq: Sequence, tokens: list[int], cache: StaticKVCache,
                stats: SpecStats) -> tuple[int, list[int], int]:
-        """One round: draft up to k tokens, verify them in one target pass, roll back the rest.
-
-        Returns (accepted drafts, the drafts, the target's own next token).
-        """
+        """Draft up to k tokens, verify them in one target pass, roll back the rest: (accepted
+        drafts, the drafts, the target's own next token)."""
         params = seq.params
         remaining = params.max_new_tokens - len(seq.output_ids)
         k_eff = min(self.k, remaining - 1)  # a round yields at most k_eff + 1 tokens
@@ -524,9 +448,7 @@ class _SpecRun:
     @staticmethod
     def _verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams,
                        seen_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep the drafts that equal the target's argmax; the next token is the target's own
-        choice at the first mismatch (or after the last draft). Returns (accepted, next) on the
-        device."""
+        """Keep the drafts equal to the target's argmax: (accepted, next token), on the device."""
         n = drafts.shape[0]
         proc = logits if params.plain_argmax else process_logits(logits, params, seen_rows)
         choice = proc.argmax(dim=-1)  # (n+1,)
@@ -536,8 +458,8 @@ class _SpecRun:
     def _verify_sampled(self, logits: torch.Tensor, drafts: torch.Tensor,
                         q: torch.Tensor | None, params: SamplingParams,
                         seen_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accept each draft by `self.accept` until the first rejection; draw the next token from
-        the residual normalise(max(0, p − q)) there, or from p after a full acceptance."""
+        """Accept drafts by `self.accept` until the first rejection; the next token from
+        normalise(max(0, p − q)) there, or from p after a full acceptance."""
         n, rows = drafts.shape[0], self.rows
         p = process_logits(logits, params, seen_rows).softmax(dim=-1)  # (n+1, V)
         if q is None:  # deterministic proposal: q is one-hot on each draft token

@@ -1,25 +1,12 @@
 """Text ⇄ token ids, and streaming detokenization that never emits half a character.
 
-Two tokenizers share one interface (`encode`, `decode`, `vocab_size`, `eos_token_id`,
-`detokenizer()`):
-
-- `ByteTokenizer`: one token per UTF-8 byte plus an end-of-text token. No training, no files:
-  used by the tests and the randomly initialised reference model.
-- `Tokenizer`: a trained byte-level BPE loaded from a `tokenizer.json` written by the Hugging
-  Face `tokenizers` library (the shipped Shakespeare models use one).
-
-Special tokens in text. By default a user's text that merely looks like a special token
-(``"<|endoftext|>"`` typed in a prompt) stays text: only the engine emits the real end-of-text id
-(tiktoken's default). ``encode(text, special_tokens=True)`` recognises them as the Hugging Face
-tokenizer's ``encode`` does; the OpenAI-compatible server does that, as vLLM does.
-
-`max_token_chars` is the most characters of text one token can stand for: a text of more than
-``n * max_token_chars`` characters needs more than ``n`` tokens, which a server can know before
-it tokenizes anything.
-
-Why an incremental detokenizer? A byte-level token can end in the middle of a multi-byte UTF-8
-character (an emoji is 4 bytes). Decoding each token on its own would print replacement
-characters; a streaming server instead holds those bytes back until the character is complete.
+`ByteTokenizer` (one token per UTF-8 byte plus end-of-text: no files, for tests) and
+`Tokenizer` (a trained byte-level BPE from a Hugging Face `tokenizer.json`) share one interface.
+By default text that merely looks like a special token stays text (tiktoken's default);
+``encode(text, special_tokens=True)`` reads it as the id, as the server does (like vLLM).
+`max_token_chars`: the most characters one token stands for, so a server can refuse a text too
+long before tokenizing it. The detokenizers hold back the bytes of a character a token ends
+inside of (an emoji is 4 bytes) instead of printing replacement characters.
 """
 
 from __future__ import annotations
@@ -120,22 +107,16 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer, eos_token: str = "<|endoftext|>") -> None:
         self.hf = hf_tokenizer
-        # Text that merely looks like a special token ("<|endoftext|>" typed by a user) stays
-        # text: only the engine emits the real EOS id. (tiktoken's default, too.)
-        self.hf.encode_special_tokens = True
+        self.hf.encode_special_tokens = True  # "<|endoftext|>" typed by a user stays text
         self.vocab_size: int = hf_tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_id: int | None = hf_tokenizer.token_to_id(eos_token)
-        # a byte-level vocabulary writes each byte as one character: the longest token's
-        # string is the most bytes (so characters) of text one token stands for
+        # byte-level: one character per byte, so the longest token string bounds the text
         self.max_token_chars = max(map(len, hf_tokenizer.get_vocab(with_added_tokens=True)))
         self._hf_special = None  # a copy that recognises special tokens in text (lazily)
-        # A Hugging Face checkpoint's chat template and special tokens' text (bos_token, ...),
-        # set by `minifer.hf_checkpoint.load_hf_checkpoint`; see `minifer.chat_template`.
+        # set by `load_hf_checkpoint`: chat template, special tokens' text, the BOS every text
+        # starts with (Llama's; None for GPT-2, Qwen) and more ids that end a reply (Llama 3's)
         self.chat_template: str | None = None
         self.special_tokens_text: dict[str, str | None] = {}
-        # Also set by `load_hf_checkpoint`: the token a checkpoint's tokenizer starts every text
-        # with (Llama's BOS; None: none, as GPT-2 and Qwen), and ids besides `eos_token_id` that
-        # end a reply too (Llama 3's instruct models end a turn with one token, a text with another).
         self.bos_token_id: int | None = None
         self.more_eos_token_ids: frozenset[int] = frozenset()
 
@@ -165,8 +146,7 @@ class Tokenizer:
         return batch([text], add_special_tokens=False)[0].ids
 
     def _special_tokenizer(self):
-        """A copy of the library's tokenizer that reads special tokens' text as their ids (the
-        flag is the tokenizer's, not the call's)."""
+        """A copy of the library's tokenizer that reads special tokens' text as their ids."""
         if self._hf_special is None:
             from tokenizers import Tokenizer as HFTokenizer
 
@@ -189,10 +169,7 @@ class Tokenizer:
 
 
 class BPEDetokenizer:
-    """Streams text from BPE tokens with the library's `DecodeStream`.
-
-    `DecodeStream.step` returns None while the bytes so far end inside a character.
-    """
+    """Streams text from BPE tokens with the library's `DecodeStream` (None inside a character)."""
 
     def __init__(self, tok: Tokenizer) -> None:
         from tokenizers.decoders import DecodeStream

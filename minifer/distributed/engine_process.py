@@ -1,30 +1,23 @@
 """`EngineProcess`: the engine steps in a process of its own; the server's handlers stay here.
 
-`AsyncEngine` runs `engine.step()` in a thread of the server's process. Python runs one thread
-at a time, so between torch's kernels (which release the lock) the step's Python — scheduling,
-packing the batch, sampling, detokenizing — takes turns with the event loop that parses
-requests and writes every stream's tokens. In a process of its own the step has its own
-interpreter and the two never wait for each other, at the price of sending each step's outputs
-through a pipe. Which is faster depends on the machine: ``python -m minifer_course.bench serve --http
---server-engines thread process`` measures it.
-
-The split, as in vLLM's engine-core process:
+In `AsyncEngine` the step's Python (scheduling, sampling, detokenizing) takes turns for the
+interpreter lock with the event loop that parses requests and writes streams. In a process of
+its own the two never wait for each other, at the price of sending each step's outputs through
+a pipe. The split, as in vLLM's engine-core process:
 
     server process                                 engine process
     handlers -> add / abort (AsyncEngine's API)    LLMEngine(model, tokenizer, **options)
     forwarder thread: inbox -> pipe  ───────────>  `drive`: take commands; step; send outputs
     reader thread: pipe -> each handle's queue <──  ("accepted", ...), ("outputs", ...), ...
 
-The model's weights go to the engine process in shared memory (torch.multiprocessing), not as
-a copy; the engine there is built with the options of the one given (`LLMEngine.options`), so
-it schedules, caches and detokenizes exactly as that one would. The given engine itself only
-answers questions (its tokenizer, its limits) and is never stepped. The process is started with
-``spawn`` (a fork of a process that has run OpenMP threads can hang), ignores Ctrl-C (the
-server decides when it stops) and exits when the server's end of the pipe closes.
+The weights go over in shared memory and the engine there is built with the given one's
+options; the given engine is never stepped. The process is spawned (a fork after OpenMP threads
+can hang) and exits when the server's end of the pipe closes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import signal
@@ -54,13 +47,9 @@ START_TIMEOUT_S = 300.0  # the engine process must be ready by then (imports, a 
 
 
 class EngineProcess(AsyncEngine):
-    """`AsyncEngine`'s interface (add, abort, stats, alive; the same admission control and
-    errors) with `engine.step()` running in a child process (see the module docstring).
-
-    `threads` applies in the engine process (``"auto"`` there counts this process's CPU time,
-    the HTTP side's, as others' load). `on_finish` and `on_step` run here, in the reader thread.
-    `fallback`: where the process cannot start, step in a thread instead (see `start`).
-    """
+    """`AsyncEngine`'s interface and admission control with `engine.step()` in a child process.
+    `threads` applies there; `on_finish` and `on_step` run here, in the reader thread.
+    `fallback`: where the process cannot start, step in a thread instead (see `start`)."""
 
     def __init__(self, engine: Any, *, max_waiting: int = DEFAULT_MAX_WAITING,
                  on_finish=None, on_step=None, threads: int | str | None = None,
@@ -77,11 +66,8 @@ class EngineProcess(AsyncEngine):
 
     # ---- life ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine process and wait until its engine is built, then the two threads.
-
-        If the process cannot start (RuntimeError with the reason, also when it is not ready
-        within `start_timeout_s`) and `fallback` is set, the engine steps in a thread of this
-        process instead (`AsyncEngine`), with a warning naming the reason."""
+        """Start the engine process and, once its engine is built, the two threads; where it
+        cannot (a RuntimeError naming why), with `fallback`, step in a thread here instead."""
         if self._thread is not None:
             raise RuntimeError("EngineProcess already started")
         try:
@@ -228,10 +214,8 @@ class EngineProcess(AsyncEngine):
             with self._cv:
                 self._unstarted.discard(rid)
             err = detail
-        try:
+        with contextlib.suppress(RuntimeError):  # its event loop is closed
             loop.call_soon_threadsafe(settle, accepted, err)
-        except RuntimeError:  # its event loop is closed
-            pass
 
     def _fail_all(self, reason: str) -> None:
         """The engine process is gone: every request in flight ends with a 503."""
@@ -241,10 +225,8 @@ class EngineProcess(AsyncEngine):
         for rid, (loop, _, accepted) in pending.items():
             with self._cv:
                 self._unstarted.discard(rid)
-            try:
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(settle, accepted, err)
-            except RuntimeError:
-                pass
         for rid in list(self._handles):
             self._deliver(rid, copy.copy(err))
 

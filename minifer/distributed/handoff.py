@@ -1,31 +1,18 @@
 """A prefilled request handed from one engine to another, and its wire format over torch.distributed.
 
-Disaggregated serving (claim PD-12, `minifer.distributed.disagg`) runs a request's prompt on a
-*prefill* engine and its decode steps on a *decode* engine, each with its own paged KV pool.
-When the prefill engine has sampled a request's first token, :func:`export_prefilled` takes the
-request out of it as a :class:`Handoff`: the prompt, the first token, the sampling state, the
-timestamps so far and a copy of the prompt's K/V — exactly ``bytes_per_token × prompt tokens``
-bytes (the unfilled tail of the last block stays behind). :func:`add_prefilled` on the decode
-engine allocates blocks in its own pool, writes the K/V into them and lets the request continue
-as if it had been prefilled there. Both go through the engine's public methods only.
+Disaggregated serving (claim PD-12): :func:`export_prefilled` takes a request whose first token
+was sampled out of the *prefill* engine as a :class:`Handoff` (with exactly the prompt tokens'
+K/V); :func:`add_prefilled` writes it into the *decode* engine's pool to continue there.
 
-On the wire (:func:`send_handoff` / :func:`recv_handoff`, point-to-point ``dist.send`` /
-``dist.recv``, gloo on the CPU or NCCL on GPUs) a handoff is three messages:
+On the wire (:func:`send_handoff` / :func:`recv_handoff`, point-to-point, gloo or NCCL) a
+handoff is three messages, few because each is a round trip:
 
-1. a header of four int64: kind (1 = a request, 0 = no more requests, 2 = a keep-alive that
-   says the sender is idle but alive, so an idle receiver's ``recv`` never runs into the
-   process group's timeout), the length of the
-   metadata, the number of prompt tokens whose K/V follow (0 if none), the length of the
-   random generator's state (0 if none);
-2. the metadata — UTF-8 JSON (ids, sampling parameters, timestamps) — followed by the
-   generator's state (seeded sampling continues exactly where the prefill engine left it),
-   one uint8 tensor;
-3. the K/V, one tensor ``(n_layer, 2, prompt tokens, kv_heads, head_dim)``, if any.
-
-Few messages matter: each is a round trip, and a receiver thread in a busy Python process
-waits for the interpreter lock before it can take the next one.
-
-The receiver knows the model, hence the K/V's shape and dtype; the header gives the rest.
+1. a header of four int64: kind (1 = a request, 0 = no more, 2 = a keep-alive, so an idle
+   receiver never runs into the process group's timeout), the metadata's length, the number of
+   prompt tokens whose K/V follow, the generator state's length (0 if none);
+2. the metadata (UTF-8 JSON) followed by the generator's state, one uint8 tensor;
+3. the K/V, one tensor ``(n_layer, 2, prompt tokens, kv_heads, head_dim)``, if any (the
+   receiver knows the model, hence its shape and dtype).
 """
 
 from __future__ import annotations
@@ -39,8 +26,8 @@ import torch
 
 from ..sampling import SamplingParams
 
-__all__ = ["Handoff", "export_prefilled", "add_prefilled", "finished_handoff", "params_to_dict", "params_from_dict", "send_handoff", "send_done",
-           "send_alive", "recv_handoff"]
+__all__ = ["Handoff", "export_prefilled", "add_prefilled", "finished_handoff", "params_to_dict",
+           "params_from_dict", "send_handoff", "send_done", "send_alive", "recv_handoff"]
 
 _REQUEST, _DONE, _ALIVE = 1, 0, 2
 
@@ -66,10 +53,8 @@ class Handoff:
     """A request whose prompt is computed and whose first token is sampled, ready to decode.
 
     `kv`: the prompt's K/V, ``(n_layer, 2, len(prompt_ids), kv_heads, head_dim)``, or None when
-    the first token already finished the request (`finish_reason` set: nothing left to
-    decode, nothing to send). Times are ``time.perf_counter()`` seconds; on one machine
-    (Linux's monotonic clock) every process reads the same clock, so they compare across the
-    prefill and decode processes.
+    the first token finished the request. Times are ``time.perf_counter()`` seconds (one clock
+    for every process of a Linux machine).
     """
 
     request_id: str
@@ -103,13 +88,8 @@ class Handoff:
 
 
 def export_prefilled(engine, request_id: str) -> Handoff:
-    """Take a request whose prompt is computed and whose first token was just sampled out of
-    `engine` (an `LLMEngine`), with a copy of its prompt's K/V.
-
-    Call it right after the `step` that returned the request's first token. Its blocks are
-    freed there; it produces no more outputs in that engine. A request that the first token
-    finished has left already: build its handoff with :func:`finished_handoff`.
-    """
+    """Take a request out of `engine` right after the step of its first token, with a copy of
+    its prompt's K/V (one the first token finished: :func:`finished_handoff`)."""
     req = engine.get_request(request_id)
     if req is None:
         raise KeyError(f"no unfinished request {request_id!r} in this engine")
@@ -128,8 +108,7 @@ def export_prefilled(engine, request_id: str) -> Handoff:
 
 
 def finished_handoff(out, params: SamplingParams) -> Handoff:
-    """The handoff of a request that ended at its first token (or failed before it): no K/V,
-    nothing to decode; `out` is its last `RequestOutput`."""
+    """A K/V-less handoff for a request that ended by its first token; `out`: its last output."""
     m = out.metrics
     return Handoff(out.request_id, list(out.prompt_token_ids),
                    out.token_ids[0] if out.token_ids else None, params, None, m.arrival_time,
@@ -139,13 +118,9 @@ def finished_handoff(out, params: SamplingParams) -> Handoff:
 
 def add_prefilled(engine, handoff: Handoff) -> bool:
     """Continue in `engine` (an `LLMEngine`) a request another engine prefilled: allocate
-    blocks in its pool, write the prompt's K/V into them, decode it from the next step.
-
-    Returns False, changing nothing, when it does not fit now (`max_num_seqs` running or too
-    few free blocks): try again after a step. Raises ValueError for a handoff that could never
-    run here (see `LLMEngine.add_request`), one already finished, or K/V of the wrong shape.
-    Its metrics keep the prefill engine's timestamps (arrival, first token).
-    """
+    blocks, write the prompt's K/V, decode it from the next step (keeping the prefill
+    engine's timestamps). False, changing nothing, when it does not fit now; a ValueError for a
+    handoff that could never run here, one already finished, or K/V of the wrong shape."""
     h, pool = handoff, engine.pool
     if h.finish_reason is not None or h.kv is None:
         raise ValueError(f"request {h.request_id!r} finished at its first token "
@@ -216,11 +191,8 @@ def send_alive(dst: int, *, device: torch.device | str = "cpu", group=None) -> N
 def recv_handoff(src: int, kv_shape: tuple[int, int, int], dtype: torch.dtype, *,
                  device: torch.device | str = "cpu", group=None) -> Handoff | None:
     """Receive one handoff from rank `src`; None when `src` sent :func:`send_done`.
-
-    `kv_shape`: ``(n_layer, kv_heads, head_dim)`` of the model, `dtype` its K/V dtype (both
-    engines must run the same model). `transfer_s` is the time inside the K/V's recv, which
-    starts once its header has arrived: the transfer, not the wait for the next request.
-    """
+    `kv_shape`: the model's ``(n_layer, kv_heads, head_dim)``, `dtype` its K/V dtype.
+    `transfer_s` times the K/V's recv only, not the wait for the header."""
     import torch.distributed as dist
 
     header = torch.zeros(4, dtype=torch.int64, device=device)

@@ -1,22 +1,14 @@
 """`EngineReplicas`: several engine processes behind one server, each with a share of the seats.
 
-torch splits one step over its threads and the threads meet at the end of every operation, so
-a step goes at the pace of its slowest thread: when another program (or the server's own HTTP
-side) takes part of a core, the thread on that core holds up the whole step, and from about 40%
-busy a second thread is worth nothing (BENCHMARKS.md, "Threads under load"). Replicas split
-the work the other way: each is a whole `LLMEngine` in a process of its own (`EngineProcess`)
-with one share of `max_num_seqs` and of the KV pool, stepping its own requests with its own
-threads, and no replica ever waits for another. The operating system shares the cores out
-between them, so a core that is partly busy slows one replica a little instead of every step
-of the only one. vLLM calls the same layout data parallelism (``--data-parallel-size``).
+A step goes at the pace of its slowest thread, so a core partly taken by another program holds
+up every step. Replicas split the work the other way: each is a whole `LLMEngine` in its own
+process (`EngineProcess`) with a share of `max_num_seqs` and of the KV pool, and no replica waits
+for another (vLLM's data parallelism, ``--data-parallel-size``).
 
-The server's limits stay what they say: ``max_num_seqs=32`` over 2 replicas is 16 seats each,
-32 in all; the pool's blocks are split the same way. A new request goes to the live replica with
-the fewest requests in flight. A replica that dies (killed, out of memory) leaves the routing at
-once: its requests in flight end with a 503, the others serve on, ``/health`` says "degraded"
-with the count of live replicas, its gauges leave the metrics' sums, and it is restarted in the
-background (at most `MAX_RESTARTS` times each). The model's weights reach every replica in shared memory (one copy).
-Prefix caching works within a replica; the same prefix sent to two replicas is computed twice.
+``max_num_seqs=32`` over 2 replicas is 16 seats each. A new request goes to the live replica
+with the fewest requests in flight. A replica that dies leaves the routing at once: its requests
+end with a 503, ``/health`` says "degraded", and it is restarted in the background (at most
+`MAX_RESTARTS` times). The weights are shared (one copy); prefix caching works per replica.
 """
 
 from __future__ import annotations
@@ -64,17 +56,11 @@ def replica_options(options: dict, replicas: int, blocks_needed: int) -> list[di
 
 
 class EngineReplicas:
-    """`AsyncEngine`'s interface (add, abort, stats, alive, num_waiting; the same admission
-    control and errors) over `replicas` engine processes (see the module docstring).
-
-    `engine`: an `LLMEngine` whose model and options the replicas are built from (it is never
-    stepped). `threads` applies in each replica; ``"auto"`` gives each its share of the cores
-    (``os.cpu_count() // replicas``, at least 1): left to follow the idle cores, two replicas on
-    a quiet 2-core machine each took both, and the p99 time per output token at 2 req/s went
-    from 8 to 19 ms (BENCHMARKS.md). `fallback`: where a replica cannot start, run one
-    `EngineProcess` with every seat instead (itself falling back to a thread), with a warning.
-    `restart`: start a replica again when it dies (see the module docstring).
-    """
+    """`AsyncEngine`'s interface and admission control over `replicas` engine processes built
+    from `engine`'s model and options. `threads` applies in each; ``"auto"`` gives each its
+    share of the cores (following the idle cores, replicas would each take them all).
+    `fallback`: where a replica cannot start, one `EngineProcess` with every seat, with a
+    warning. `restart`: start a replica again when it dies."""
 
     def __init__(self, engine: Any, replicas: int, *, max_waiting: int = DEFAULT_MAX_WAITING,
                  on_finish=None, on_step=None, threads: int | str | None = None,
@@ -101,8 +87,7 @@ class EngineReplicas:
         self._watcher: threading.Thread | None = None
 
     def _child(self, i: int, generation: int) -> EngineProcess:
-        """Replica `i`'s engine process (its `generation`-th start: ids of a dead one's
-        requests never reach its successor)."""
+        """Replica `i`'s engine process, its `generation`-th start (with request ids of its own)."""
         shard = self._shards[i]
         child = EngineProcess(shard, max_waiting=self.max_waiting, on_finish=self._on_finish,
                               on_step=self._on_step, threads=self.replica_threads)

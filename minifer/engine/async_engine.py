@@ -1,29 +1,10 @@
 """`AsyncEngine`: one thread owns the engine; asyncio handlers talk to it through queues.
 
-An `LLMEngine` is not thread-safe and its `step()` blocks for a whole forward pass, so a server
-must not call it from its event loop. Instead one background thread runs the engine loop:
-
-    while running:                          (`serve.driver.drive`, the loop of every front)
-        take the new requests and aborts that handlers left in the inbox, apply them;
-        if any request is unfinished: outputs = engine.step(); hand each to its request's queue;
-        else: sleep until a handler brings work.
-
-Each HTTP handler gets a `RequestHandle` whose asyncio queue receives that request's
-`RequestOutput`s (one per generated token) from the engine thread
-(``loop.call_soon_threadsafe``). All requests in flight share every step: this is where
-continuous batching meets many concurrent clients.
-
-Admission control (claim MET-5): at most `max_waiting` requests may wait for their first step;
-past that, `add` refuses with 429 at once (with ``Retry-After``, which OpenAI's clients honour
-when they retry) instead of letting the queue (and everyone's TTFT) grow without bound. The
-default, `DEFAULT_MAX_WAITING`, is large enough that a burst of a few hundred requests is queued,
-as other servers do. An engine error in `step()` fails the requests in flight with a 500 and
-aborts them; the thread keeps serving the next ones. A request that failed alone inside a step
-(finish reason "error", `LLMEngine.step`) hears a 500 naming it; the others never notice.
-
-A request that asks for its prompt's logprobs (``echo`` with ``logprobs``) gets them here, in
-the engine thread, by one forward pass over the prompt (`minifer.engine.logprobs`), so the model
-is only ever run from this thread.
+An `LLMEngine` is not thread-safe and its `step()` blocks, so one background thread runs the
+engine loop (`drive`); each handler's `RequestHandle` receives its outputs from there
+(``loop.call_soon_threadsafe``). Past `max_waiting` requests waiting for their first step, `add`
+refuses with 429 (claim MET-5). A step that raises fails the requests in flight with a 500; the
+thread serves on. The model only ever runs in this thread (prompt logprobs too).
 """
 
 from __future__ import annotations
@@ -47,8 +28,8 @@ from .errors import APIError
 
 __all__ = ["AsyncEngine", "RequestHandle", "engine_stats", "engine_max_model_len",
            "check_loop_options", "add_request", "add_failure", "step_failure", "request_failure",
-           "score_prompt",
-           "quietly", "settle", "shutting_down", "DEFAULT_MAX_WAITING", "RETRY_AFTER_S"]
+           "score_prompt", "quietly", "settle", "shutting_down", "DEFAULT_MAX_WAITING",
+           "RETRY_AFTER_S"]
 
 log = logging.getLogger("minifer.serve")
 
@@ -75,9 +56,8 @@ def engine_stats(engine: Any) -> dict[str, float]:
 
 
 def engine_max_model_len(engine: Any) -> int:
-    """The most tokens (prompt + max_tokens - 1) one request can ever have on this engine: the
-    model's context window, the whole KV pool, and — without chunked prefill — one step's token
-    budget (a preempted request recomputes all its tokens in one step)."""
+    """The most tokens (prompt + max_tokens - 1) one request can ever have on this engine: within
+    the context window, the KV pool and, without chunked prefill, one step's token budget."""
     limit = engine.model.config.context_length
     bm, sch = getattr(engine, "block_manager", None), getattr(engine, "scheduler", None)
     if bm is not None:
@@ -108,8 +88,7 @@ class RequestHandle:
 
 
 def queue_full(waiting: int, max_waiting: int) -> APIError:
-    """The 429 a server answers when `max_waiting` requests already wait for their first
-    token (`AsyncEngine` and `EngineReplicas` alike)."""
+    """The 429 a server answers when `max_waiting` requests already wait for their first token."""
     return APIError(429, f"server over capacity: {waiting} requests are already waiting for "
                     f"their first token (max_waiting={max_waiting}); retry in {RETRY_AFTER_S} s",
                     type="rate_limit_error", code="queue_full",
@@ -117,12 +96,11 @@ def queue_full(waiting: int, max_waiting: int) -> APIError:
 
 
 class AsyncEngine:
-    """Runs `engine.step()` in one background thread whenever there is work (see module doc).
+    """Runs `engine.step()` in one background thread whenever there is work.
 
     `on_finish(output)` is called in the engine thread for every request's last output,
-    `on_step()` after every step (metrics). `threads`: torch's CPU threads for the steps — None
-    leaves torch's choice, a number sets it when the loop starts, ``"auto"`` keeps it at the
-    cores other programs leave free, looked at again between steps (`hooks.serving_threads`).
+    `on_step()` after every step. `threads`: torch's CPU threads for the steps (None: torch's
+    choice; ``"auto"``: the cores other programs leave free, between steps).
     """
 
     id_prefix = "srv-"  # request ids are id_prefix + a count (`EngineReplicas` sets one each)
@@ -183,13 +161,10 @@ class AsyncEngine:
 
     async def add(self, prompt, params, priority: int = 0, *,
                   prompt_logprobs: int | None = None, **options) -> RequestHandle:
-        """Queue a request; its handle once the engine accepted it.
-
-        `options` go to `engine.add_request` (``logprobs``, ``min_tokens``); `prompt_logprobs`:
-        score the prompt with that many alternatives per token (`RequestHandle.prompt_logprobs`).
-        Raises `APIError` 429 when `max_waiting` requests already wait, 400 when the engine
-        rejects the request (it could never run), 503 when the engine loop is not running.
-        """
+        """Queue a request; its handle once the engine accepted it. `options` go to
+        `engine.add_request`; `prompt_logprobs`: alternatives per prompt token. Raises `APIError`
+        429 when `max_waiting` already wait, 400 when the engine rejects the request, 503 when
+        the loop is not running."""
         if not self.alive or self._stopping:
             raise APIError(503, "the engine is not running", type="server_error",
                            code="engine_stopped")
@@ -232,8 +207,7 @@ class AsyncEngine:
         self.stats = engine_stats(self.engine)
 
     def _take(self, idle: bool) -> bool:
-        """`drive`'s intake: apply what handlers left in the inbox, waiting for it while the
-        engine is idle; False once the loop is stopping."""
+        """`drive`'s intake: apply the inbox (waiting for it while idle); False once stopping."""
         self.stats = engine_stats(self.engine)
         with self._cv:
             while idle and not self._inbox and not self._stopping:
@@ -349,9 +323,8 @@ REQUEST_FIELDS = frozenset({"logit_bias", "logprobs", "min_tokens", "stop", "max
 
 
 def add_failure(err: Exception) -> APIError:
-    """What a client hears when `add_request` raised: a ValueError or TypeError means the
-    engine says the request can never run (400, naming the field its message starts with, else
-    the prompt); anything else is the engine's fault (500)."""
+    """What a client hears when `add_request` raised: a 400 for a ValueError or TypeError (naming
+    the field its message starts with, else the prompt), else a 500 (the engine's fault)."""
     if isinstance(err, (ValueError, TypeError)):
         first = re.match(r"\w+", str(err))
         param = first.group(0) if first and first.group(0) in REQUEST_FIELDS else "prompt"

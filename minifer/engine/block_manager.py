@@ -1,20 +1,14 @@
 """The paged KV cache's bookkeeping: a pool of fixed-size blocks and one block table per sequence.
 
-Reserving a KV region of the maximum length for every request wastes most of it (claim KV-12).
-Paging instead cuts the cache into blocks of `block_size` token slots; a sequence owns a list of
-block ids (its *block table*), token ``i`` lives in slot ``i % block_size`` of block
-``table[i // block_size]``, and a sequence asks for one more block only when its last one is
-full. The only waste is the unfilled tail of each sequence's last block (internal fragmentation).
+Reserving the maximum length for every request wastes most of it (claim KV-12). Paging cuts
+the cache into blocks of `block_size` slots; token ``i`` of a sequence lives in slot
+``i % block_size`` of block ``table[i // block_size]`` of its *block table*, and a new block is
+taken only when the last is full.
 
-**Prefix caching.** A *full* block's contents are fixed by the tokens it holds and every token
-before it, so it is named by a hash chained through its parent: ``hash(parent_hash, tokens)``.
-When a new sequence starts with the same tokens (a shared system prompt), its leading blocks are
-found by hash and shared, with a reference count, instead of being computed again. A block whose
-count drops to zero goes back to the free list but keeps its contents and hash: it can be revived
-by a later hit until it is handed out for new contents, least recently freed first (LRU).
-
-This module holds no tensors: it decides *which* slot each token uses; `kv_pool.PagedKVPool`
-holds the keys and values in those slots.
+**Prefix caching.** A full block is named by ``hash(parent_hash, tokens)``, so a sequence that
+starts with the same tokens shares those blocks (reference counted). A freed block keeps its
+contents and hash until it is handed out again, least recently freed first (LRU). No tensors
+here: `kv_pool.PagedKVPool` holds the keys and values.
 """
 
 from __future__ import annotations
@@ -29,11 +23,8 @@ __all__ = ["Block", "BlockManager", "block_hash"]
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """The name of a full block: its tokens chained with its parent block's hash.
-
-    Python hashes tuples of ints deterministically (no per-process salt), so equal prefixes get
-    equal names in any run. A collision cannot corrupt output: a hit also compares the tokens.
-    """
+    """The name of a full block: its tokens chained with its parent's hash (tuples of ints hash
+    the same in every run; a hit also compares the tokens, so a collision is harmless)."""
     return hash((-1 if parent is None else parent, tuple(tokens)))
 
 
@@ -54,9 +45,8 @@ class BlockManager:
       many leading tokens are already in cached blocks (those need no compute).
     - `append_slots(seq, n)`: grow the table so the sequence can hold `n` tokens.
     - `commit(seq, tokens, n)`: `n` tokens now have their K/V written; name the full blocks.
-    - `free(seq)`: drop the sequence's references (a second `free` is an error: no double free).
-
-    `can_allocate` / `can_append` tell the scheduler beforehand whether a request fits.
+    - `free(seq)`: drop the sequence's references (a second `free` is an error).
+    - `can_allocate` / `can_append`: whether a request fits, beforehand.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
@@ -110,11 +100,7 @@ class BlockManager:
 
     @property
     def wasted_slots(self) -> int:
-        """Slots reserved in used blocks but holding no token: the tails of last blocks.
-
-        Only a sequence's last block can be partly filled, and partial blocks are never shared,
-        so this sums ``len(table) * block_size - num_tokens`` over sequences.
-        """
+        """Slots reserved in used blocks but holding no token: the tails of last blocks."""
         return sum(len(t) * self.block_size - self.num_tokens[s] for s, t in self.tables.items())
 
     @property

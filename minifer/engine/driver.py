@@ -1,17 +1,8 @@
 """The one loop every front of the engine runs: take what arrived, step, hand the outputs on.
 
-`AsyncEngine` (a thread of the server), `engine_process` (a process of its own) and the two
-workers of disaggregated serving differ only in where requests come from and where outputs go;
-the loop itself is this (`LLMEngine.generate`, which has all its requests at the start, steps
-until they are done):
-
-    while take(idle):          # apply new requests and aborts (waiting for some while idle)
-        if the engine has work:
-            deliver(engine.step())
-
-A failure of one request inside a step never reaches this loop: `LLMEngine.step` ends that
-request alone (finish reason "error"). A step that raises failed for every request in it (the
-forward call itself); `fail` ends the requests in flight and the loop goes on serving.
+`AsyncEngine`, `engine_process` and the two disaggregated workers differ only in where requests
+come from and where outputs go. A step that raises failed for every request in it: `fail` ends
+the requests in flight and the loop goes on (one request's failure `LLMEngine.step` ends alone).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""OpenAI-style errors: `APIError` (an HTTP status and a body naming the bad parameter).
-
-Plain Python, so the engine thread (`async_engine`) and the protocol share them without the
-web stack.
-"""
+"""OpenAI-style errors: `APIError` (an HTTP status and a body naming the bad parameter), plain
+Python, shared by the engine thread and the protocol."""
 
 from __future__ import annotations
 

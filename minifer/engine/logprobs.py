@@ -1,17 +1,9 @@
 """Log-probabilities of tokens under the model: what OpenAI's ``logprobs`` fields report.
 
-A token's logprob is the log-softmax of the model's raw next-token logits (the tokenizer's
-vocabulary only: padded entries are -inf), taken before temperature, top-k/top-p, penalties,
-``logit_bias`` or ``min_tokens`` shape the distribution that is sampled — the model's own
-belief, as vLLM reports it by default. So a greedy token is always the top-1 alternative, and
-``exp(logprob)`` is the probability the model gave it.
-
-- `token_logprobs`: the sampled tokens of one engine step (called by `LLMEngine.step` for the
-  requests that asked, from the logits it already has);
-- `prompt_logprobs`: every prompt token given the ones before it (OpenAI's ``echo`` with
-  ``logprobs``), one extra forward pass over the prompt; the first token has none.
-
-Torch only: no web stack.
+A token's logprob is the log-softmax of the model's raw logits over the tokenizer's vocabulary,
+before any sampling option shapes them: the model's own belief, as vLLM reports it by default.
+`token_logprobs` scores one engine step's sampled tokens; `prompt_logprobs` every prompt token
+but the first (OpenAI's ``echo`` with ``logprobs``), in one extra forward pass.
 """
 
 from __future__ import annotations
@@ -38,10 +30,8 @@ class TokenLogprob:
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], num_top: Sequence[int],
                    vocab: int | None = None) -> list[TokenLogprob]:
-    """Row ``i`` of ``logits (B, V)`` scored at ``tokens[i]``, with ``num_top[i]`` alternatives.
-
-    One device→host copy for the whole batch. `vocab`: leading entries that are real tokens
-    (the rest is padding, -inf)."""
+    """Row ``i`` of ``logits (B, V)`` scored at ``tokens[i]``, with ``num_top[i]`` alternatives,
+    in one device→host copy. `vocab`: leading entries that are real tokens (the rest -inf)."""
     if logits.dim() != 2 or logits.shape[0] != len(tokens) or len(tokens) != len(num_top):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(tokens)} tokens")
     lg = logits.float()

@@ -1,26 +1,13 @@
 """Per-request serving metrics and run summaries, with the definitions of vLLM's serving benchmark.
 
 One :class:`RequestMetrics` per request holds timestamps on one clock (``time.perf_counter()``)
-and derives the numbers a serving benchmark reports:
+and derives queue time, TTFT (first token − arrival, queueing *included*: a user does not care
+why it waited), ITL (the gaps between tokens), E2EL and TPOT ((E2EL − TTFT) / (tokens − 1)).
 
-* **queue time** = first scheduled − arrival: how long the request waited before any step ran it;
-* **TTFT** (time to first token) = first token − arrival. It *includes* the queue time: a user
-  does not care whether the server was busy or the prompt was long;
-* **ITL** (inter-token latencies) = the gaps between successive output tokens, one fewer than
-  the tokens;
-* **E2EL** (end-to-end latency) = finish (else the last token) − arrival;
-* **TPOT** (time per output token, first excluded) = (E2EL − TTFT) / (output tokens − 1): the
-  mean gap a user saw once the stream had started; undefined (nan) with fewer than two tokens.
-
-:func:`summarize` turns a run's metrics into mean / median / p99 of each, request and
-output-token throughput over the run's duration, and **goodput**: requests per second that met
-every latency target (SLO) given. As in vLLM's benchmark, TPOT and ITL statistics pool only the
-requests (gaps) that have them, a request with a single token meets any TPOT target, and
-aborted or unfinished requests are not "completed": they count in no statistic.
-
-Percentiles interpolate linearly between the two nearest ranks (numpy's default method,
-Hyndman & Fan's type 7, which vLLM's ``np.percentile`` uses): the p-th percentile of ``n``
-sorted values sits at position ``(n − 1) · p / 100``.
+:func:`summarize` turns a run's metrics into mean / median / p99 of each, throughputs, and
+**goodput**: requests per second that met every latency target (SLO) given. As in vLLM's
+benchmark, TPOT and ITL pool only the requests (gaps) that have them, and aborted or unfinished
+requests count in no statistic. Percentiles are numpy's default (linear between nearest ranks).
 """
 
 from __future__ import annotations
@@ -93,9 +80,8 @@ class RequestMetrics:
     @property
     def queue_time(self) -> float:
         """First scheduled − arrival (nan if never scheduled)."""
-        if self.first_scheduled_time is None:
-            return NAN
-        return self.first_scheduled_time - self.arrival_time
+        first = self.first_scheduled_time
+        return NAN if first is None else first - self.arrival_time
 
     @property
     def ttft(self) -> float:
@@ -126,10 +112,8 @@ class RequestMetrics:
         return [b - a for a, b in zip(t, t[1:])]
 
     def meets(self, slo: dict[str, float]) -> bool:
-        """Whether every latency named in ``slo`` (seconds) is within its target.
-
-        A request with one output token has no TPOT and meets any TPOT target (vLLM's rule).
-        """
+        """Whether every latency named in ``slo`` (seconds) is within its target (one output
+        token has no TPOT and meets any TPOT target, vLLM's rule)."""
         for key, limit in _check_slo(slo).items():
             if key == "tpot" and self.output_tokens < 2:
                 continue
@@ -151,8 +135,7 @@ def _check_slo(slo: dict[str, float] | None) -> dict[str, float]:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0 ≤ q ≤ 100) of ``values``, interpolating linearly between the
-    two nearest ranks (numpy's default method); nan for no values."""
+    """The ``q``-th percentile (0 ≤ q ≤ 100) of ``values`` as numpy's default; nan for none."""
     check_number("q", q, ge=0, le=100)
     xs = sorted(values)
     if not xs:
@@ -171,18 +154,10 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
 
 def summarize(metrics: Iterable[RequestMetrics], duration_s: float,
               slo: dict[str, float] | None = None) -> dict:
-    """A run's summary over ``duration_s`` seconds of wall clock (first arrival to last finish,
-    say). Returned keys:
-
-    * ``"completed"``, ``"aborted"``, ``"unfinished"``: request counts;
-    * ``"input_tokens"``, ``"output_tokens"``: totals over completed requests;
-    * ``"request_throughput"`` (requests/s), ``"output_throughput"`` (output tokens/s for the
-      whole server, not per user), ``"total_token_throughput"`` (prompt + output tokens/s);
-    * one dict per latency in :data:`LATENCIES` with ``"mean"``, ``"median"``, ``"p99"``
-      (seconds; ITL pools every gap of every completed request);
-    * with ``slo`` (seconds, keys among :data:`SLO_KEYS`): ``"good"`` (requests that met every
-      target) and ``"goodput"`` (good requests/s).
-    """
+    """A run's summary over ``duration_s`` seconds of wall clock: request counts, token totals
+    over completed requests, throughputs (per second, for the whole server), ``{"mean",
+    "median", "p99"}`` per latency in :data:`LATENCIES`, and with ``slo`` (keys among
+    :data:`SLO_KEYS`) ``"good"`` and ``"goodput"`` (good requests/s)."""
     check_number("duration_s", duration_s, gt=0, why=" of seconds")
     slo = _check_slo(slo)
     metrics = list(metrics)

@@ -1,15 +1,12 @@
 """What `LLMEngine.add_request` takes beyond a prompt and `SamplingParams`, checked, and the two
 things those options do inside a step.
 
-- ``priority``: an integer of at most ``PRIORITY_LIMIT`` = 2**53 either way, so the scheduler's
-  float arithmetic on it (``priority - aging * steps``) is exact and can never overflow;
-- ``logprobs``: report each sampled token's logprob and that many alternatives (0–20; see
-  `minifer.engine.logprobs`) — `record_logprobs` scores a step's sampled tokens;
-- ``min_tokens``: the end-of-sequence token is not sampled before that many tokens
-  (`ban_early_eos`), and stop strings count only in the text after them (`Sequence.min_tokens`).
+- ``priority``: at most ``PRIORITY_LIMIT`` = 2**53 either way (the scheduler's float arithmetic
+  stays exact);
+- ``logprobs``: each sampled token's logprob and that many alternatives (`record_logprobs`);
+- ``min_tokens``: no end-of-sequence token before that many tokens (`ban_early_eos`).
 
-A prompt must be one prompt: text, a list of token ids or a 1-D tensor — a bare integer or a 0-d
-tensor is not silently taken as a one-token prompt.
+A prompt is text, a list of token ids or a 1-D tensor (not a bare integer).
 """
 
 from __future__ import annotations
@@ -49,9 +46,8 @@ def prepare_request(model, tokenizer, prompt, params: SamplingParams | None, *,
                     priority: int = 0, arrival_time: float | None = None,
                     request_id: str | None = None, logprobs: int | None = None,
                     min_tokens: int = 0):
-    """The one check of a request, for every front (`LLMEngine`, `DisaggregatedEngine`): its
-    `Sequence` and the vocabulary it may sample from, or a ValueError naming what is wrong.
-    `sequence.prepare`'s checks of one prompt; the front checked `model` once (`check_model`)."""
+    """The one check of a request, for every front: its `Sequence` and the vocabulary it may
+    sample from, or a ValueError naming what is wrong (`model` is checked once by the front)."""
     check_request(prompt, priority)
     if arrival_time is not None:
         check_number("arrival_time", arrival_time, finite=True,

@@ -1,9 +1,7 @@
 """One request inside the serving engine, and what `LLMEngine.step` reports about it.
 
-A `Request` wraps the `minifer.sequence.Sequence` that every generation loop uses (prompt,
-tokens so far, incremental text, stop strings, finish reason) and adds what a scheduler needs:
-an id, a priority, a status, how many of its tokens already have K/V in the cache
-(`num_computed`), its own random generator, and its serving metrics.
+A `Request` wraps the `Sequence` every generation loop uses and adds what a scheduler needs: id,
+priority, status, `num_computed`, its own random generator and its metrics.
 """
 
 from __future__ import annotations
@@ -28,11 +26,8 @@ class Status(enum.Enum):
 
 @dataclass
 class RequestOutput:
-    """A request's state after one engine step (vLLM's `RequestOutput`, flattened).
-
-    `token_ids` and `text` are everything generated so far; `delta` is the text this step
-    released (stop strings and incomplete characters are held back until certain).
-    """
+    """A request's state after one engine step (vLLM's `RequestOutput`, flattened): `token_ids`
+    and `text` so far, `delta` the text this step released (held back until certain)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -47,13 +42,9 @@ class RequestOutput:
 
 
 class Request:
-    """A `Sequence` plus its place in the scheduler.
-
-    ``tokens`` (prompt + generated) is what the model has to have seen; ``num_computed`` of them
-    have K/V in the cache. A request is due a forward pass over ``tokens[num_computed:]`` — the
-    whole prompt at first, one token per decode step, everything again after a preemption —
-    and samples its next token once ``num_computed == len(tokens)``.
-    """
+    """A `Sequence` plus its place in the scheduler: ``num_computed`` of its ``tokens`` (prompt +
+    generated) have K/V in the cache; it is due a pass over the rest (the prompt, one decode
+    token, or everything after a preemption) and samples once none are left."""
 
     num_logprobs: int | None = None  # alternatives to report per token (None: no logprobs)
     logprobs: list | None = None  # the TokenLogprob of each generated token so far

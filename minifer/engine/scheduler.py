@@ -1,34 +1,18 @@
 """Which requests run in the next engine step, and how many of their tokens.
 
-Every step has a token budget (`max_num_batched_tokens`: tokens fed to the model in this step,
-prompt chunks and decode tokens together) and a sequence limit (`max_num_seqs`). Requests wait
-in `waiting` until admitted into `running`, which holds their KV blocks.
+Every step has a token budget (`max_num_batched_tokens`, prompt chunks and decode tokens
+together) and a sequence limit (`max_num_seqs`). Requests wait in `waiting` until admitted into
+`running`, which holds their KV blocks.
 
-Policies (claims BATCH-4, BATCH-5):
-
-- ``"continuous"``: iteration-level batching. A finished request leaves at once and waiting ones
-  join at every step, so the batch stays full.
-- ``"static"``: the baseline. A group of up to `max_num_seqs` requests is formed when nothing is
-  running, and no one else joins until the whole group has finished: short requests wait for the
-  longest, and new arrivals wait for the group.
-
-**Chunked prefill** (BATCH-8): a prompt longer than what is left of the budget is fed in chunks
-over several steps, while the running requests keep decoding in the same steps; without it a
-prompt goes in whole and must fit the budget.
-
-**Preemption**: when a running request needs a new block and none is free, the least important
-running request (lowest priority, then latest arrival) gives up all its blocks and goes back to
-waiting; when readmitted it recomputes prompt + generated-so-far in a prefill (vLLM's
-*recompute* mode), keeping the tokens it already produced.
-
-**After the step** (`postprocess`): each scheduled request's cached-token count moves on by
-the tokens it fed, full blocks are named for prefix caching, the sampled tokens are appended,
-and requests that reached a stop condition leave and free their blocks.
-
-**Priorities** (BATCH-9): lower value = served first (vLLM's convention), ties by arrival.
-Strict priority can starve low priority forever under a steady stream of important requests;
-``aging > 0`` lowers a waiting request's effective priority value by `aging` per step it waits,
-so every request eventually reaches the front.
+- ``"continuous"`` (BATCH-4, BATCH-5): a finished request leaves at once and waiting ones join
+  at every step. ``"static"``, the baseline: a group is formed when nothing runs, and no one
+  joins until the whole group has finished.
+- **Chunked prefill** (BATCH-8): a prompt longer than the budget left is fed over several steps
+  while the running requests keep decoding.
+- **Preemption**: when no block is free, the least important running request gives up its
+  blocks and recomputes its tokens when readmitted (vLLM's *recompute* mode).
+- **Priorities** (BATCH-9): lower value = served first, ties by arrival; ``aging > 0`` lowers a
+  waiting request's value by `aging` per step, so low priority is never starved.
 """
 
 from __future__ import annotations
@@ -116,15 +100,10 @@ class Scheduler:
     def add_prefilled(self, req: Request, first_token: int, now: float
                       ) -> tuple[int, RequestOutput] | None:
         """Admit `req` straight into `running`: its prompt's K/V were computed elsewhere and
-        `first_token` was sampled there at `now` (disaggregated serving, `serve.handoff`).
-
-        Allocates blocks for the prompt and the first token, records the token as `postprocess`
-        records any, and returns how many leading prompt tokens were already in this pool's
-        prefix cache (their K/V need not be written) with the request's output; or None,
-        changing nothing, when the request does not fit now (`can_admit`). The caller writes
-        the K/V of the other prompt tokens into the block table before the next step, which
-        feeds the first token as a decode step. Preempted later, the request recomputes here.
-        """
+        `first_token` sampled there at `now` (disaggregated serving). Returns how many leading
+        prompt tokens this pool's prefix cache already held (the caller writes the others' K/V
+        before the next step) and the request's output; None, changing nothing, when it does
+        not fit now."""
         if self.policy != "continuous":
             raise ValueError("add_prefilled needs the continuous policy (a static group would "
                              "not admit a request mid-group)")
@@ -221,9 +200,8 @@ class Scheduler:
 
     def postprocess(self, out: SchedulerOutput, tokens: Sequence[int | Exception],
                     now: float | None = None) -> list[RequestOutput]:
-        """Record a step: `tokens` holds one sampled token (or the exception sampling it
-        raised) per chunk of ``out.due``; returns an output for each of those requests. `now`
-        (default: ``time.perf_counter()``) stamps the tokens: a simulator's own clock."""
+        """Record a step: one sampled token (or the exception sampling raised) per chunk of
+        ``out.due``, an output for each; `now` (default ``time.perf_counter()``) stamps them."""
         for c in out.chunks:
             req = c.request
             req.num_computed = c.start + c.num_new
@@ -265,8 +243,7 @@ class Scheduler:
         return req.output("")
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Move waiting requests into `running`, most important first, while seats, blocks and
-        `budget` last."""
+        """Admit waiting requests, most important first, while seats, blocks and `budget` last."""
         candidates = sorted(self.waiting, key=self.rank)
         if self.policy == "static":
             candidates = self._static_group(candidates)

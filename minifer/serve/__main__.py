@@ -52,14 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads for the engine's steps, or 'auto' (the default): "
                         "the cores other programs leave free, followed as they change")
     p.add_argument("--engine-in", choices=ENGINES, default="process",
-                   help="where the engine steps: 'process' (default: a process of its own, "
-                        "the weights shared with it; a thread where it cannot start) or "
-                        "'thread' (a thread of the server's process)")
+                   help="where the engine steps: 'process' (default: a process of its own; a "
+                        "thread where it cannot start) or 'thread' (the server's process)")
     p.add_argument("--engine-replicas", type=int, default=1, metavar="N",
                    help="engine processes, each with its share of --max-num-seqs and of the "
-                        "KV pool (default: 1); on a machine whose cores are shared with other "
-                        "work, N single-threaded replicas keep going where one engine's "
-                        "threads wait for each other (vLLM: --data-parallel-size)")
+                        "KV pool (vLLM: --data-parallel-size)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -105,8 +102,8 @@ def _limit_options(lim) -> None:
 
 
 def api_key(flag: str | None) -> str | None:
-    """The key from ``--api-key``, else from ``$MINIFER_API_KEY``, else None (no key). An empty
-    or blank key is a ValueError: ``--api-key "$UNSET"`` must not turn authentication off."""
+    """The key from ``--api-key``, else ``$MINIFER_API_KEY``, else None; a blank key is a
+    ValueError (``--api-key "$UNSET"`` must not turn authentication off)."""
     for where, key in (("--api-key", flag), (f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV))):
         if key is None:
             continue
@@ -118,8 +115,7 @@ def api_key(flag: str | None) -> str | None:
 
 
 def server_options(args: argparse.Namespace) -> dict:
-    """`create_app`'s options from the command line (the API key from the environment too).
-    ValueError for an empty API key."""
+    """`create_app`'s options from the command line (ValueError for an empty API key)."""
     from .api import LOOPBACK_HOSTS
 
     hosts = args.allowed_hosts

@@ -1,43 +1,12 @@
 """An OpenAI-compatible HTTP server on the serving engine (FastAPI + uvicorn, as vLLM uses).
 
-Endpoints:
-
-- ``POST /v1/completions`` — OpenAI's completions API, and ``POST /v1/chat/completions`` — its
-  chat API (messages rendered by the chat template of `minifer.play_chat`), answered whole or
-  streamed as server-sent events (``data: {...}`` per token, then ``data: [DONE]``); the fields
-  are in `protocol` (requests), `replies` and `schema` (answers) and at ``/openapi.json`` (``/docs`` shows it);
-- ``GET /v1/models`` (and ``/v1/models/{id}``) — the one served model; ``GET /health`` — 200
-  while the engine loop runs;
-- ``GET /metrics`` — Prometheus text: running and waiting requests, KV blocks used, prefix-cache
-  hit rate, TTFT / TPOT / E2EL histograms, token and request counters.
-
-A request's path (claim REQ-1): the body is checked against its schema (bad input → 400 naming
-the parameter), the prompt is tokenized with the engine's own checks (a list of prompts: each
-its own choice, all added at once), and the `AsyncEngine` thread adds it to the engine and runs
-``engine.step()`` while anything is unfinished; each step's `RequestOutput` reaches the
-handler's queue and leaves as an SSE chunk at once. At the end the server reports usage and the
-engine frees the request's KV blocks (REQ-3). Limits (MET-5): the context window (a text prompt
-too long to fit whatever its tokens is refused before it is tokenized), ``max_tokens``, a
-per-request timeout, a bounded waiting queue (429 with ``Retry-After`` past it); a client that
-disconnects — streaming or not — aborts its request, which frees its blocks.
-
-Guards (`minifer.serve.guard`, before any route): the ``Host`` header, the API key, JSON
-bodies, size and time limits on the headers and the body, at most `max_connections`
-connections at once (503; one that never passed the guard gives way to a new one). Every error
-— a bad request or a bug — is one OpenAI-style JSON body, counted in
-``minifer_request_rejected_total`` by status.
-
-Shutdown (SIGTERM, Ctrl-C; `make_server`): no new connections, the requests in flight have
-``shutdown_grace_s`` (``--shutdown-grace``) to finish, then each open stream ends with an error
-event and ``[DONE]``.
-
-The routes, one function per endpoint, are in `minifer.serve.routes`; `create_app` checks its
-options, builds the engine loop and the app, and puts what the routes read on ``app.state``.
-
-From Python or a notebook, `running_server` starts the server in a background thread on a free
-loopback port and always stops it. From a shell: ``python -m minifer.serve --model shakespeare``.
-FastAPI, uvicorn and prometheus_client (the ``serve`` extra) are imported only when a server is
-built, so ``import minifer`` never needs them.
+The routes (`minifer.serve.routes`): completions and chat, whole or streamed as server-sent
+events, models, health and Prometheus metrics (the fields at ``/openapi.json``). A request's
+path (claim REQ-1): the body is checked (400 naming the parameter), the `AsyncEngine` thread
+adds it and steps, each step's output leaves at once, and the KV blocks are freed at the end or
+when the client leaves (REQ-3). Limits (MET-5) and guards (`minifer.serve.guard`) come before
+any route; shutdown (`make_server`) drains. `running_server` serves from Python; FastAPI and
+uvicorn are imported only when a server is built.
 """
 
 from __future__ import annotations
@@ -84,20 +53,15 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     """A FastAPI app serving `engine` (an `LLMEngine`) as model `model_name`.
 
     Limits (claim MET-5): `max_model_len` (prompt + max_tokens - 1; default: what the engine can
-    ever hold), `max_tokens` (default: `max_model_len`), `request_timeout_s` per request (from
-    its arrival, reading the body included), `max_waiting` requests waiting for their first step
-    (past it: 429). Guards: `api_key` (``Authorization: Bearer``; None: none), `allowed_hosts`
-    (``Host`` names; None or ``["*"]``: any — for a server bound to a network address),
+    hold), `max_tokens` (default: `max_model_len`), `request_timeout_s` per request from its
+    arrival, `max_waiting` requests waiting for their first step (past it: 429). Guards:
+    `api_key` (``Authorization: Bearer``), `allowed_hosts` (None or ``["*"]``: any),
     `read_timeout_s`, `max_body_bytes`, `max_header_bytes`. `scheduling_policy`: ``"fcfs"``
-    refuses a non-zero ``priority``, ``"priority"`` passes it to the engine. `model_root`: what
-    ``/v1/models`` reports as the model's source (default: `model_name`). `threads`: torch's CPU
-    threads for the engine's steps (`AsyncEngine`: None, a number, or ``"auto"``, which follows
-    the cores other programs leave free). `engine_in`: where the engine steps, ``"thread"``
-    (`AsyncEngine`, a thread of this process) or ``"process"`` (`EngineProcess`, a process of
-    its own, built from `engine`'s model and options, or in a thread after a warning where that
-    process cannot start). It starts and stops with the app (its lifespan). `replicas` (with
-    ``engine_in="process"``): that many engine processes, each with its share of
-    ``max_num_seqs`` and of the KV pool (`EngineReplicas`; one process where they cannot start)."""
+    refuses a non-zero ``priority``. `model_root`: the model's source in ``/v1/models``.
+    `threads`: torch's CPU threads for the steps (None, a number or ``"auto"``). `engine_in`:
+    where the engine steps, ``"thread"`` (`AsyncEngine`) or ``"process"`` (`EngineProcess`; a
+    thread, after a warning, where it cannot start), for the app's lifespan. `replicas`: that
+    many engine processes sharing ``max_num_seqs`` and the KV pool (`EngineReplicas`)."""
     from fastapi import FastAPI
 
     from . import routes
@@ -218,8 +182,7 @@ def _bound_ints(schema: Any, maximum: int) -> None:
 def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int,
                           priorities: bool) -> None:
     """The schema of this server: its model name, ``max_tokens`` limit, vocabulary and (first
-    come, first served) ``priority`` 0 in the bodies, and without FastAPI's default 422
-    (validation errors are 400s here)."""
+    come, first served) ``priority`` 0 in the bodies, without FastAPI's 422 (400s here)."""
     original = app.openapi
 
     def openapi():
@@ -254,9 +217,8 @@ def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int
 # ---- in-process server ---------------------------------------------------------------------
 def server_config(app, *, max_connections: int = MAX_CONNECTIONS, log_level: str = "warning",
                   shutdown_grace_s: float = SHUTDOWN_GRACE_S, **kwargs):
-    """The `uvicorn.Config` for `app`: the h11 protocol with the app's header deadline and size
-    limit, at most `max_connections` connections, a graceful shutdown of `shutdown_grace_s`
-    (see `make_server`). `kwargs`: more uvicorn options (``host``, ``port``, ...)."""
+    """The `uvicorn.Config` for `app`: `h11_protocol`, at most `max_connections` connections, a
+    graceful shutdown of `shutdown_grace_s`; `kwargs`: more uvicorn options (``host``, ...)."""
     import uvicorn
 
     check_int("max_connections", max_connections, 1)
@@ -270,10 +232,9 @@ def server_config(app, *, max_connections: int = MAX_CONNECTIONS, log_level: str
 
 def make_server(config):
     """A `uvicorn.Server` for `config` whose shutdown (SIGTERM, Ctrl-C, ``should_exit``) drains:
-    no new connections, and the requests in flight have the grace period
-    (``config.timeout_graceful_shutdown``) to finish; a moment before it ends, each open
-    stream gets an error event and ``[DONE]`` and each waiting answer a 503, so that no client
-    sees its connection simply cut."""
+    no new connections, the requests in flight have ``timeout_graceful_shutdown`` to finish,
+    and a moment before it ends each open stream gets an error event and ``[DONE]`` and each
+    waiting answer a 503: no client sees its connection simply cut."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -308,11 +269,9 @@ def running_server(model=None, tokenizer=None, *, engine: Any = None,
                    shutdown_grace_s: float = SHUTDOWN_GRACE_S, **options) -> Iterator[str]:
     """Serve in a background thread; yields the base URL (``http://127.0.0.1:PORT``).
 
-    Give a model (and tokenizer) plus `LLMEngine` options, or a ready `engine` (to look at its
-    scheduler and blocks afterwards). Server options (`create_app`'s: ``max_waiting``,
-    ``api_key``, ``scheduling_policy``, ...) go to the app, the rest to `LLMEngine`. ``port=0``
-    picks a free port. The server is always stopped when the block ends, even if it raised
-(requests in flight have `shutdown_grace_s` to finish)::
+    Give a model (and tokenizer) plus `LLMEngine` options, or a ready `engine`. `create_app`'s
+    options go to the app, the rest to `LLMEngine`. ``port=0`` picks a free port. The server is
+    always stopped when the block ends::
 
         with running_server(model, tok, model_name="shakespeare", max_num_seqs=8) as url:
             httpx.post(f"{url}/v1/completions", json={"model": "shakespeare", "prompt": "ROMEO:"})

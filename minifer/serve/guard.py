@@ -1,16 +1,11 @@
 """What stands between the network and the server's routes.
 
-`Guard` is plain ASGI middleware around the whole app: the ``Host`` header must name this
-machine (loopback binds; stops DNS rebinding), an ``Authorization: Bearer`` key when the server
-has one (every route but ``/health``), POST bodies must be JSON (415 otherwise: a web page
-cannot post to the server without a CORS preflight, which it does not answer), at most
-`MAX_BODY_BYTES` (413) arriving within `READ_TIMEOUT_S` (408), headers of at most
-`MAX_HEADER_BYTES` (431). Any exception a route raises becomes one OpenAI-style JSON 500 and
-the connection stays usable, unless part of the request's body is still unread: then the
-response says ``connection: close`` and the server closes the connection (the rest of the body
-would otherwise keep it open). Every error response is counted by status. `h11_protocol` gives
-uvicorn's HTTP protocol a deadline for each request's headers and for the whole request, and
-keeps connections that passed the guard from being crowded out by ones that did not.
+`Guard`, ASGI middleware around the whole app, checks the ``Host`` header (stops DNS
+rebinding), the ``Authorization: Bearer`` key (every route but ``/health``), that POST bodies
+are JSON (415: a web page cannot post without a CORS preflight), at most `MAX_BODY_BYTES` (413)
+within `READ_TIMEOUT_S` (408), headers of at most `MAX_HEADER_BYTES` (431). A route's exception
+becomes one JSON 500 (``connection: close`` if part of the body is unread). Every error is
+counted by status. `h11_protocol` keeps slow clients from holding connections.
 """
 
 from __future__ import annotations
@@ -72,9 +67,8 @@ def _host_allowed(host: str | None, allowed: frozenset[str]) -> bool:
 
 
 class Guard:
-    """Pure ASGI middleware around the whole app (see the module docstring): the guards, a
-    deadline and a size limit on reading the body, one JSON 500 for any unexpected exception,
-    and the count of every error response by status."""
+    """Pure ASGI middleware around the whole app: the guards, the body's deadline and size
+    limit, one JSON 500 for any unexpected exception, every error counted by status."""
 
     BODY_METHODS = ("POST", "PUT", "PATCH")
 
@@ -206,19 +200,13 @@ def _body_too_large(limit: int) -> APIError:
 def h11_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES):
     """uvicorn's h11 protocol, plus what stops slow clients from holding connections:
 
-    - a deadline for each request's headers: a connection that sends nothing, or trickles its
-      headers, is answered 408 and closed after `header_timeout_s` (uvicorn itself only times
-      out idle keep-alive connections, and each byte restarts that timer);
-    - a total deadline for the whole request, body included, of twice that from its first
-      byte, which trickling cannot extend (`Guard` answers a slow body 408 before it);
-    - at the connection limit (uvicorn's ``limit_concurrency``), a new connection evicts the
-      oldest one still sending its first request's headers that never passed the guard (the
-      API key): connections that authenticated are never crowded out by ones that did not.
+    - a deadline for each request's headers (`header_timeout_s`, 408; uvicorn's own timer
+      restarts with each byte), and one of twice that for the whole request, body included;
+    - at the connection limit, a new connection evicts the oldest one still sending headers
+      that never passed the guard: authenticated connections are never crowded out.
 
-    Headers that outgrow h11's buffer (`max_header_bytes`, uvicorn's
-    ``h11_max_incomplete_event_size``) before they end are answered with the same JSON 431 as
-    `Guard` gives: which of the two sees them depends on how the bytes arrive (one read of the
-    whole request, or several). The methods are `SlowClients`'."""
+    Headers that outgrow h11's buffer (`max_header_bytes`) get the same JSON 431 as `Guard`
+    gives. The methods are `SlowClients`'."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -227,9 +215,8 @@ def h11_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYT
 
 
 class SlowClients:
-    """`h11_protocol`'s methods, a mixin before uvicorn's ``H11Protocol`` (which is imported
-    only when a server is built): the deadlines, the eviction, the JSON 431. `h11_protocol`
-    sets ``h11`` (the module), ``header_timeout_s`` and ``max_header_bytes``."""
+    """`h11_protocol`'s methods, a mixin before uvicorn's ``H11Protocol``; `h11_protocol` sets
+    ``h11`` (the module), ``header_timeout_s`` and ``max_header_bytes``."""
 
     _header_timer = None
     _request_timer = None

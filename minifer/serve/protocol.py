@@ -1,32 +1,13 @@
-"""The OpenAI protocol: request bodies checked into engine requests, replies shaped.
+"""The OpenAI protocol's requests: bodies checked into engine requests (no HTTP here).
 
-**Requests.** Each body is a Pydantic model (`CompletionBody` for ``POST /v1/completions``,
-`ChatCompletionBody` for ``POST /v1/chat/completions``): strict types (``"5"`` is not a number,
-``1`` is not ``true``), every number bounded and finite, unknown fields refused. The same models
-make the server's OpenAPI schema, so what the schema documents is exactly what is accepted.
-`parse_completion_request` / `parse_chat_request` then apply what depends on the server (the
-model name, its context window and ``max_tokens`` limit, the tokenizer, whether priorities are
-on) and return a `CompletionRequest`: prompt ids, `SamplingParams` and how to answer. Every
-refusal is an `APIError` (400) whose OpenAI-style body names the parameter and what is allowed.
-
-Integers may be written as integral numbers (``16.0``), as JSON Schema counts them.
-
-Fields follow OpenAI's APIs: ``model``, ``prompt`` (text or token ids, or a list of them: each
-its own choice) or ``messages``, ``max_tokens`` (completions: default 16; chat: default what the context has
-left; chat also takes ``max_completion_tokens``), ``temperature`` (default 1), ``top_p``,
-``stop`` (up to 4 strings), ``seed``, ``stream``, ``stream_options.include_usage``,
-``logprobs`` (completions: how many alternatives per token, 0–20; chat: true/false plus
-``top_logprobs`` 0–20), ``echo`` (completions: the prompt comes back before the completion, with
-its logprobs if asked), ``logit_bias`` (token id → −100…100), ``n`` (only 1), ``user``.
-Extensions, as vLLM names them: ``top_k``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``priority`` (lower = served first; only when the server schedules by priority).
-OpenAI fields we do not implement are refused at anything but their neutral value, rather than
-silently ignored.
-
-The replies are shaped in `minifer.serve.replies`; their OpenAPI models are in
-`minifer.serve.schema`.
-
-Needs pydantic (the ``serve`` extra, with FastAPI); nothing here knows about HTTP.
+Each body is a Pydantic model (`CompletionBody`, `ChatCompletionBody`): strict types (``"5"`` is
+not a number, ``1`` not ``true``; ``16.0`` is an integer, as JSON Schema counts), every number
+bounded, unknown fields refused, OpenAI fields not implemented refused at anything but their
+neutral value. The same models make the OpenAPI schema, so it documents exactly what is
+accepted. `parse_completion_request` / `parse_chat_request` then apply what depends on the
+server (model name, context window, ``max_tokens`` limit, tokenizer, priorities) and return a
+`CompletionRequest`. Every refusal is an `APIError` (400) naming the parameter and what is
+allowed. Replies are shaped in `minifer.serve.replies`.
 """
 
 from __future__ import annotations
@@ -64,8 +45,7 @@ def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
 
 @dataclass(frozen=True)
 class Limits:
-    """What the server accepts (claim MET-5): the context window, the most output tokens a
-    request may ask for, and how long a request may run before it is aborted."""
+    """What the server accepts (claim MET-5): context window, output tokens, time per request."""
 
     max_model_len: int
     max_tokens: int
@@ -79,10 +59,8 @@ class Limits:
 
 @dataclass
 class CompletionRequest:
-    """A checked request: what the engine needs, and how to answer.
-
-    `kind`: ``"text"`` (completions) or ``"chat"``; `logprobs`: alternatives per token (None:
-    no logprobs); `echo`: the prompt (`prompt_text`, and its logprobs) comes back first."""
+    """A checked request: what the engine needs, and how to answer. `kind`: ``"text"`` or
+    ``"chat"``; `logprobs`: alternatives per token (None: none); `echo`: the prompt first."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -334,10 +312,8 @@ def _validate(cls: type[BaseModel], body: Any) -> Any:
 
 # ---- server-dependent checks ---------------------------------------------------------------
 class _SpecialTokens:
-    """`tokenizer` whose ``encode`` recognises special tokens in text (``<|endoftext|>``), as
-    the Hugging Face tokenizer and vLLM do; a tokenizer without the option encodes as it does.
-    Its `bos_token_id` is the tokenizer's for a plain prompt, None for a rendered chat (whose
-    template writes its own BOS): `minifer.tokenizer.encode_prompt` reads it."""
+    """`tokenizer` whose ``encode`` recognises special tokens in text, as vLLM does (where the
+    tokenizer has the option); `bos_token_id` is None for a rendered chat (its own BOS)."""
 
     def __init__(self, tokenizer, *, bos: bool) -> None:
         self.tok = tokenizer
@@ -360,8 +336,8 @@ def _too_long(param: str, chars: int, most: int, limits: Limits) -> APIError:
 
 def _encode(text: str, tokenizer, vocab_size: int, param: str, limits: Limits, *,
             bos: bool = True) -> list[int]:
-    """Text to ids through `minifer.sequence.encode_prompts`: the engine's own checks. A text
-    too long to fit the context window whatever its tokens is refused before tokenizing."""
+    """Text to ids through the engine's `encode_prompts`; a text too long for the context
+    window whatever its tokens is refused before tokenizing."""
     if tokenizer is None:
         raise _bad(param, "this server has no tokenizer: send token ids (a list of integers)")
     most = getattr(tokenizer, "max_token_chars", None)
@@ -421,18 +397,15 @@ def _check_length(ids: list[int], max_tokens: int, limits: Limits, param: str,
 
 
 def _sampling(b: _Sampling, max_tokens: int, stop: list[str],
-              priorities: bool) -> tuple[SamplingParams, int, int]:
-    """`SamplingParams`, priority and min_tokens from the shared fields. What the engine checks
-    (stop strings without a tokenizer, min_tokens past max_tokens, logit_bias ids past the
-    vocabulary) it checks when the request is added: `engine.async_engine.add_failure` turns
-    its ValueError into a 400 naming the parameter."""
+              priorities: bool) -> tuple[SamplingParams, dict]:
+    """`SamplingParams` and `CompletionRequest`'s other shared fields (what the engine checks is
+    left to it: `add_failure` turns its ValueError into a 400 naming the parameter)."""
     if b.stream_options is not None and not b.stream:
         raise _bad("stream_options", "only allowed when stream is true")
     priority = b.priority or 0
     if priority and not priorities:
         raise _bad("priority", f"{priority} is not honoured: this server schedules first come, "
                    "first served (start it with --scheduling-policy priority)", code="unsupported")
-    min_tokens = b.min_tokens or 0
     bias = {int(key): value for key, value in (b.logit_bias or {}).items()}
     top_k = 0 if b.top_k in (None, -1) else b.top_k  # vLLM: -1 = off
     params = SamplingParams(
@@ -441,7 +414,9 @@ def _sampling(b: _Sampling, max_tokens: int, stop: list[str],
         repetition_penalty=1.0 if b.repetition_penalty is None else float(b.repetition_penalty),
         max_new_tokens=max_tokens, stop=tuple(stop), seed=b.seed,
         ignore_eos=bool(b.ignore_eos), logit_bias=bias)
-    return params, priority, min_tokens
+    include_usage = bool(b.stream_options and b.stream_options.include_usage)
+    return params, dict(stream=bool(b.stream), include_usage=include_usage, priority=priority,
+                        model=b.model, min_tokens=b.min_tokens or 0)
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -451,10 +426,8 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 def parse_completion_requests(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
                               vocab_size: int, priorities: bool = False
                               ) -> list[CompletionRequest]:
-    """Check a ``/v1/completions`` body (a dict or a `CompletionBody`): one request per prompt
-    (a list of prompts is a batch, each its own choice), sharing the answer's id. Raise
-    `APIError` (400) naming the bad parameter. `priorities`: whether the server honours
-    ``priority``."""
+    """Check a ``/v1/completions`` body (a dict or a `CompletionBody`): one request per prompt,
+    sharing the answer's id, or an `APIError` (400). `priorities`: ``priority`` honoured."""
     b = _validate(CompletionBody, body)
     _check_model(b.model, model_name)
     prompts = b.prompt
@@ -464,8 +437,7 @@ def parse_completion_requests(body: Any, *, model_name: str, limits: Limits, tok
     score_only = max_tokens == 0
     if score_only and not b.echo:
         raise _bad("max_tokens", "0 is only allowed with echo (to score the prompt)")
-    params, priority, min_tokens = _sampling(b, max(max_tokens, 1), _stops(b.stop), priorities)
-    include_usage = bool(b.stream_options and b.stream_options.include_usage)
+    params, shared = _sampling(b, max(max_tokens, 1), _stops(b.stop), priorities)
     reqs: list[CompletionRequest] = []
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -479,9 +451,8 @@ def parse_completion_requests(body: Any, *, model_name: str, limits: Limits, tok
             raise APIError(err.status, message, param=param, type=err.type,
                            code=err.code) from None
         reqs.append(CompletionRequest(
-            ids, params, stream=bool(b.stream), include_usage=include_usage, priority=priority,
-            model=b.model, logprobs=b.logprobs, echo=bool(b.echo), prompt_text=text,
-            min_tokens=min_tokens, index=i, score_only=score_only,
+            ids, params, logprobs=b.logprobs, echo=bool(b.echo), prompt_text=text, index=i,
+            score_only=score_only, **shared,
             **({"id": reqs[0].id, "created": reqs[0].created} if reqs else {})))
     return reqs
 
@@ -500,9 +471,7 @@ def _message_text(m: ChatMessage) -> str:
 
 def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
                        vocab_size: int, priorities: bool = False) -> CompletionRequest:
-    """Check a ``/v1/chat/completions`` body; render its messages with the tokenizer's chat
-    template (a checkpoint's own, else the play form of `minifer.play_chat`, whose end of turn is
-    always a stop string): `minifer.chat_template.chat_prompt`."""
+    """Check a ``/v1/chat/completions`` body and render its messages (`chat_prompt`)."""
     b = _validate(ChatCompletionBody, body)
     _check_model(b.model, model_name)
     if tokenizer is None:
@@ -522,10 +491,7 @@ def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=
     if b.top_logprobs is not None and not b.logprobs:
         raise _bad("top_logprobs", "only allowed when logprobs is true")
     stop = _stops(b.stop)
-    params, priority, min_tokens = _sampling(b, max_tokens, [*stop, *turn_stops], priorities)
-    include_usage = bool(b.stream_options and b.stream_options.include_usage)
-    return CompletionRequest(ids, params, stream=bool(b.stream), include_usage=include_usage,
-                             priority=priority, model=b.model, kind="chat",
-                             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+    params, shared = _sampling(b, max_tokens, [*stop, *turn_stops], priorities)
+    return CompletionRequest(ids, params, kind="chat", id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
                              logprobs=(b.top_logprobs or 0) if b.logprobs else None,
-                             prompt_text=prompt, min_tokens=min_tokens)
+                             prompt_text=prompt, **shared)

@@ -1,11 +1,6 @@
-"""OpenAI-shaped replies: the JSON bodies of a whole completion or chat answer and of each
-streamed chunk, built from the engine's `RequestOutput`s.
-
-**Replies.** OpenAI's ``finish_reason`` is ``"stop"`` for a natural end (the end-of-sequence
-token or a stop string) and ``"length"`` when ``max_tokens`` ran out. Logprobs are the model's
-own (see `minifer.engine.logprobs`); a token is shown as its text (``token_to_text``), or as
-``token_id:N`` when the server has no tokenizer; -inf is reported as -9999.0 (JSON has no
-infinity).
+"""OpenAI-shaped replies, whole or streamed chunk by chunk, from the engine's `RequestOutput`s:
+``finish_reason`` is ``"stop"`` for EOS or a stop string, ``"length"`` when ``max_tokens`` ran
+out. A token is shown as its text, or ``token_id:N`` without a tokenizer; -inf as -9999.0.
 """
 
 from __future__ import annotations
@@ -221,17 +216,13 @@ class Streamer:
             lp = self.shape.chat(new_ids, entries) if entries is not None else None
             delta = {"content": out.delta} if out.delta or not out.finished else {}
             return chat_chunk_body(req, delta, reason, logprobs=lp)
-        lp = None
-        if entries is not None:
-            lp = self.shape.text(new_ids, entries)
+        lp = self.shape.text(new_ids, entries) if entries is not None else None
         return chunk_body(req, out.delta, reason, logprobs=lp)
 
     def usage(self, completion_tokens: int, prompt_tokens: int | None = None) -> dict:
-        """The usage-only last chunk (`prompt_tokens`: all prompts of a batch; default this
-        request's)."""
-        if prompt_tokens is None:
-            prompt_tokens = len(self.req.prompt_ids)
-        u = usage_body(prompt_tokens, completion_tokens)
+        """The usage-only last chunk (`prompt_tokens`: a batch's, default this request's)."""
+        u = usage_body(len(self.req.prompt_ids) if prompt_tokens is None else prompt_tokens,
+                       completion_tokens)
         if self.req.kind == "chat":
             return chat_chunk_body(self.req, None, usage=u)
         return chunk_body(self.req, None, usage=u)

@@ -1,18 +1,9 @@
 """The server's routes, one function per endpoint, and how each error becomes a JSON reply.
 
-`create_app` (`minifer.serve.api`) builds the app and puts what the routes need on
-``app.state`` (`ServerState`); each route reads it from its request. In order:
-
-- ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /metrics``: what the
-  server is and how it is doing;
-- ``POST /v1/completions`` and ``POST /v1/chat/completions``: a body checked in a worker
-  thread (`protocol`), then `generate`: the request goes to the engine and its answer comes back
-  whole (`collect`) or streamed as server-sent events (`stream_events`);
-- `add_error_handlers`: every error — FastAPI's validation, Starlette's 404/405, our
-  `APIError` — as one OpenAI-style JSON body.
-
-FastAPI reads the handlers' annotations when they are defined (``request: Request``), so this
-module imports FastAPI at the top: it is imported only when a server is built.
+Each route reads `ServerState` from ``app.state`` (`create_app` puts it there). A POST body is
+checked in a worker thread (`protocol`), then `generate` answers whole (`collect`) or as
+server-sent events (`stream_events`). FastAPI is imported at the top (it reads the handlers'
+annotations), so this module is imported only when a server is built.
 """
 
 # no `from __future__ import annotations`: FastAPI resolves the handlers' annotations itself
@@ -148,9 +139,7 @@ async def prometheus(request: Request):
 
 
 # ---- POST: completions and chat ------------------------------------------------------------
-# Checking a body tokenizes its prompt (and decodes an id prompt): for a large prompt that
-# takes long enough to stall every other stream, so it runs in a worker thread, never on the
-# event loop (the engine thread itself only steps).
+# Checking a body tokenizes its prompt, long enough to stall every stream: in a worker thread.
 @router.post("/v1/completions", response_model=S.CompletionResponse, responses=POST_ERRORS,
              summary="OpenAI's completions API")
 async def completions(body: P.CompletionBody, request: Request):
@@ -168,8 +157,7 @@ async def chat_completions(body: P.ChatCompletionBody, request: Request):
 
 
 async def generate(reqs: list, request: Request):
-    """Hand checked requests (one per prompt) to the engine at once; answer whole (one choice
-    per prompt) or as one stream of events."""
+    """Hand checked requests (one per prompt) to the engine at once; answer whole or streamed."""
     s = state(request)
     limits = s.limits
     deadline = request.scope.get("minifer.arrival", time.monotonic()) + limits.request_timeout_s
@@ -239,9 +227,8 @@ def shutting_down() -> APIError:
 
 
 async def collect(handles: list, s: ServerState, deadline: float, request: Request):
-    """Wait for the whole answers; abort them as soon as the client leaves, the timeout
-    passes or the server's shutdown grace ends. The last `RequestOutput` of each, or None if
-    the client left."""
+    """The last `RequestOutput` of each request, or None if the client left; aborted as soon as
+    the client leaves, the timeout passes or the shutdown grace ends."""
     gone = asyncio.ensure_future(_until_disconnect(request.receive))
     outs = []
     nxt = None
@@ -278,9 +265,8 @@ def event(obj: dict) -> bytes:
 
 
 async def _events(streamer, handle, s: ServerState, deadline: float, sent: list[int]):
-    """One request's events: one chunk per generated token (its text may be "" while held
-    back), the finish reason on the last; an error event ends it early. `sent`: its count of
-    tokens, kept up to date (for usage)."""
+    """One request's events: a chunk per token (text "" while held back), the finish reason on
+    the last, or an error event early. `sent`: its count of tokens (for usage)."""
     for first in streamer.first():
         yield event(first)
     while True:

@@ -1,10 +1,8 @@
 """``torchrun --nproc-per-node 2 -m minifer.distributed.disagg --model shakespeare --prompt "ROMEO:"``
 
-The program of both ranks of disaggregated serving (`worker`): rank 0 prefills, rank 1 decodes
-(gloo on the CPU, NCCL with CUDA, each rank on ``cuda:LOCAL_RANK``). Under `torchrun` the
-prompts come from ``--prompt`` (repeatable) and rank 1 prints each completion and a summary;
-`minifer.distributed.disagg.DisaggregatedEngine` starts the same program with ``--front``, feeding
-requests on rank 0's stdin and reading results from rank 1's stdout.
+Both ranks' program (`worker`): under `torchrun` the prompts come from ``--prompt`` and rank 1
+prints each completion; `DisaggregatedEngine` starts it with ``--front`` (requests on rank 0's
+stdin, results on rank 1's stdout).
 """
 
 from __future__ import annotations
@@ -33,19 +31,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--prefill-tokens", type=int, default=128,
-                   help="rank 0's token budget per step: prompts are batched up to it and "
-                        "longer ones chunked (default 128)")
+                   help="rank 0's token budget per step (prompts batched or chunked to it)")
     p.add_argument("--prefill-max-seqs", type=int, default=8)
     p.add_argument("--decode-blocks", type=int, default=None,
                    help="blocks in rank 1's pool (default: room for --decode-max-seqs contexts)")
     p.add_argument("--decode-max-seqs", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=None,
-                   help="rank 1's token budget per step (recomputing a preempted request is "
-                        "chunked to it; default: the context length)")
+                   help="rank 1's token budget per step (default: the context length)")
     p.add_argument("--prefill-nice", type=int, default=0,
-                   help="rank 0 lowers its CPU priority by this much (os.nice): on one shared "
-                        "machine the OS then runs the decode steps first, standing in for "
-                        "separate machines (default 0)")
+                   help="rank 0 lowers its CPU priority by this much (os.nice), so that on one "
+                        "machine the decode steps run first")
     p.add_argument("--vocab", type=int, default=None,
                    help="sample among the first VOCAB ids (the tokenizer's size)")
     return p.parse_args(argv)

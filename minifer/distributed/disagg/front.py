@@ -1,16 +1,9 @@
 """`DisaggregatedEngine`: one front for a prefill process and a decode process.
 
-The front is the caller's process. It starts the two ranks (`minifer.distributed.parallel.Workers`, the
-launcher tensor parallelism uses: torchrun's environment, logs, always ended), checks each
-request as `LLMEngine.add_request` would, writes it to rank 0's stdin as a JSON line, and reads
-finished requests from rank 1's stdout on a thread. The model travels to the workers as a
-safetensors checkpoint in a temporary folder (or by name, for a shipped model).
-
-Clean shutdown: :meth:`close` tells rank 0 that no more requests come; rank 0 finishes its
-prompts and tells rank 1, which finishes decoding; both write a final report and exit. If a
-rank fails, the other's `recv`/`send` fails too or is ended: every call that waits checks the
-processes and raises `WorkerError` with the failed rank's output, after ending both, and the
-context manager ends them on any exit (an exception, a timeout, Ctrl-C).
+The front, in the caller's process, starts the two ranks (`Workers`), checks each request as
+`LLMEngine.add_request` would, writes it to rank 0's stdin as a JSON line and reads finished
+requests from rank 1's stdout on a thread. Every call that waits checks the processes and raises
+`WorkerError` with a failed rank's output, after ending both.
 """
 
 from __future__ import annotations
@@ -37,18 +30,14 @@ from ...sampling import SamplingParams
 from ...sequence import check_model
 from ...tokenizer import Tokenizer
 from ..handoff import params_to_dict
-from ..parallel.launch import WorkerError, Workers
+from ..parallel.launch import DTYPE_NAMES, WorkerError, Workers
 from .worker import FAULT_ENV
 
 __all__ = ["DisaggOutput", "DisaggReport", "DisaggregatedEngine", "FAULT_ENV"]
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
 @dataclass
 class DisaggOutput:
-    """A finished request: its tokens, its metrics (one clock across both processes) and the
-    K/V it moved from the prefill to the decode process."""
+    """A finished request: its tokens, its metrics and the K/V it moved between the processes."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -87,31 +76,21 @@ class DisaggReport:
 
 
 class DisaggregatedEngine:
-    """Prefill on one process, decode on another, one `LLMEngine`-like front (module docstring).
+    """Prefill on one process, decode on another, one `LLMEngine`-like front.
 
     - `model`: a `GPT` in memory (saved for the workers) or a shipped model's name.
-    - `block_size`: both pools' block size. `prefill_tokens`: rank 0's token budget per step
-      (prompts batched up to it, longer ones chunked); `prefill_max_seqs` prompts at most in
-      flight there.
-    - `decode_blocks`, `decode_max_seqs`: rank 1's pool and batch; a small pool preempts, and a
-      preempted request recomputes on rank 1. `decode_tokens`: rank 1's step budget for that.
-    - `threads`: torch threads per worker; `timeout_s`: how long any wait may take (a worker's
-      send/recv, `generate`, `close`).
-    - `prefill_nice`: lower the prefill worker's CPU priority by this much (``os.nice``, 0-19).
-      Two workers on one machine share its cores; with the prefill worker "nicer" the OS
-      runs decode steps first when both want a core, standing in for two machines.
-    - `keepalive_s`: while idle the prefill worker tells the decode worker it is alive this
-      often (default: a quarter of `timeout_s`, at most 10 s), so an engine left open without
-      requests for longer than `timeout_s` keeps working.
+    - `block_size`: both pools' block size. `prefill_tokens`, `prefill_max_seqs`: rank 0's token
+      budget per step and prompts in flight.
+    - `decode_blocks`, `decode_max_seqs`, `decode_tokens`: rank 1's pool, batch and step budget
+      (a small pool preempts; a preempted request recomputes on rank 1).
+    - `threads`: torch threads per worker; `timeout_s`: how long any wait may take.
+    - `prefill_nice`: lower the prefill worker's CPU priority (``os.nice``).
+    - `keepalive_s`: how often an idle prefill worker says it is alive (default: a quarter of
+      `timeout_s`, at most 10 s).
     - `fault`: tests only — ``"prefill:N"`` / ``"decode:N"`` makes that worker fail at step N.
 
-    Use it as a context manager (or call :meth:`close`); an engine dropped without either ends
-    its workers when it is garbage-collected, and the workers end themselves if this process
-    dies.
-
-    Supports greedy and seeded sampling (``temperature``, ``top_k``, ``top_p``, ``seed``,
-    ``repetition_penalty``, ``logit_bias``, ``ignore_eos``, ``max_new_tokens``); not stop
-    strings, which need the tokenizer on the workers.
+    Use it as a context manager (or call :meth:`close`; garbage collection ends the workers
+    too). Sampling options are supported, not stop strings (the workers have no tokenizer).
     """
 
     def __init__(self, model: torch.nn.Module | str, tokenizer=None, *, block_size: int = 16,
@@ -212,14 +191,9 @@ class DisaggregatedEngine:
     def add_request(self, prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0) -> str:
-        """Send one request (text with a tokenizer, or token ids) to the prefill worker.
-
-        Checked here first by `LLMEngine.add_request`'s own check (`options.prepare_request`:
-        prompt, params, priority, arrival_time, request_id), then against the decode pool: a
-        ValueError for a request that could never run (also stop strings, which the workers
-        cannot match). A request that fails inside a step ends alone, finish reason "error".
-        `arrival_time` (``time.perf_counter()``) defaults to now.
-        """
+        """Send one request (text with a tokenizer, or token ids) to the prefill worker, after
+        `LLMEngine.add_request`'s own check (`prepare_request`) and the decode pool's: a
+        ValueError for a request that could never run (or has stop strings)."""
         if self.report is not None or self._closed:
             raise RuntimeError("the engine is closed; no more requests")
         params = params or SamplingParams()
@@ -331,11 +305,7 @@ class DisaggregatedEngine:
             self.poll(timeout_s=0.2)
 
     def close(self) -> DisaggReport:
-        """No more requests: let both workers finish, collect their reports, end them.
-
-        Returns the `DisaggReport` (also kept as ``.report``). Unfinished requests are run to
-        completion first (their outputs are kept, see `outputs`).
-        """
+        """No more requests: let both workers finish, end them, return (and keep) the report."""
         if self.report is not None:
             return self.report
         self.start()
@@ -362,9 +332,8 @@ class DisaggregatedEngine:
 
 
 def _front_model(model, tokenizer) -> tuple[str | None, torch.nn.Module, Tokenizer | None, str]:
-    """The model the front checks requests against, its name (a shipped model's, which the
-    workers load by name; None: the model is saved for them), its tokenizer and its weights'
-    dtype (TypeError, ValueError for a model the workers cannot run)."""
+    """``(shipped model's name or None, model, tokenizer, dtype name)`` for the front; a
+    TypeError or ValueError for a model the workers cannot run."""
     if isinstance(model, str):
         if model not in PRETRAINED:
             raise ValueError(f"model must be a GPT or one of {sorted(PRETRAINED)}, got {model!r}")
@@ -380,9 +349,9 @@ def _front_model(model, tokenizer) -> tuple[str | None, torch.nn.Module, Tokeniz
                         f"{type(model).__name__}")
     check_model(model)  # once here: `prepare_request` trusts the model it is given
     dtype = next(model.parameters()).dtype
-    if dtype not in _DTYPE_NAMES:
+    if dtype not in DTYPE_NAMES:
         raise ValueError(f"model weights must be fp32, bf16 or fp16, got {dtype}")
-    return None, model, tokenizer, _DTYPE_NAMES[dtype]
+    return None, model, tokenizer, DTYPE_NAMES[dtype]
 
 
 def _read_lines(events: queue.Queue, rank: int, stream) -> None:

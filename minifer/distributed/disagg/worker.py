@@ -1,25 +1,16 @@
 """The two ranks of disaggregated serving: rank 0 prefills, rank 1 decodes.
 
-Both are `LLMEngine`s over paged pools of their own, in separate processes joined by
-`torch.distributed` (gloo on the CPU, NCCL on GPUs):
+Both are `LLMEngine`s over paged pools of their own, in processes joined by `torch.distributed`:
 
-- **prefill** (rank 0) takes requests (JSON lines on stdin from the front, or prompts given on
-  the command line under `torchrun`), runs their prompts with chunked prefill — several prompts
-  batched in one step, long ones split across steps — samples each first token, takes the
-  request out of its engine (`serve.handoff.export_prefilled`) and sends the prompt's K/V, first
-  token and sampling state to rank 1 (`serve.handoff.send_handoff`). It never decodes.
-- **decode** (rank 1) receives handoffs on a thread (`dist.recv` blocks, the decode steps must
-  not), inserts each into its engine when it fits (`serve.handoff.add_prefilled`: blocks allocated
-  in its own pool, K/V written) and decodes everything with continuous batching. A request
-  preempted here recomputes its tokens here (the engine's recompute mode), never going back to
-  rank 0; requests it preempted are admitted again before new handoffs. Finished requests
-  leave as JSON lines on stdout.
+- **prefill** (rank 0) takes requests (JSON lines on stdin, or prompts on the command line),
+  runs their prompts with chunked prefill, samples each first token and sends the request to
+  rank 1 (`export_prefilled`, `send_handoff`). It never decodes.
+- **decode** (rank 1) receives handoffs on a thread (`dist.recv` blocks), inserts each when it
+  fits (`add_prefilled`) and decodes with continuous batching; a request preempted here
+  recomputes here. Finished requests leave as JSON lines on stdout.
 
-Each rank records a timeline (one span per step: start, end, kind, tokens; one per transfer)
-and writes a final report line. The protocol lines go to the process's original stdout; the
-rest of its output (warnings, prints) goes to stderr, so nothing else can corrupt the stream.
-A failure raises in the rank, which exits non-zero; its peer's `recv` then fails or the front
-ends it (`minifer.distributed.parallel.Workers`).
+Each rank records a timeline and writes a final report line. Only the protocol lines go to the
+original stdout (everything else to stderr). A failure raises in the rank, which exits non-zero.
 """
 
 from __future__ import annotations
@@ -49,8 +40,7 @@ from ..handoff import (
 
 PREFILL, DECODE = 0, 1
 FAULT_ENV = "MINIFER_DISAGG_FAULT"
-"""Fault injection for tests: ``"prefill:N"`` or ``"decode:N"`` makes that rank raise at its
-N-th step (a worker that fails mid-run, to check that every process still ends)."""
+"""Fault injection for tests: ``"prefill:N"`` or ``"decode:N"`` makes that rank raise at step N."""
 
 
 @dataclass
@@ -94,11 +84,8 @@ def _drain(q: queue.Queue, block: bool) -> list:
 
 
 class StdinRequests:
-    """Requests from the front: JSON lines on stdin, read by a thread into a queue.
-
-    ``{"op": "add", "request_id", "prompt_ids", "params", "arrival_time", "priority"}`` queues a
-    request; ``{"op": "close"}`` (or the end of stdin: the front is gone) means no more.
-    """
+    """Requests from the front, JSON lines on stdin read by a thread: ``{"op": "add", ...}``, then
+    ``{"op": "close"}`` (or the end of stdin)."""
 
     def __init__(self) -> None:
         self.q: queue.Queue = queue.Queue()
@@ -129,8 +116,7 @@ class ListRequests:
 
 
 class _Loop:
-    """What both ranks' loops keep: the engine, the step timeline, the step count (and the fault
-    injected at a step, `FAULT_ENV`); `role` is the subclass's."""
+    """What both ranks' loops keep: engine, step timeline, step count, injected fault."""
 
     def __init__(self, engine, device) -> None:
         self.engine, self.device = engine, device
@@ -157,13 +143,9 @@ class _Loop:
 
 def run_prefill(engine, source, lines: Lines, device, *, dst: int = DECODE,
                 keepalive_s: float = 10.0) -> dict:
-    """Rank 0's loop (`serve.driver.drive`): admit requests, step, hand every prefilled
-    request to rank `dst`.
-
-    While idle it sends rank `dst` a keep-alive every `keepalive_s` seconds, so a front that
-    stays open without requests for longer than the group's timeout does not fail the decode
-    worker's waiting ``recv``. A request the engine refuses, or one that fails in a step,
-    goes to rank `dst` as a finished handoff with reason "error"."""
+    """Rank 0's loop (`drive`): admit requests, step, hand every prefilled request to rank `dst`
+    (a refused or failed one as a finished handoff, reason "error"); while idle, a keep-alive
+    every `keepalive_s` seconds, so the decode worker's ``recv`` never times out."""
     loop = _Prefill(engine, device, source, dst, keepalive_s)
     drive(engine, loop.take, loop.deliver)
     send_done(dst, device=device)
@@ -238,7 +220,7 @@ def _refused(msg: dict, params: SamplingParams, err: Exception) -> Handoff:
 
 
 def run_decode(engine, lines: Lines, device, *, src: int = PREFILL, text=None) -> dict:
-    """Rank 1's loop (`serve.driver.drive`): insert received handoffs when they fit, decode,
+    """Rank 1's loop (`drive`): insert received handoffs when they fit, decode,
     emit finished requests (a request that fails here alone ends with reason "error")."""
     # The receiver thread needs the interpreter lock between its recv calls; Python's default
     # 5 ms switch interval would add up to that much to every message while a step runs.
@@ -302,22 +284,22 @@ class _Decode(_Loop):
 
     def admit(self, h: Handoff) -> bool:
         """Start decoding `h` here (or emit it, finished at its first token); False: no room."""
-        first = [] if h.first_token is None else [h.first_token]
-        times = [h.first_token_time] if first else []
-        if h.finish_reason is not None:
-            self.emit(h.request_id, h.prompt_ids, first, h.finish_reason, h.arrival_time,
-                      h.first_scheduled_time, times, h.first_token_time, 0, h.error)
-            return True
-        try:
-            if not add_prefilled(self.engine, h):
+        reason, finished, error = h.finish_reason, h.first_token_time, h.error
+        if reason is None:
+            try:
+                if add_prefilled(self.engine, h):
+                    return True
                 if not self.engine.has_unfinished():
                     raise RuntimeError(f"request {h.request_id!r} does not fit the decode "
                                        f"worker's empty pool ({self.engine!r})")
                 return False
-        except ValueError as err:  # it can never run here: it alone fails
-            self.emit(h.request_id, h.prompt_ids, first, "error", h.arrival_time,
-                      h.first_scheduled_time, times, time.perf_counter(), 0,
-                      f"request {h.request_id!r} failed: {err}")
+            except ValueError as err:  # it can never run here: it alone fails
+                reason, finished = "error", time.perf_counter()
+                error = f"request {h.request_id!r} failed: {err}"
+        first = [] if h.first_token is None else [h.first_token]
+        self.emit(h.request_id, h.prompt_ids, first, reason, h.arrival_time,
+                  h.first_scheduled_time, [h.first_token_time] if first else [], finished, 0,
+                  error)
         return True
 
     def take(self, idle: bool) -> bool:

@@ -1,15 +1,9 @@
 """Tensor parallelism over `torch.distributed`: one model split across N processes or GPUs.
 
-- :mod:`.layers`: which slice of every weight matrix a rank keeps (Megatron-style column- and
-  row-parallel linears, heads split across ranks) and the sharded attention/MLP modules.
-- :mod:`.runtime`: one rank's program: join the group, check every rank loaded the same model,
-  shard, generate in lockstep (rank 0 samples and broadcasts), and account for bytes and time.
-- :mod:`.launch`: :func:`run_local` starts N local CPU processes (gloo on 127.0.0.1) from Python
-  or a notebook and always ends them.
-- ``python -m minifer.distributed.parallel``: the same program for `torchrun` (gloo on CPU, NCCL on GPUs).
-
-The analytic side (how the split pays off on real hardware) is in
-:func:`minifer_course.roofline.tp_decode`, pure arithmetic.
+- :mod:`.layers`: which slice of every weight matrix a rank keeps (Megatron-style).
+- :mod:`.runtime`: one rank's program: join, check, shard, generate in lockstep (rank 0 samples).
+- :mod:`.launch`: :func:`run_local` starts N local CPU processes and always ends them;
+  ``python -m minifer.distributed.parallel`` is the same program for `torchrun`.
 """
 
 from .launch import TPResult, WorkerError, Workers, free_port, launch, run_local, running

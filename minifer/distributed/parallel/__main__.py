@@ -1,9 +1,7 @@
 """``torchrun --nproc-per-node N -m minifer.distributed.parallel --model shakespeare --prompt "..."``
 
-Every rank runs this same program: join the process group (gloo on the CPU, NCCL with CUDA,
-each rank on ``cuda:LOCAL_RANK``), load the full model, keep its own slice, generate in
-lockstep. Rank 0 prints the text and every rank's accounting. `minifer.distributed.parallel.run_local`
-starts the same program as N local processes, so notebooks and torchrun share one code path.
+Every rank joins the group, loads the full model, keeps its slice and generates in lockstep;
+rank 0 prints the text and the accounting. `run_local` starts the same program from Python.
 """
 
 from __future__ import annotations
@@ -88,6 +86,7 @@ def run_rank(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from ...sampling import SamplingParams
+    from ..handoff import params_from_dict
     from .runtime import generate_tp, leave_group, shard_for_rank
 
     comm, rank, world = join_group(args)
@@ -97,9 +96,7 @@ def run_rank(args: argparse.Namespace) -> dict:
         model = model.to(dtype=getattr(torch, DTYPES[args.dtype]))
         if args.request:
             req = json.loads(Path(args.request).read_text())
-            kw = dict(req["params"])
-            kw["logit_bias"] = {int(k): v for k, v in kw.get("logit_bias", {}).items()}
-            prompts, params = req["prompts"], SamplingParams(**kw)
+            prompts, params = req["prompts"], params_from_dict(req["params"])
         else:
             if tok is None:
                 raise ValueError(f"model {args.model!r} has no tokenizer; give a shipped model")

@@ -1,18 +1,14 @@
 """Run tensor-parallel generation as N local processes, from Python or a notebook.
 
-This is a small `torchrun` for one machine: it starts N copies of ``python -m minifer.distributed.parallel``
-with the environment torchrun would give them (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), waits for them, reads back each rank's JSON
-report, and **always** ends them: on success, on a failing rank (the others would otherwise wait
-in a collective until their timeout), on a timeout and on Ctrl-C / a kernel interrupt.
-
-Subprocesses (not `multiprocessing`) keep this working inside a Jupyter kernel, where functions
-defined in the notebook cannot be sent to a child, and keep the child free of the kernel's state.
-The model travels as a safetensors checkpoint in a temporary folder, never as a pickle.
+A small `torchrun` for one machine: N copies of ``python -m minifer.distributed.parallel`` with
+torchrun's environment, each rank's JSON report read back, and every process **always** ended
+(on success, a failing rank, a timeout, Ctrl-C). Subprocesses, not `multiprocessing`, so it works
+in a Jupyter kernel; the model travels as a safetensors checkpoint, never as a pickle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,6 +28,7 @@ from ...pretrained import PRETRAINED, model_files, save_checkpoint
 from ...sampling import SamplingParams
 from ...sequence import encode_prompts
 from ...tokenizer import Tokenizer
+from ..handoff import params_to_dict
 from .layers import shard_plan
 from .runtime import PARENT_ENV, RankReport
 
@@ -79,18 +76,11 @@ def free_port() -> int:
 class Workers:
     """N local processes started with torchrun's environment, watched and always ended.
 
-    The process-management core shared by tensor parallelism (:func:`launch`) and the
-    disaggregated prefill/decode pair (`minifer.distributed.disagg`): rank ``r`` runs
-    ``python -m MODULE *argv_per_rank[r]`` with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``OMP_NUM_THREADS=threads`` and this
-    process's pid (so a worker whose launcher dies exits). Its stderr (and its stdout unless
-    `pipes`) go to ``rankR.log`` in `logdir`; with `pipes` each worker's stdin and stdout are
-    pipes the caller talks through (``procs[r].stdin`` / ``.stdout``). `extra_env` adds variables to
-    every worker's environment (this process's own is left as it is).
-
-    Use it as a context manager, or call :meth:`end` in a ``finally``: every process is
-    terminated, then killed, and reaped. :meth:`check` raises :class:`WorkerError` as soon as
-    one rank has failed, with the output of every failed rank.
+    Rank ``r`` runs ``python -m MODULE *argv_per_rank[r]`` with torchrun's variables,
+    ``OMP_NUM_THREADS=threads`` and this process's pid (a worker whose launcher dies exits), plus
+    `extra_env`. Its stderr (and stdout unless `pipes`, then the caller's pipes) go to
+    ``rankR.log`` in `logdir`. Use it as a context manager, or call :meth:`end` in a
+    ``finally``; :meth:`check` raises :class:`WorkerError` with every failed rank's output.
     """
 
     def __init__(self, argv_per_rank: list[list[str]], logdir: str | Path, *,
@@ -138,11 +128,8 @@ class Workers:
         return _tail(self.logs[rank], n)
 
     def check(self) -> list[int | None]:
-        """Each rank's exit code (None: still running); raise WorkerError if one failed.
-
-        One failure usually brings down the ranks waiting on it ("connection reset"): give
-        them a moment, then show every failed rank's output, first failure first.
-        """
+        """Each rank's exit code (None: still running); WorkerError if one failed, with every
+        failed rank's output after a moment (one failure brings down the ranks waiting on it)."""
         codes = [p.poll() for p in self.procs]
         if any(c not in (None, 0) for c in codes):
             first = next(r for r, c in enumerate(codes) if c not in (None, 0))
@@ -170,17 +157,13 @@ class Workers:
             time.sleep(0.05)
 
     def end(self, grace_s: float = 3.0) -> None:
-        """Terminate every process still running, then kill what is left; reap them all.
-
-        Safe to call more than once; closes the pipes and logs."""
+        """Terminate, then kill, what still runs; reap it, close pipes and logs (idempotent)."""
         _end_all(self.procs, grace_s)
         for p in self.procs:
             for f in (p.stdin, p.stdout):
                 if f is not None:
-                    try:
+                    with contextlib.suppress(OSError):
                         f.close()
-                    except OSError:
-                        pass
         for log in self.logs:
             if not log.closed:
                 log.close()
@@ -188,13 +171,9 @@ class Workers:
 
 def launch(args_per_rank: list[list[str]], *, threads: int = 1, timeout_s: float = 120.0,
            workdir: str | Path | None = None) -> list[int]:
-    """Start ``python -m minifer.distributed.parallel --device cpu ARGS`` once per rank (gloo on the CPU,
-    even where CUDA is present) and wait for all to succeed.
-
-    Returns the pids (all exited). Raises :class:`WorkerError` with the failing rank's stderr
-    if any rank exits non-zero or the whole run takes longer than `timeout_s`; every process is
-    ended before this returns or raises, KeyboardInterrupt included.
-    """
+    """Start ``python -m minifer.distributed.parallel --device cpu ARGS`` once per rank and wait
+    for all to succeed: the pids, or :class:`WorkerError` with the failing rank's stderr (also
+    past `timeout_s`). Every process is ended before this returns or raises."""
     if len(args_per_rank) < 1:
         raise ValueError("args_per_rank must hold one argument list per rank (at least one)")
     check_int("threads", threads, 1, max_threads())
@@ -234,11 +213,9 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
               timeout_s: float = 120.0) -> TPResult:
     """Tensor-parallel generation on `world_size` local CPU processes; returns a `TPResult`.
 
-    `model`: a `GPT` in memory (saved to a temporary safetensors checkpoint for the workers) or
-    the name of a shipped model (each worker loads it). `prompts`: a string, a list of strings
-    (needs `tokenizer`; a shipped model brings its own), a list of token ids, or a list of such
-    lists. `threads`: torch threads per process. Errors in the split (heads not divisible,
-    too many ranks) are raised here, before any process starts.
+    `model`: a `GPT` in memory (saved for the workers) or a shipped model's name. `prompts`: a
+    string, a list of strings (needs a tokenizer), token ids, or a list of those. `threads`:
+    torch threads per process. Errors in the split are raised before any process starts.
     """
     params = params or SamplingParams()
     if params.stop or params.repetition_penalty != 1.0:
@@ -255,7 +232,7 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
         dtype = "fp32"
     elif isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None), GPTConfig):
         name, config = None, model.config
-        dtype = _DTYPE_NAMES.get(next(model.parameters()).dtype)
+        dtype = DTYPE_NAMES.get(next(model.parameters()).dtype)
         if dtype is None:
             raise ValueError(f"model weights must be fp32, bf16 or fp16, got "
                              f"{next(model.parameters()).dtype}")
@@ -263,7 +240,7 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
         raise TypeError(f"model must be a minifer GPT or a shipped model's name, got {type(model)}")
     shard_plan(config, world_size, 0, allow_uneven=allow_uneven)  # fail fast, no processes
     ids = encode_prompts(prompts, tokenizer, config.vocab_size)
-    request = {"prompts": ids, "params": _params_dict(params)}
+    request = {"prompts": ids, "params": params_to_dict(params)}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="minifer-tp-") as tmp:
         tmp = Path(tmp)
@@ -285,12 +262,5 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
                     wall_s=time.perf_counter() - t0, text=text)
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def _params_dict(params: SamplingParams) -> dict:
-    """SamplingParams as JSON-able keyword arguments (logit_bias keys become strings in JSON)."""
-    return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-            "max_new_tokens": params.max_new_tokens, "seed": params.seed,
-            "ignore_eos": params.ignore_eos,
-            "logit_bias": {str(k): v for k, v in params.logit_bias.items()}}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""The weight dtypes a worker runs, by their ``--dtype`` names."""

@@ -1,24 +1,17 @@
 """Megatron-style tensor parallelism for `minifer.model.GPT`: which rank holds which slice.
 
-Each transformer block has two pairs of matrices, and each pair is split the same way
-(Shoeybi et al. 2019, "Megatron-LM", section 3):
+Each block's two pairs of matrices are split the same way (Shoeybi et al. 2019, section 3):
 
 - **column-parallel** first: the fused QKV projection and the MLP's up projection are cut by
-  *output* rows. Rank r computes only its heads' queries/keys/values (or its slice of the MLP's
-  hidden units) from the full input, with no communication.
-- **row-parallel** second: the attention output projection and the MLP's down projection are cut
-  by *input* columns, the matching slice. Each rank's product is a partial sum of the full
-  output; one **all-reduce** (sum over ranks) completes it. The bias is added once, after it.
+  *output* rows; rank r computes its heads (or hidden units) from the full input, alone.
+- **row-parallel** second: the output and down projections are cut by *input* columns; each
+  rank's product is a partial sum, and one **all-reduce** completes it (the bias added after).
 
-So a block costs two all-reduces of a ``(B, T, n_embd)`` activation, and every rank reads only
-1/N of the block's weights. Attention needs nothing from other ranks because whole heads are
-split: a rank keeps the K/V of its own heads only, so its KV cache is 1/N of the full one.
-With grouped-query attention the unit of the split is a K/V head together with the query heads
-that share it. Embeddings, norms and the output head are small here and are replicated.
-
-The Llama/Qwen switches split the same way: rotary positions and Q/K norms act per head (each
-rank applies them to its own heads), and the gated MLP's fused gate|up matrix is cut so that a
-rank keeps the gate rows and the up rows of the same hidden units.
+So a block costs two all-reduces of a ``(B, T, n_embd)`` activation and every rank reads 1/N of
+its weights and keeps 1/N of the KV cache (whole heads are split; with grouped-query attention,
+a K/V head with its query heads). Rotary positions and Q/K norms act per head; the gate|up
+matrix is cut so a rank keeps the gate and up rows of the same hidden units. Embeddings, norms
+and the output head are replicated.
 """
 
 from __future__ import annotations
@@ -66,12 +59,8 @@ def _split(n: int, world: int, rank: int) -> tuple[int, int]:
 
 def shard_plan(config: GPTConfig, world_size: int, rank: int, *,
                allow_uneven: bool = False) -> ShardPlan:
-    """The slice of `config`'s heads and MLP units that `rank` holds, or a ValueError.
-
-    Even splits are the rule (every rank does the same work, none waits). ``allow_uneven=True``
-    accepts counts that do not divide, giving the first ranks one extra head: the shipped
-    Shakespeare model has 5 heads, so 2 ranks hold 3 and 2. The slowest rank sets the pace.
-    """
+    """The slice of `config`'s heads and MLP units that `rank` holds, or a ValueError; even
+    unless ``allow_uneven=True`` (the first ranks get one more)."""
     check_int("world_size", world_size, 1)
     check_int("rank", rank, 0, world_size - 1, allowed=f"lie in [0, {world_size})")
     nh, nkv, hidden = config.n_head, config.kv_heads, config.mlp_hidden
@@ -108,11 +97,8 @@ def _linear_from(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 
 class TPAttention(CausalSelfAttention):
-    """This rank's heads of a `CausalSelfAttention`: QKV column-parallel, output row-parallel.
-
-    Attention itself is the model's own (`CausalSelfAttention.attend`) over this rank's heads;
-    only the output projection differs: a partial sum, all-reduced, then the bias added once.
-    """
+    """This rank's heads of a `CausalSelfAttention`: QKV column-parallel, attention the model's
+    own (`attend`), output row-parallel (a partial sum, all-reduced, the bias added once)."""
 
     def __init__(self, attn: CausalSelfAttention, plan: ShardPlan, all_reduce: AllReduce) -> None:
         nn.Module.__init__(self)
@@ -143,8 +129,7 @@ class TPAttention(CausalSelfAttention):
 
 
 class TPMLP(MLP):
-    """This rank's hidden units of an `MLP` (or a `GatedMLP`): up column-parallel, down
-    row-parallel."""
+    """This rank's hidden units of an `MLP` or `GatedMLP`: up column-, down row-parallel."""
 
     def __init__(self, mlp: MLP, plan: ShardPlan, all_reduce: AllReduce) -> None:
         nn.Module.__init__(self)
@@ -167,12 +152,9 @@ class TPMLP(MLP):
 
 
 def shard_gpt(model: nn.Module, plan: ShardPlan, all_reduce: AllReduce) -> nn.Module:
-    """Replace every block's attention and MLP of `model` by this rank's slices, in place.
-
-    The rest of `GPT` (embeddings, LayerNorms, output head, the forward pass itself) is unchanged
-    and replicated, so ``model(ids, cache=...)`` runs as before, with a cache of this rank's
-    K/V heads (see :func:`minifer.distributed.parallel.rank_cache`). The sharded attention keeps the
-    attention implementation the block had (``"sdpa"`` or ``"math"``). Returns `model`.
+    """Replace every block's attention and MLP of `model` by this rank's slices, in place, and
+    return it. The rest is replicated, so ``model(ids, cache=...)`` runs as before with a cache
+    of this rank's K/V heads (`rank_cache`), in the block's attention implementation.
     """
     for block in model.transformer.h:
         block.attn = TPAttention(block.attn, plan, all_reduce)
@@ -182,8 +164,7 @@ def shard_gpt(model: nn.Module, plan: ShardPlan, all_reduce: AllReduce) -> nn.Mo
 
 
 def sharded_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the parameters that are split across ranks (the blocks' four matrices and the
-    column-parallel biases); everything else is replicated."""
+    """Names of the parameters split across ranks; everything else is replicated."""
     return [n for n, _ in model.named_parameters()
             if n.startswith("transformer.h.") and (".c_attn." in n or ".c_fc." in n
                                                   or n.endswith("c_proj.weight"))]

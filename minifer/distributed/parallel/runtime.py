@@ -1,10 +1,8 @@
 """One rank's side of tensor-parallel generation: join the group, shard, generate, account.
 
-Every rank runs the same program (SPMD). All ranks run the replicated parts of the model
-(embeddings, LayerNorms, output head) on identical inputs, so after the last all-reduce every
-rank holds the same logits. **Rank 0 samples** the next token and **broadcasts** it; the others
-use what it sent. That keeps the ranks in lockstep even if their logits differed in the last
-bit (they should not, but nothing else then depends on it), and costs one tiny message per step.
+Every rank runs the same program (SPMD) and holds the same logits after the last all-reduce;
+**rank 0 samples** the next token and **broadcasts** it, which keeps the ranks in lockstep even
+if their logits differed in the last bit, for one tiny message per step.
 """
 
 from __future__ import annotations
@@ -33,13 +31,8 @@ PARENT_ENV = "MINIFER_TP_PARENT_PID"
 
 
 class Comm:
-    """The process group's all-reduce and broadcast, timed and counted.
-
-    Timing a collective honestly needs the device idle before and after it (GPU work is
-    asynchronous), so each call syncs the device: free on the CPU, a small cost on a GPU. The
-    time includes waiting for the slowest rank to arrive, which is part of what communication
-    costs a tensor-parallel step.
-    """
+    """The process group's all-reduce and broadcast, timed and counted: each call syncs the
+    device (GPU work is asynchronous), and the time includes waiting for the slowest rank."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group, self.device = group, device
@@ -143,14 +136,10 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
                 vocab: int | None = None, keep_logits: bool = False) -> RankReport:
     """Generate on a model already sharded by :func:`shard_gpt`; call on every rank at once.
 
-    `prompts`: token ids, one list per row (left padded into one batch, as `minifer.generate`
-    does). Rank 0 samples each token with `params` and broadcasts it. A row stops at
-    `eos_token_id` (unless ``params.ignore_eos``) or after ``params.max_new_tokens``.
-    `vocab`: sample only among the first `vocab` ids (a tokenizer smaller than the model).
-
-    The loop is `minifer.generation.run_batch`'s, the one every generation goes through: this
-    function only brings the rank's cache (its own K/V heads), the sampler (rank 0 samples,
-    everyone receives) and forward hooks that time the prefill and each decode step.
+    `prompts`: token ids, one list per row (left padded into one batch). Rank 0 samples each
+    token with `params` and broadcasts it; a row stops at `eos_token_id` or ``max_new_tokens``.
+    `vocab`: sample only among the first `vocab` ids. The loop is `generation.run_batch`'s, with
+    the rank's cache (its own K/V heads), that sampler and hooks timing each step.
     """
     params = params or SamplingParams()
     device = next(model.parameters()).device
@@ -241,12 +230,8 @@ def _timed_forwards(model, comm: Comm, report: RankReport):
 
 def init_group(backend: str | None = None, device: torch.device | str | None = None,
                timeout_s: float = 60.0) -> tuple[Comm, int, int]:
-    """Join the process group described by torchrun's environment variables.
-
-    ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK``) are set by
-    `torchrun` or by :func:`minifer.distributed.parallel.run_local`. The backend is NCCL when CUDA is present
-    (each rank on ``cuda:LOCAL_RANK``), gloo on the CPU. Returns ``(comm, rank, world_size)``.
-    """
+    """``(comm, rank, world_size)`` after joining the group of torchrun's environment: NCCL on
+    ``cuda:LOCAL_RANK`` where CUDA is present, gloo on the CPU."""
     import datetime
 
     if device is None:
@@ -289,13 +274,9 @@ def watch_parent() -> None:
 
 
 def leave_group(done: bool) -> None:
-    """Leave the process group together: a barrier first, then destroy it.
-
-    A worker started by `run_local` (its launcher's pid in the environment) that finished its
-    run (`done`) has written its report by now and ends right after the barrier with
-    ``os._exit(0)``: with torch 2.4.1's gloo, tearing the group and the interpreter down could
-    now and then hang a finished rank. A failed run only destroys the group and lets its error
-    end the process with a non-zero code.
+    """Leave the process group together: a barrier, then destroy it. A `run_local` worker that
+    is `done` (its report written) ends with ``os._exit(0)`` after the barrier, since tearing
+    gloo and the interpreter down can hang a finished rank; a failed run ends with its error.
     """
     if not done:
         dist.destroy_process_group()
