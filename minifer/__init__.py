@@ -1,9 +1,12 @@
 """minifer: a small, honest PyTorch inference engine for learning how LLM inference works.
 
-The engine (this package's top-level modules) imports only torch and the tokenizer libraries;
-its CPU speed-ups live apart in `minifer.fast`, plugged in below at one seam (`minifer.hooks`);
-measuring lives in `minifer_course.bench`, how the shipped models were made in `minifer_course.training`, and
-the figures and sliders of the course in `minifer_course.lessons`.
+The core (this package's top-level modules) imports only torch and the tokenizer libraries; the
+serving engine (`minifer.engine`), the engine in processes of its own (`minifer.distributed`)
+and the HTTP server (`minifer.serve`) stand on it, each floor importing only those below. The
+CPU speed-ups live apart in `minifer.fast`, plugged in below at one seam (`minifer.hooks`);
+``MINIFER_SPEEDUPS=0`` leaves them out, ``with minifer.fast.disabled():`` turns them off for a
+block: the code that runs is then the code you read. The course's figures, calculators and
+benchmarks are a package of their own (`minifer_course`, in the repository's course/).
 """
 
 # The speed-ups (minifer.fast) plug into the core here; MINIFER_SPEEDUPS=0 leaves them out.
