@@ -42,6 +42,7 @@ import copy
 import functools
 import math
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -323,14 +324,11 @@ def quantization_summary(model: nn.Module) -> str:
     head = ", ".join(f"{n} {IMPL_NAMES[impl]}" for impl, n in sorted(counts.items()))
     lines = [f"int{'/'.join(str(b) for b in sorted(bits))} layers: {head}"]
     choices: dict[str, Int8Choice] = getattr(model, "int8_choices", {})
-    seen: dict[tuple[int, int], int] = {}
+    seen = Counter(c.shape for c in choices.values())
+    first: dict[tuple[int, int], Int8Choice] = {}
     for c in choices.values():
-        seen[c.shape] = seen.get(c.shape, 0) + 1
-    shown = set()
-    for c in choices.values():
-        if c.shape not in shown:
-            shown.add(c.shape)
-            lines.append(f"  {c} [{seen[c.shape]} layer(s)]")
+        first.setdefault(c.shape, c)
+    lines += [f"  {c} [{seen[shape]} layer(s)]" for shape, c in first.items()]
     return "\n".join(lines)
 
 
