@@ -158,10 +158,9 @@ class ThreadGovernor:
       clearly on a core we use (by a quarter core over the rounding) decides at once too.
 
     A decision holds, and is applied at every call, until the next one. Call `pause()` when
-    work stops and `resume()` when it starts again (each `generate` call does both): what other
-    programs did while we were not running says little about now, so the pause is left out and
-    the last decision stands. `maybe_adjust` returns the new count when it changed it. Where
-    the counters cannot be read it never changes anything.
+    work stops and `resume()` when it starts again: the pause says little about now, so it is
+    left out and the last decision stands. Where the counters cannot be read it never changes
+    anything.
     """
 
     def __init__(self, cpus: int | None = None, period_s: float = 1.0, *,
