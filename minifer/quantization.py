@@ -1,50 +1,39 @@
 """Fewer bits per weight: bf16/fp16 copies, int8/int4 linear layers.
 
-A decode step reads every weight once to produce one token per sequence, so its time is mostly
-the time to move the weights (claim PD-9). Storing them in fewer bits moves fewer bytes.
+A decode step reads every weight once per token, so its time is mostly the time to move the
+weights; storing them in fewer bits moves fewer bytes.
 
-* ``"fp32"``, ``"bf16"``, ``"fp16"``: the whole model cast to that float type (QUANT-5).
-* ``"int8"``: symmetric, one scale per output channel (row):
-  ``w[n, k] ≈ q[n, k] * scale[n]`` with ``q`` in [-127, 127] (QUANT-1). Run weight-only, or
-  with the activations quantized too (``impl="integer"``); the default takes W8A8 where the
-  CPU has int8 dot-product instructions, weight-only elsewhere (`int8_choice`).
-* ``"int4"``: weight-only, asymmetric, one scale and one zero per group of ``group_size`` inputs
-  of a row: ``w ≈ (q - 8) * scale + zero`` with ``q`` in [0, 15], packed two per byte
+* ``"fp32"``, ``"bf16"``, ``"fp16"``: the whole model cast to that float type.
+* ``"int8"``: symmetric, one scale per output row: ``w[n, k] ≈ q[n, k] * scale[n]``,
+  ``q`` in [-127, 127]. Weight-only, or with the activations quantized too (W8A8).
+* ``"int4"``: weight-only, asymmetric, one scale and one zero per group of ``group_size``
+  inputs of a row: ``w ≈ (q - 8) * scale + zero``, ``q`` in [0, 15], packed two per byte
   (the convention of torch's int4 kernels and gpt-fast).
 
-Only the linear layers (attention, MLP and the output head) are quantized; they hold almost all
-the bytes a decode step reads. Embeddings are a table lookup (a step reads only B rows of them)
-and LayerNorms are tiny, so both stay in float. A head tied to the token embedding (GPT-2) is
-quantized as a *copy*: the embedding keeps the float matrix for its lookup, and the output
-projection, which reads every row of it at every step, reads the integer copy (where a fused
-kernel takes its shape; `quantize` says when it does not). The tie is gone
-in the quantized model (it stores both, so more bytes in memory), but for GPT-2 124M the head is
-38.6M of the 124M weights: left in fp32 it alone would be two thirds of the bytes an int8 step reads.
+Only the linear layers are quantized: they hold almost all the bytes a step reads. Embeddings
+(a step reads B rows) and LayerNorms (tiny) stay in float. A head tied to the token embedding
+(GPT-2) is quantized as a *copy*: the embedding keeps the float matrix for its lookup, and the
+output projection, which reads every row at every step, reads the integer copy. The model then
+stores both, but the head would otherwise be most of the bytes an int8 step reads.
 
 Each quantized layer runs one of three paths, tested against each other:
 
-* ``"fused"``: torch's kernels that read the int8/int4 weights directly
-  (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm[_for_cpu]``). Their fast versions
-  take bf16 activations, so this path rounds the layer's input to bf16 and its output back.
-* ``"reference"``: dequantize the weight to the activation dtype, then an ordinary matmul —
-  the same numbers, readable, and slower (it rebuilds a float weight at every call).
-* ``"integer"`` (int8 only, W8A8): the activations are quantized too, each row (token) to
-  int8 with its own scale, and the products are summed in int32 — exact, so the only rounding
-  is the activations' (`w8a8_reference`). The weight-only kernels above do ``M × K × N``
-  multiply-adds in float after widening every weight, so their cost grows with the batch ``M``
-  like fp32's and more; CPUs with int8 dot-product instructions (VNNI, AMX) do them 4× wider per
-  instruction (claim QUANT-6). On the shipped model 8-bit per-token activations cost about as
-  many top-1 choices as weight-only int8 does. Here the reference sums the products in a float64 matmul (exact);
-  the speed-ups (`minifer.fast.int8_gemv`) compute the same numbers with minifer's VNNI kernel
-  for one row and ``torch._int_mm`` for more. Each row's result depends on that row alone, so
-  a request's tokens do not change with the batch it runs in. CPU only.
+* ``"fused"``: torch's kernels that read int8/int4 weights directly
+  (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm[_for_cpu]``); their fast versions
+  take bf16 activations, so the layer's input is rounded to bf16 and its output back.
+* ``"reference"``: dequantize the weight to the activation dtype, then an ordinary matmul:
+  readable, and slower (it rebuilds a float weight at every call).
+* ``"integer"`` (int8 only, CPU, W8A8): each activation row quantized to int8 with its own
+  scale, products summed exactly in int32, so the only rounding is the activations'
+  (`w8a8_reference`). Weight-only kernels widen every weight to float, so their cost grows
+  with the batch; int8 dot-product instructions (VNNI, AMX) do 4× more per instruction. Each
+  row's result depends on that row alone, so a request's tokens do not depend on its batch.
 
-The fused kernels changed signatures across torch versions, and each takes only some shapes
-(int8: ``in_features`` a multiple of 16 — past it, it reads out of bounds; int4: groups of
-32/64/128/256, and on the CPU ``out_features`` a multiple of 16). So they are probed at run time
-on every layer shape they will be used on (`fused_problem`: called on a random layer of that shape
-and compared with the reference path); a layer whose shape fails runs on the reference path, with
-a warning — it computes the same quantized model.
+The fused kernels changed signatures across torch versions and take only some shapes (int8:
+``in_features`` a multiple of 16, else it reads out of bounds; int4: groups of 32/64/128/256
+and, on the CPU, ``out_features`` a multiple of 16). So `fused_problem` probes each layer shape
+at run time against the reference path; a shape that fails runs on the reference path, with a
+warning: the same quantized model, slower.
 """
 
 from __future__ import annotations
@@ -53,6 +42,7 @@ import copy
 import functools
 import math
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -107,11 +97,8 @@ def _check_group_size(in_features: int, group_size: int) -> None:
 
 def default_group_size(in_features: list[int] | tuple[int, ...]) -> int:
     """The int4 group size used when none is given: the largest of 128, 64 and 32 that divides
-    every layer's ``in_features`` (GPT-2 and the reference model: 128; the Shakespeare models,
-    ``n_embd`` 320: 64), so the fused kernel can take it.
-
-    Raises a ValueError that lists the sizes that would work when none of the three divides all.
-    """
+    every layer's ``in_features``, so the fused kernel can take it. Raises a ValueError that
+    lists the sizes that would work when none of the three divides all."""
     widths = sorted(set(in_features))
     for g in DEFAULT_GROUP_SIZES:
         if all(k % g == 0 for k in widths):
@@ -213,11 +200,10 @@ def fused_problem(bits: int, out_features: int, in_features: int, group_size: in
                   device: str = "cpu", compute_dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why the fused int``bits`` kernel cannot run a layer of this shape here (None: it can).
 
-    First the rules known to crash the kernel (`_static_problem`), then a probe *on this very
-    shape*: a random layer of ``out_features × in_features`` is run through the kernel on 1, 3
-    and 17 rows (the decode and prefill paths) and compared with dequantize-then-matmul; an
-    exception or an answer off by more than 2% of the output's scale is a problem. Cached per
-    shape, so a model's repeated layer shapes are probed once.
+    First the rules known to crash the kernel (`_static_problem`), then a probe on this very
+    shape: a random layer run through the kernel on 1, 3 and 17 rows and compared with the
+    reference path; an exception or an error over 2% of the output's scale is a problem.
+    Cached per shape.
     """
     static = _static_problem(bits, in_features, group_size)
     if static is not None:
@@ -246,12 +232,8 @@ def fused_problem(bits: int, out_features: int, in_features: int, group_size: in
 @functools.cache
 def fused_available(bits: int, device: str = "cpu", compute_dtype: torch.dtype = torch.bfloat16
                     ) -> bool:
-    """Does this torch have a working fused int``bits`` matmul on ``device``?
-
-    Probes a typical layer (64 × 256; int4 groups of 64) with `fused_problem`. A model's own
-    layer shapes are probed again when it is quantized: a kernel can work here and still
-    reject (or miscompute) a particular shape.
-    """
+    """Does this torch have a working fused int``bits`` matmul on ``device``? Probes a typical
+    layer (64 × 256) with `fused_problem`; `quantize` still probes each layer shape."""
     return fused_problem(bits, 64, 256, 64 if bits == 4 else None, str(device),
                          compute_dtype) is None
 
@@ -271,8 +253,8 @@ def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
     """``x @ (w * scales[:, None])ᵀ + bias`` with ``x`` [M, K] quantized per row: int8 × int8
     products summed in int32 (exact), then the two scales. ``w`` int8 [N, K], ``scales`` [N]."""
     q, s = quantize_rows(x)
-    # int8 × int8 products summed exactly: float64 holds every integer below 2^53, and every
-    # CPU multiplies it fast (an int32 matmul gives the same sums, many times slower)
+    # float64 holds every integer below 2^53, so its matmul sums the products exactly (and
+    # runs faster than an int32 one)
     acc = q.double() @ w.double().t()  # (M, N)
     y = acc.float() * s[:, None] * scales.float()
     return y if bias is None else y + bias.float()
@@ -314,11 +296,9 @@ IMPL_NAMES = {"integer": "integer (W8A8)", "fused": "fused (weight-only)",
 def int8_choice(out_features: int, in_features: int, device: str = "cpu",
                 compute_dtype: torch.dtype = torch.bfloat16) -> Int8Choice:
     """The int8 kernel ``quantize(model, "int8")`` gives a layer of this shape: W8A8 where the
-    CPU adds int8 products in int32 (`int8_dot_products`: there it beats weight-only int8 at
-    every batch size), else the fused weight-only kernel, else the reference path. The choice
-    depends on the machine, never on a timing, and never on the batch: W8A8 computes
-    `w8a8_reference` whatever the number of rows, so a row's tokens do not depend on who else
-    is in the batch."""
+    CPU has int8 dot-product instructions (`int8_dot_products`), else the fused weight-only
+    kernel, else the reference path. The choice depends on the machine, never on a timing or
+    on the batch."""
     shape = (out_features, in_features)
     dots = int8_dot_products() if integer_problem(*shape, device) is None else None
     if dots is not None:
@@ -331,9 +311,8 @@ def int8_choice(out_features: int, in_features: int, device: str = "cpu",
 
 
 def quantization_summary(model: nn.Module) -> str:
-    """Which kernel each quantized layer of ``model`` runs, in a few lines: a count per kernel,
-    then, for a model from ``quantize(model, "int8")`` (``impl="auto"``), the choice made for
-    each layer shape and why (`int8_choice`)."""
+    """Which kernel each quantized layer of ``model`` runs: a count per kernel, then, after
+    ``quantize(model, "int8")``, each layer shape's `int8_choice`."""
     counts: dict[str, int] = {}
     bits = set()
     for m in model.modules():
@@ -345,14 +324,11 @@ def quantization_summary(model: nn.Module) -> str:
     head = ", ".join(f"{n} {IMPL_NAMES[impl]}" for impl, n in sorted(counts.items()))
     lines = [f"int{'/'.join(str(b) for b in sorted(bits))} layers: {head}"]
     choices: dict[str, Int8Choice] = getattr(model, "int8_choices", {})
-    seen: dict[tuple[int, int], int] = {}
+    seen = Counter(c.shape for c in choices.values())
+    first: dict[tuple[int, int], Int8Choice] = {}
     for c in choices.values():
-        seen[c.shape] = seen.get(c.shape, 0) + 1
-    shown = set()
-    for c in choices.values():
-        if c.shape not in shown:
-            shown.add(c.shape)
-            lines.append(f"  {c} [{seen[c.shape]} layer(s)]")
+        first.setdefault(c.shape, c)
+    lines += [f"  {c} [{seen[shape]} layer(s)]" for shape, c in first.items()]
     return "\n".join(lines)
 
 
@@ -375,9 +351,8 @@ class QuantizedLinear(nn.Module):
       ``scales_zeros`` tensor [K/group, N, 2], as the kernel wants them);
     * ``bias`` in float, when the layer has one.
 
-    The integer path (``impl="integer"``) stores what the reference path stores, and besides it
-    each weight row's sum for minifer's one-row kernel (not a buffer: rebuilt when missing,
-    e.g. after loading a state dict).
+    The integer path also keeps each weight row's sum for the one-row kernel (not a buffer:
+    rebuilt when missing, e.g. after loading a state dict).
     """
 
     def __init__(self, in_features: int, out_features: int, bits: int, *,
@@ -408,9 +383,8 @@ class QuantizedLinear(nn.Module):
         """Quantize an `nn.Linear` (its weight is read, not changed).
 
         ``group_size`` (int4): None picks `default_group_size` of this layer. ``impl="fused"``
-        raises a ValueError for a shape the kernel is known not to take (int8: ``in_features``
-        not a multiple of 16; int4: a group size other than 32/64/128/256); `quantize` checks
-        each layer with `fused_problem` and falls back per layer instead.
+        raises a ValueError for a shape `_static_problem` rules out; `quantize` instead falls
+        back per layer.
         """
         if bits not in (8, 4):
             raise ValueError(f"bits must be 8 or 4, got {bits!r}")
@@ -530,38 +504,28 @@ def _nbytes(t: torch.Tensor | None) -> int:
 def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
              impl: str = "auto", compute_dtype: torch.dtype = torch.bfloat16,
              include_lm_head: bool = True) -> nn.Module:
-    """A new model in ``precision`` (``"fp32" | "bf16" | "fp16" | "int8" | "int4"``).
+    """A new model in ``precision`` (``"fp32" | "bf16" | "fp16" | "int8" | "int4"``); the
+    input model is deep-copied, not changed.
 
-    The input model is not changed (it is deep-copied, then the copy's layers are swapped).
+    * float precisions cast the whole copy; a bf16 copy is then handed to `hooks.prepare_bf16`
+      (the speed-ups' prepacked bf16 layers, where the CPU has them);
+    * ``"int8"``/``"int4"`` replace every `nn.Linear` by a `QuantizedLinear`. ``group_size``
+      (int4) must divide every layer's ``in_features``; None picks `default_group_size`.
 
-    * float precisions cast the whole copy (weights, norms, embeddings) to that dtype; a bf16
-      copy is then handed to `hooks.prepare_bf16` (with the speed-ups: layers on prepacked
-      weights where the CPU has a fast bf16 product, `minifer.fast`);
-    * ``"int8"``/``"int4"`` replace every `nn.Linear` by a `QuantizedLinear` (weight-only; the
-      activations stay in the model's dtype). ``group_size`` is the int4 group: it must divide
-      every layer's ``in_features``; None (the default) picks `default_group_size`, the largest
-      of 128/64/32 that does (128 for GPT-2 and the reference model, 64 for the Shakespeare
-      models). ``impl``: ``"fused"`` (torch's weight-only kernels; error if they do not work
-      here at all), ``"reference"`` (dequantize-then-matmul), ``"integer"`` (int8 only, CPU:
-      W8A8 on the CPU's integer units, module doc, each layer checked with `integer_problem`;
-      its error is larger: activations rounded to 8 bits), or ``"auto"``. ``"auto"`` with
-      int8 gives each layer shape `int8_choice`'s kernel (W8A8 where the CPU has int8
-      dot-product instructions; the choices are kept in the new model's ``int8_choices`` and
-      `quantization_summary` prints them); with int4, fused where the probe succeeds, else
-      reference with a warning. With ``"fused"`` and ``"auto"``, every layer shape is checked
-      with `fused_problem`: a layer no kernel can take (fused int8: ``in_features`` not a
-      multiple of 16; int4: ``out_features`` not a multiple of 16 on the CPU, or a group size
-      other than 32/64/128/256) runs on the reference path, with a warning that names it.
-      ``compute_dtype`` is the activation dtype of the fused kernels. ``include_lm_head=False``
-      keeps the output head in float (and a tied head tied). With ``True`` (the default) a head
-      tied to the embedding is quantized as a copy and the embedding stays float (module doc),
-      unless only the reference path could run it (``impl="auto"`` on a shape or torch the
-      fused kernel does not take, e.g. int4 with GPT-2's 50,257 output rows on a CPU): then it
-      stays float and tied, since rebuilding it at every step would cost more than reading it.
+    ``impl``: ``"fused"`` (an error if torch's kernels do not work here at all),
+    ``"reference"``, ``"integer"`` (int8 W8A8, CPU only; larger error: activations rounded to
+    8 bits) or ``"auto"``: for int8, `int8_choice`'s kernel per layer shape (kept in the new
+    model's ``int8_choices``, printed by `quantization_summary`); for int4, fused where it
+    works. With ``"fused"`` and ``"auto"``, a layer shape `fused_problem` rejects runs on the
+    reference path, with a warning that names it. ``compute_dtype`` is the fused kernels'
+    activation dtype. ``include_lm_head=False`` keeps the output head in float (and a tied
+    head tied); with True a tied head is quantized as a copy (module doc), unless only the
+    reference path could run it under ``"auto"``: then it stays float and tied, since
+    rebuilding it at every step costs more than reading it.
 
     Exactness: the reference path computes exactly ``x @ dequantize()ᵀ`` in the activation
-    dtype; the fused path rounds activations to ``compute_dtype`` (bf16), so its logits differ
-    from the reference path's in the low digits and are not bit-identical across CPUs.
+    dtype; the fused path rounds activations to ``compute_dtype``, so its logits differ in the
+    low digits and are not bit-identical across CPUs.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
@@ -680,12 +644,9 @@ def _warn_unfused(unfused: dict[str, list[str]], impl: str, bits: int) -> None:
 
 
 def _linear_targets(model: nn.Module, include_lm_head: bool) -> list[tuple[str, nn.Linear]]:
-    """The `nn.Linear` layers to quantize: all of them, or all but the output head.
-
-    A layer that shares its weight with an embedding (a tied head) is included too: quantizing
-    it builds new integer buffers from the shared matrix and replaces only the linear module, so
-    the embedding keeps the float matrix.
-    """
+    """The `nn.Linear` layers to quantize: all of them, or all but the output head (a tied
+    head included: quantizing it replaces only the linear module, the embedding keeps the
+    float matrix)."""
     embedding_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
     out = []
     for name, m in model.named_modules():

@@ -38,13 +38,12 @@ _F32_MAX = torch.finfo(torch.float32).max
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop; validated on construction.
+    """How to pick tokens and when to stop, validated on construction; names follow vLLM's.
 
-    Names follow vLLM so what you learn here transfers. ``temperature=0`` is greedy decoding.
-    `seed` (an integer in [0, 2**64)) makes sampling reproducible: each prompt gets its own
-    generator seeded with it, so a prompt gives the same text alone or inside a batch.
-    Numbers may be Python or NumPy scalars (NumPy ones are stored as Python int/float);
-    ``logit_bias`` maps token ids to numbers, ±inf included (see the module docstring).
+    ``temperature=0`` is greedy. `seed` makes sampling reproducible: each prompt gets its own
+    generator seeded with it, so a prompt gives the same text alone or inside a batch. Numbers
+    may be NumPy scalars (stored as Python ones); ``logit_bias`` maps token ids to numbers,
+    ±inf included (module doc).
     """
 
     temperature: float = 1.0
@@ -84,11 +83,8 @@ class SamplingParams:
 
     @property
     def plain_argmax(self) -> bool:
-        """Greedy with nothing that can move the argmax: the raw logits' argmax is the token.
-
-        Top-k and top-p keep the largest logit and every tie with it, so they never move the
-        argmax; a logit bias or a repetition penalty can.
-        """
+        """Greedy with nothing that can move the argmax (top-k and top-p keep it and its ties;
+        a logit bias or a repetition penalty can): the raw logits' argmax is the token."""
         return self.greedy and not self.logit_bias and self.repetition_penalty == 1.0
 
 
@@ -117,11 +113,8 @@ def _as_logit_bias(bias) -> dict[int, float]:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL's penalty on ``(B, V)`` logits for the tokens marked in the boolean mask `seen` ``(B, V)``.
-
-    The penalty is clamped into float32's normal range, so that it never acts as 0 or inf
-    (0 / 0 and inf / inf would be NaN).
-    """
+    """CTRL's penalty on ``(B, V)`` logits for the tokens marked in the bool mask `seen`
+    ``(B, V)``, clamped into float32's normal range so it never acts as 0 or inf (NaN)."""
     if penalty == 1.0:
         return logits
     f32 = torch.finfo(torch.float32)
@@ -164,12 +157,9 @@ def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probabilities sum to at least `p`.
-
-    Ties are kept, as in `apply_top_k`: every token whose logit equals the last one the set
-    needs is kept too, so which of several equally likely tokens survive never depends on the
-    order a sort leaves them in. The most likely token is always kept.
-    """
+    """Keep the smallest set of most likely tokens whose probabilities sum to at least `p`
+    (always the most likely one), and every token tied with the last one the set needs, so
+    which of equally likely tokens survive never depends on a sort's order."""
     if p >= 1.0:
         return logits
     sorted_logits = torch.sort(logits, dim=-1, descending=True).values
@@ -275,13 +265,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | No
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One index per row of ``(..., V)`` non-negative weights, drawn in proportion to them.
-
-    Inverse CDF on one uniform number per row: the first index whose cumulative weight exceeds
-    ``u × total``. Unlike ``torch.multinomial``, whose algorithm changed between torch releases,
-    a seed gives the same token on every torch version and CPU (the sums are in float64).
-    Zero weights are never drawn.
-    """
+    """One index per row of ``(..., V)`` non-negative weights, drawn in proportion to them
+    (zero weights never): the first index whose cumulative weight exceeds ``u × total``, for
+    one uniform ``u`` per row. Unlike ``torch.multinomial``, a seed gives the same token on
+    every torch version and CPU (the sums are in float64)."""
     dtype = torch.float32 if probs.device.type == "mps" else torch.float64  # MPS has no float64
     cdf = probs.to(dtype).cumsum(-1)
     u = torch.rand((*probs.shape[:-1], 1), generator=generator, dtype=dtype, device=probs.device)

@@ -190,11 +190,11 @@ class Sequence:
             reason = "eos"
         elif len(c.token_ids) >= self.params.max_new_tokens:
             reason = "length"
-        if reason is not None and reason != "stop" and self.stopper is not None:
-            text += self.stopper.flush()
-            if self.stopper.stopped:  # the held-back text completed a stop string only at the end
-                reason = "stop"
         if self.stopper is not None:
+            if reason in ("eos", "length"):
+                text += self.stopper.flush()
+                if self.stopper.stopped:  # the held-back text completed a stop string at the end
+                    reason = "stop"
             self._texts.append(text)
             if reason is not None:
                 c.text = "".join(self._texts)

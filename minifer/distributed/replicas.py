@@ -5,10 +5,10 @@ up every step. Replicas split the work the other way: each is a whole `LLMEngine
 process (`EngineProcess`) with a share of `max_num_seqs` and of the KV pool, and no replica waits
 for another (vLLM's data parallelism, ``--data-parallel-size``).
 
-``max_num_seqs=32`` over 2 replicas is 16 seats each. A new request goes to the live replica
-with the fewest requests in flight. A replica that dies leaves the routing at once: its requests
-end with a 503, ``/health`` says "degraded", and it is restarted in the background (at most
-`MAX_RESTARTS` times). The weights are shared (one copy); prefix caching works per replica.
+A new request goes to the live replica with the fewest requests in flight. A replica that dies
+leaves the routing at once: its requests end with a 503, ``/health`` says "degraded", and it is
+restarted in the background (at most `MAX_RESTARTS` times). The weights are shared (one copy);
+prefix caching works per replica.
 """
 
 from __future__ import annotations

@@ -281,8 +281,7 @@ class AsyncEngine:
 def check_loop_options(max_waiting: int, threads: int | str | None) -> None:
     """`max_waiting` a positive integer; `threads` None, ``"auto"`` or a positive integer."""
     check_int("max_waiting", max_waiting, 1)
-    if threads not in (None, "auto"):
-        check_threads(threads)
+    check_threads(threads)
 
 
 def add_request(engine: Any, rid: str, prompt, params, priority: int, options: dict,

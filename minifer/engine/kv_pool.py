@@ -6,9 +6,8 @@
 many per prompt chunk — through the model as one sequence: `PackedBatch` is that call's cache
 (a `minifer.cache.PackedKVCache`). It writes each new token's K/V once, into its slot, and
 lets each row attend only to its own tokens, gathered from their slots: the readable
-reference. `minifer.fast.paged` plugs in at `hooks.packed_attention` with faster reads (whole
-blocks, decode rows batched, or a paged-attention kernel, `paged_attention`) that give each
-row the same attention (tested against this reference and the static cache).
+reference, which `minifer.fast.paged` replaces (at `hooks.packed_attention`) with faster
+reads giving each row the same attention.
 """
 
 from __future__ import annotations
@@ -75,8 +74,7 @@ class PagedKVPool:
 
         Shape ``(n_layer, 2, num_tokens, kv_heads, head_dim)`` (K at index 0, V at 1), contiguous:
         exactly ``bytes_per_token × num_tokens`` bytes, what disaggregated serving sends from
-        the prefill worker to the decode worker (`minifer.distributed.disagg`). Only the tokens'
-        slots are copied, not the unfilled tail of the last block.
+        the prefill worker to the decode worker.
         """
         check_int("num_tokens", num_tokens, 1)
         if len(table) * self.block_size < num_tokens:

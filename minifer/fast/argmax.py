@@ -1,12 +1,10 @@
 """The greedy argmax in chunks: the same answer as ``logits.argmax(dim=-1)``, faster on a CPU.
 
-Reference: `minifer.hooks.argmax` (torch's argmax). On the CPU torch's argmax keeps an index
-beside every comparison and runs several times slower than its plain maximum, which shows at
-large batches over a large vocabulary (BENCHMARKS.md). So a row is cut into chunks: each chunk's
-maximum (a plain max-reduction), the first chunk holding the row's maximum (an argmax over a few
-hundred numbers), then the first maximum inside that chunk. The first chunk holding the maximum
-holds its first index, so the answer is argmax's exactly, NaN included (a chunk's max is NaN
-where it holds one, and argmax takes NaN as the largest). Tested equal in tests/test_sampling.py.
+Reference: `minifer.hooks.argmax` (torch's argmax), which on the CPU keeps an index beside
+every comparison and runs slower than a plain maximum. So a row is cut into chunks: each chunk's
+maximum, the first chunk holding the row's maximum, then the first maximum inside that chunk:
+argmax's answer exactly, NaN included (a chunk's max is NaN where it holds one, and argmax takes
+NaN as the largest).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """bf16 at batch 1: a matrix-vector kernel for the CPU's AVX512-BF16 instructions.
 
 A decode step at batch 1 multiplies one row by every weight matrix, so its time is the time to
-read the weights, half of fp32's bytes in bf16. oneDNN's bf16 product (`minifer.prepack`) can
-read them slower than the same library reads fp32 (BENCHMARKS.md measures it), so bf16 at
-batch 1 gained less over fp32 than its halved bytes promise.
-`bf16_reference` says in two lines what the product is: float32 products and sums of the bf16
-numbers, rounded once to bf16. ``csrc/bf16_gemv.cpp`` computes that with AVX512-BF16's
-``vdpbf16ps`` (32 bf16 multiply-adds per instruction into float32), four weight rows per pass
-over ``x``, prefetched, the rows split over torch's threads. Its sums run in another order than
-the reference's, so the two agree to float32 rounding before the last bf16 rounding (tested).
+read the weights, half of fp32's bytes in bf16; oneDNN's bf16 product (`minifer.fast.prepack`) can
+read them slower than it reads fp32.
 
-`Bf16Gemv` builds it the first time it is needed, only on CPUs with AVX512-BF16 (Intel since
-Cooper Lake, AMD since Zen 4). Everywhere else, and where the build fails (it warns once), a
+Reference: `bf16_reference`, float32 products and sums of the bf16 numbers, rounded once to
+bf16. ``csrc/bf16_gemv.cpp`` computes that with AVX512-BF16's ``vdpbf16ps``, four weight rows
+per pass over ``x``, the rows split over torch's threads; its sums run in another order, so the
+two agree to float32 rounding before the last bf16 rounding. `Bf16Gemv` builds it when first
+needed, only on CPUs with AVX512-BF16; elsewhere, or where the build fails (it warns once), a
 prepacked layer keeps to oneDNN.
 """
 

@@ -1,23 +1,19 @@
 """The decode step compiled by `torch.compile`, and when to compile it again.
 
 Reference: the eager lean step (`minifer.fast.decode.LeanStep`), which ``generate`` runs by
-default; ``generate(..., compile=True)`` runs this instead. fp32 greedy tokens are identical to
-eager (tests/test_fast_decode.py). What is compiled is the fixed-shape lean step: it attends
-over the whole preallocated cache through a mask, so every tensor has the same shape at every
-step and torch compiles one graph per batch size and cache length (``fullgraph=True``: a graph
-break is an error, not a silent slow path). On CUDA the default mode is ``"reduce-overhead"``:
-the step is captured as a CUDA graph and replayed with one launch.
+default; ``generate(..., compile=True)`` runs this instead, with identical fp32 greedy tokens.
+The fixed-shape lean step attends over the whole preallocated cache through a mask, so torch
+compiles one graph per batch size and cache length (``fullgraph=True``: a graph break is an
+error, not a silent slow path). On CUDA the default mode is ``"reduce-overhead"`` (CUDA graphs).
 
 On a CPU the default also **freezes** the weights (inductor's ``freezing``): they become
-constants of the graph, each linear weight prepacked into oneDNN's (bf16: AMX where present) or
-MKL's (fp32) blocked layout, with fused C++ kernels for everything between the matmuls (it needs
-a C++ compiler). Frozen weights are a copy, so the step is compiled again when a model's
+constants of the graph, prepacked into oneDNN's or MKL's blocked layout, with fused C++ kernels
+between the matmuls. Frozen weights are a copy, so the step is compiled again when a model's
 weights have changed (`unfreeze_if_changed`).
 
-torch compiles again for every thread count it meets (its guards include the count), which
-takes seconds. So when the thread governor (`minifer.fast.threads`) moves to a count a shape has
-no graph for, that shape's steps run eager until they have taken as long as compiling it did the
-first time, and only then is it compiled for the new count (`ShapeThreads`).
+torch compiles again for every thread count it meets, which takes seconds; so at a count the
+thread governor moves to, a shape's steps run eager until they have taken as long as its first
+compile did, and only then is it compiled for that count (`ShapeThreads`).
 """
 
 from __future__ import annotations
@@ -120,13 +116,10 @@ def unfreeze_if_changed(model: torch.nn.Module) -> None:
 
 
 class ShapeThreads:
-    """The thread counts one compiled shape has graphs for, and when to compile another.
-
-    At a count with no graph, steps run eager (the same tokens in fp32) until the time spent
-    eager at that count equals what compiling the shape took the first time; then it compiles
-    for that count too. A stall no longer than the time already spent: at most twice the cost
-    of the better choice in hindsight, whether the new count lasts a few steps or for good
-    (the ski-rental rule)."""
+    """The thread counts one compiled shape has graphs for, and when to compile another: at a
+    count with no graph, steps run eager until the time spent there equals the shape's first
+    compile; then it compiles for that count too. At most twice the cost of the better choice
+    in hindsight, however long the new count lasts (the ski-rental rule)."""
 
     def __init__(self) -> None:
         self.counts: set[int] = set()

@@ -1,17 +1,14 @@
 """W8A8 faster, with the same numbers: minifer's VNNI kernel for one row, ``torch._int_mm`` for more.
 
 Reference: `minifer.quantization.w8a8_reference`: quantize each row of ``x`` to int8 with its
-own scale, multiply-add in integers (exact sums), scale back. Both kernels here
-compute exactly that, bit for bit (tests/test_int8_gemv.py), so a W8A8 layer gives the same
-numbers at every batch size, with the speed-ups or without.
+own scale, multiply-add in integers (exact sums), scale back. Both kernels here compute exactly
+that, bit for bit, so a W8A8 layer gives the same numbers at every batch size.
 
 - One row (a decode step at batch 1): ``csrc/int8_gemv.cpp``, a matrix-vector kernel for
-  AVX-512 VNNI (``vpdpbusd``: 64 byte products per instruction into int32), four weight rows per
-  pass over ``x``, the rows split over torch's threads. `Int8Gemv` builds it the first time it
-  is needed (`minifer.fast.native`; seconds, cached on disk), only on CPUs with AVX-512 VNNI
-  (Intel since Cascade Lake, AMD since Zen 4), and not where ``ATEN_CPU_CAPABILITY`` asks torch
-  itself for AVX2 or less. Elsewhere, or where the build fails (it warns once and says why),
-  one row goes the way of many.
+  AVX-512 VNNI (``vpdpbusd``), four weight rows per pass over ``x``, the rows split over
+  torch's threads. `Int8Gemv` builds it when first needed (`minifer.fast.native`), only on
+  CPUs with AVX-512 VNNI and not where ``ATEN_CPU_CAPABILITY`` asks torch for AVX2 or less.
+  Elsewhere, or where the build fails (it warns once), one row goes the way of many.
 - More rows: `w8a8_int_mm`, the integer product in ``torch._int_mm`` (oneDNN's int8 GEMM),
   where its sums are exact here (`INT_MM_EXACT`); else the reference itself.
 """
@@ -32,10 +29,9 @@ VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_v
 
 
 def _int_mm_exact() -> bool:
-    """Does ``torch._int_mm`` return exact sums here? (torch 2.4 on x86 CPUs without VNNI adds
-    pairs of products in int16 and clips them, as does oneDNN capped at AVX2; lesson 09 shows
-    it.) Checked once, on random int8 operands of a few shapes, and on operands whose pair sums
-    overflow int16 where a kernel widens them to unsigned bytes."""
+    """Does ``torch._int_mm`` return exact sums here? (Some builds add pairs of products in
+    int16 and clip them.) Checked once, on random int8 operands of a few shapes, and on
+    operands whose pair sums overflow int16."""
     try:
         g = torch.Generator().manual_seed(0)
         cases = [(torch.full((4, 64), -127, dtype=torch.int8),
@@ -54,9 +50,8 @@ INT_MM_EXACT = _int_mm_exact()
 def w8a8_int_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """`w8a8_reference` with the integer product in ``torch._int_mm`` (int8 × int8 → int32, the
-    same sums): what a compiled step runs where it cannot call the C++ kernel, since
-    `torch.compile` traces through it.
-    Where ``torch._int_mm`` is not exact (`INT_MM_EXACT`), the reference instead."""
+    same sums), which `torch.compile` can trace; where it is not exact (`INT_MM_EXACT`), the
+    reference instead."""
     if not INT_MM_EXACT or x.shape[1] < 2:
         return w8a8_reference(x, w, scales, bias)
     q, s = quantize_rows(x)

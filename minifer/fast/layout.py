@@ -3,11 +3,11 @@
 Reference: torch's default layout, which `minifer.hooks.lay_out_weights` leaves in place.
 `F.linear` multiplies by the weight's transpose; stored column-major (still shaped
 ``(out, in)``, laid out as its transpose ``(in, out)`` row-major) that transpose is a plain
-row-major matrix, the case torch's CPU GEMM is fastest at (BENCHMARKS.md has the measurements).
-The math is the same; only the order of the sums inside the GEMM changes, so fp32 logits agree
-to rounding and greedy tokens are identical (tests/test_fast.py). A tied output layer is the
-token embedding too: a lookup then reads a strided column. Parameters keep their layout through
-`load_state_dict`, `.to()` and `deepcopy`; checkpoints are saved contiguous.
+row-major matrix, the case torch's CPU GEMM is fastest at. Only the order of the sums inside
+the GEMM changes, so fp32 logits agree to rounding and greedy tokens are identical. A tied
+output layer is the token embedding too: a lookup then reads a strided column. Parameters keep
+their layout through `load_state_dict`, `.to()` and `deepcopy`; checkpoints are saved
+contiguous.
 """
 
 from __future__ import annotations

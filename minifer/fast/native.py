@@ -2,11 +2,11 @@
 
 minifer ships small kernels as C++ sources (``serve/csrc/paged_decode.cpp``,
 ``csrc/int8_gemv.cpp``, ``csrc/bf16_gemv.cpp``). `torch.utils.cpp_extension` compiles each the
-first time a process needs it (seconds) and caches the build on disk for later processes. The
-build's name holds the torch version and the vector instructions it was built for, so a cache
-shared by machines of different CPUs never loads a build made for another. Every caller keeps a pure-torch path for
-where no build is possible (no compiler or ninja, another architecture). `NativeKernel` is what
-the matrix-vector kernels share: the CPU check, one build per process, a warning when it fails.
+first time a process needs it and caches the build on disk. The build's name holds the torch
+version and the vector instructions it was built for, so a cache shared by different CPUs never
+loads another's build. Every caller keeps a pure-torch path for where no build is possible.
+`NativeKernel` is what the matrix-vector kernels share: the CPU check, one build per process,
+a warning when it fails.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Paged attention for a packed serving step, planned for speed; equal to `PackedBatch`'s
-per-row reference (`PackedBatch.attend_rows`) to float rounding (tests/test_fast.py).
+"""Paged attention for a packed serving step, planned for speed.
+
+Reference: `PackedBatch.attend_rows`, equal to float rounding.
 
 The reference makes one attention call per row and gathers every token's K/V slot by slot.
 Here a step's plan is built once and serves every layer:

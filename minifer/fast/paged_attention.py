@@ -1,22 +1,20 @@
 """Decode attention that reads the paged K/V pool where it lies.
 
 A decode row has one new query per head and attends to its ``lengths[b]`` cached tokens, which
-sit in the blocks ``block_table[b]`` of the pool. `paged_decode_attention` writes that out in
-a dozen lines of tensor math: look the row's blocks up in the pool, score every cached key
-against the query, mask the unused tail of the last block, softmax, and sum the values.
+sit in the blocks ``block_table[b]`` of the pool. Reference: `paged_decode_attention`, the same
+in tensor math: look the row's blocks up, score every cached key against the query, mask the
+unused tail of the last block, softmax, and sum the values.
 
-Run eagerly, ``k_pool[block_table]`` *copies* every row's K/V into a new tensor before the
-scores are taken (as `minifer.fast.paged`'s ``"blocks"`` read does with `index_select`): as
-many bytes written as attention then reads. A paged-attention kernel (vLLM's, on GPUs) follows the
+Run eagerly, ``k_pool[block_table]`` *copies* every row's K/V into a new tensor first: as many
+bytes written as attention then reads. A paged-attention kernel (vLLM's, on GPUs) follows the
 block table inside its loops instead, so each cached key and value is read once, in place.
 `PagedDecodeKernel` runs one:
 
-- on CPU (float32), ``csrc/paged_decode.cpp``: ~60 lines of C++ doing exactly the reference's
-  math, rows split over torch's threads, the next tokens' K/V prefetched from memory; built by
-  `torch.utils.cpp_extension` the first time it is needed (about 15 s; cached on disk for
-  later processes);
-- elsewhere (CUDA, other dtypes), the reference itself through `torch.compile`, which fuses
-  the block lookup into the loads of the kernels it generates (Triton on CUDA).
+- on CPU (float32), ``csrc/paged_decode.cpp``: the reference's math in C++, rows split over
+  torch's threads, the next tokens' K/V prefetched; built by `torch.utils.cpp_extension` when
+  first needed and cached on disk;
+- elsewhere (CUDA, other dtypes), the reference through `torch.compile`, which fuses the block
+  lookup into the loads of the kernels it generates.
 
 Where neither can be built (no C++ compiler, no ninja) it warns once, says why, and computes
 the same attention eagerly: slower, never wrong.

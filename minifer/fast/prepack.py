@@ -1,24 +1,18 @@
 """Linear layers whose weights are prepacked once for oneDNN: faster CPU decode, same math.
 
 `F.linear` hands torch's CPU matmul the weight in its stored layout, ``(out, in)`` row-major,
-and the kernel re-blocks it for its vector registers on every call. At decode, where each
-token multiplies a few rows by every weight of the model, that re-blocking and a layout the
-kernel was not tuned for are a large part of the step (BENCHMARKS.md, "bf16 prepacked by
-default"). Prepacking is what `torch.compile`'s CPU "freezing" does to a graph's weights, and what
-OpenVINO and CTranslate2 do when they load a model; `prepack` does it in eager mode, layer
-by layer, with oneDNN's own ops (``torch.ops.mkldnn``).
+and the kernel re-blocks it for its vector registers on every call: at decode, a large part of
+the step. Prepacking is what `torch.compile`'s CPU "freezing" does to a graph's weights;
+`prepack` does it in eager mode, layer by layer, with oneDNN's own ops (``torch.ops.mkldnn``).
 
-The packed weight is a second copy of each linear weight, in oneDNN's blocked layout, kept
-beside the ordinary ``weight`` parameter (so `state_dict`, `model_bytes`, tied embeddings
-and `.to()` keep working; the pack is rebuilt after `.to()` or a loaded state dict). Results
-equal `F.linear`'s up to float rounding (the sums run in another order): greedy tokens of the
-shipped model are unchanged (tested). CPU only, float32 and bfloat16; with gradients enabled
-(training), and inside `torch.compile` (whose CPU freezing packs the weights itself), a layer
-computes with `F.linear` instead; a weight changed in place (an optimizer step) is packed again
-at the next call. A bf16 layer given one row (a decode step at batch 1)
-runs minifer's own AVX512-BF16 kernel where the CPU has it (`minifer.bf16_gemv`): it reads the
-plain weight faster than oneDNN reads its pack at one row. The model-level functions store
-bf16 weights row-major, the layout that kernel reads, so it needs no second copy of them.
+Reference: `F.linear`. The packed weight is a second copy of each linear weight, in oneDNN's
+blocked layout, kept beside the ordinary ``weight`` parameter (so `state_dict`, `model_bytes`,
+tied embeddings and `.to()` keep working; the pack is rebuilt after `.to()` or a loaded state
+dict). Results equal `F.linear`'s up to float rounding (the sums run in another order). CPU
+only, float32 and bfloat16; with gradients enabled, and inside `torch.compile`, a layer
+computes with `F.linear` instead; a weight changed in place is packed again at the next call.
+A bf16 layer given one row (batch 1) runs minifer's own AVX512-BF16 kernel where the CPU has
+it (`minifer.fast.bf16_gemv`), which reads the plain row-major weight, so no second copy.
 
 `prepare_bf16` is `minifer.hooks.prepare_bf16`'s speed-up: ``quantize(model, "bf16")`` packs
 the new model's layers by default where oneDNN packs bf16 on this CPU (`minifer.fast` says why).

@@ -1,24 +1,19 @@
 """How many CPU threads torch should use, on a machine other programs may be using too.
 
-Eager decoding runs ~150 small operations per token, and torch splits each one across its
-threads, which then wait for each other at the end of every operation. When another program
-holds one of the cores, the thread that landed there arrives late at *every* one of those
-waits, and a 2-thread decode can run several times slower than a 1-thread one
-(`python -m minifer_course.bench threads` measures it). Students' laptops are such machines.
+Eager decoding runs many small operations per token, and torch's threads wait for each other at
+the end of every one. When another program holds one of the cores, the thread that landed there
+arrives late at *every* wait, and a 2-thread decode can run several times slower than a 1-thread
+one. Students' laptops are such machines.
 
-`auto_threads` picks the number of cores that are idle right now (read from the kernel's CPU
-counters over a short interval, not the load average, which trails by a minute), and
-`apply_threads` sets it: ``threads="auto"``. A count set once cannot follow a load that starts
-later, so with ``threads="auto"`` a long-running loop keeps a `ThreadGovernor`, which re-sets the
-count between steps: it takes a thread away as soon as its threads are seen waiting for a core
-(`run_queue_wait`), and gives it back after a second of work in which the *other* programs (all
-busy time less this process's own) left a core free. The server's engine loop
-(`serving_threads`; ``--threads auto``, its default) and `generate` / `speculative_generate`
-with ``threads="auto"`` (`generation_threads`) run one. Only when asked: by default
-`generate` leaves torch's count as it is and reads no CPU counters (``threads=n`` fixes it
-for the call). ``OMP_WAIT_POLICY=passive`` (set before torch starts) makes threads sleep
-instead of spinning while they wait; `python -m minifer_course.bench threads` measures it
-beside the counts.
+`auto_threads` picks the number of cores idle right now (from the kernel's CPU counters over a
+short interval, not the lagging load average) and `apply_threads` sets it. A count set once
+cannot follow a load that starts later, so with ``threads="auto"`` a long-running loop keeps a
+`ThreadGovernor`, which re-sets the count between steps: one thread fewer as soon as its threads
+are seen waiting for a core (`run_queue_wait`), one back after a second of work in which the
+*other* programs left a core free. The server's engine loop (`serving_threads`) and `generate`
+with ``threads="auto"`` (`generation_threads`) run one; by default `generate` leaves torch's
+count as it is and reads no counters. ``OMP_WAIT_POLICY=passive`` (set before torch starts)
+makes waiting threads sleep instead of spinning.
 """
 
 from __future__ import annotations
@@ -98,11 +93,8 @@ def run_queue_wait() -> float | None:
     over its threads (Linux ``/proc/self/task/*/schedstat``; None elsewhere; always 0 where the
     kernel keeps no scheduler statistics).
 
-    It is the direct sign of a core taken by someone else: two torch threads alone on two cores
-    wait well under 1% of the time, beside a program that keeps one core busy they wait 50-150%
-    of a core's time (each of them in turn), and one thread beside it does not wait at all. The
-    CPU counters (`cpu_times`) see it late: spinning threads crowd the other program out, so
-    it shows as less than half a core while it wants a whole one."""
+    It is the direct sign of a core taken by someone else. The CPU counters (`cpu_times`) see
+    it late: spinning threads crowd the other program out, so it shows as less than it wants."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -116,7 +108,6 @@ def run_queue_wait() -> float | None:
         except (OSError, IndexError, ValueError):  # the thread ended meanwhile
             continue
     return total / 1e9 if found else None
-
 
 
 @dataclass(frozen=True)
@@ -145,9 +136,8 @@ class _Window:
         self.waited_s += max(0.0, after.waited_s - before.waited_s)  # an ended thread's leaves
 
 
-# Our threads waiting for a core this much of the time (cores' worth) means another program
-# wants at least about half a core (the counters' rounding): alone, two threads wait under
-# 0.01 (`run_queue_wait`), beside a program that keeps a core busy 0.5-0.95.
+# Our threads waiting for a core this much of the time (cores' worth): another program wants
+# about half a core or more; threads alone wait next to nothing.
 CONTENDED = 0.35
 
 
@@ -159,9 +149,8 @@ class ThreadGovernor:
     only reads the clock). Two signals decide the count:
 
     - *Our threads wait for a core* (`run_queue_wait`): a `sample_s` of readings in which
-      they waited `CONTENDED` of the time or more takes one thread away at once. Threads
-      beside a busy core run several times slower, so a load that starts must be met within a
-      fraction of a second, and it is this wait that shows it first.
+      they waited `CONTENDED` of the time or more takes one thread away at once: a load that
+      starts must be met within a fraction of a second, and this wait shows it first.
     - *The cores the others used* (all busy time less our own): once the readings cover
       `period_s` of work, `auto_threads` of what they left, at most `ceiling`. This is what
       gives a thread back when a core comes free (after a period at the lower count), and
@@ -169,10 +158,9 @@ class ThreadGovernor:
       clearly on a core we use (by a quarter core over the rounding) decides at once too.
 
     A decision holds, and is applied at every call, until the next one. Call `pause()` when
-    work stops and `resume()` when it starts again (each `generate` call does both): what other
-    programs did while we were not running says little about now, so the pause is left out and
-    the last decision stands. `maybe_adjust` returns the new count when it changed it. Where
-    the counters cannot be read it never changes anything.
+    work stops and `resume()` when it starts again: the pause says little about now, so it is
+    left out and the last decision stands. Where the counters cannot be read it never changes
+    anything.
     """
 
     def __init__(self, cpus: int | None = None, period_s: float = 1.0, *,
@@ -280,9 +268,7 @@ class ThreadGovernor:
 
 
 _shared: ThreadGovernor | None = None
-# A second of work, as the server: at 2 cores, 200 clock ticks, so a brief burst of another
-# program does not read as a busy core.
-GENERATE_PERIOD_S = 1.0
+GENERATE_PERIOD_S = 1.0  # long enough that a brief burst of another program is not a busy core
 
 
 def shared_governor() -> ThreadGovernor:

@@ -9,8 +9,8 @@ Both are `LLMEngine`s over paged pools of their own, in processes joined by `tor
   fits (`add_prefilled`) and decodes with continuous batching; a request preempted here
   recomputes here. Finished requests leave as JSON lines on stdout.
 
-Each rank records a timeline and writes a final report line. Only the protocol lines go to the
-original stdout (everything else to stderr). A failure raises in the rank, which exits non-zero.
+Each rank records a timeline and writes a final report line. Only the protocol lines go to
+stdout (the rest to stderr); a failure raises in the rank, which exits non-zero.
 """
 
 from __future__ import annotations
