@@ -13,10 +13,11 @@ from conftest import lively_model
 pytest.importorskip("minifer_course.workload")
 pytest.importorskip("minifer.engine.llm_engine")
 metrics = pytest.importorskip("minifer.engine.metrics")
-RequestMetrics, summarize = metrics.RequestMetrics, metrics.summarize
+RequestMetrics = metrics.RequestMetrics
 from minifer.serve.api import running_server  # noqa: E402
 from minifer_course.bench.serve_load import LoadResult  # noqa: E402
 from minifer_course.lessons import serving as S  # noqa: E402
+from minifer_course.summary import summarize  # noqa: E402
 
 
 def fake_result(ttft: float, gap: float, n: int = 4) -> LoadResult:

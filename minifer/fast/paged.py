@@ -64,7 +64,7 @@ def packed_attention(pool: PagedKVPool) -> Callable[[PackedBatch], PlannedAttent
     if how == "slots":
         return None
     if how == "kernel" and not (pool.device.type == "cpu" and pool.dtype == torch.float32
-                                and KERNEL.available(pool.device, pool.dtype)):
+                                and KERNEL.available()):
         how = "blocks"
     return functools.partial(PlannedAttention, how=how)
 
@@ -169,12 +169,9 @@ class PlannedAttention:
     def _attend_kernel(self, q, pk, pv) -> torch.Tensor:
         """The decode rows' attention ``(1, nh, D, hd)`` for their queries `q` ``(1, nh, D,
         hd)``, through the paged kernel."""
-        D, hd = self.num_single, q.shape[-1]
-        qd = q[0].transpose(0, 1)  # (D, nh, hd)
-        if D == 1:
-            qd = torch.cat([qd, qd])
-        y = KERNEL(qd.contiguous(), pk, pv, *self.kernel_args, hd ** -0.5)  # (D', nh, hd)
-        return y[:D].transpose(0, 1).unsqueeze(0)
+        qd = q[0].transpose(0, 1).contiguous()  # (D, nh, hd)
+        y = KERNEL(qd, pk, pv, *self.kernel_args, q.shape[-1] ** -0.5)  # (D, nh, hd)
+        return y.transpose(0, 1).unsqueeze(0)
 
     def _read(self, kf: torch.Tensor, vf: torch.Tensor, index: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,12 +197,10 @@ def _scratch(pool: PagedKVPool, name: str, rows: int, width: int) -> torch.Tenso
 
 
 def _kernel_args(pool: PagedKVPool, tables, lengths: list[int]) -> tuple[torch.Tensor, ...]:
-    """The decode rows' block table and lengths for `PagedDecodeKernel`, padded to >= 2 rows
-    and blocks: a padding row attends to one token, a padding block is masked."""
-    M = max(2, -(-max(lengths) // pool.block_size))
-    rows = [_padded(t, M) for t in tables[:len(lengths)]]
-    if len(lengths) == 1:
-        rows, lengths = rows + [rows[0]], lengths + [1]
+    """The decode rows' block table (each padded to the longest row's blocks, masked by its
+    length) and lengths for `PagedDecodeKernel`."""
+    M = -(-max(lengths) // pool.block_size)
+    rows = [_padded(t, M) for t in tables]
     return (torch.tensor(rows, dtype=torch.long, device=pool.device),
             torch.tensor(lengths, dtype=torch.long, device=pool.device))
 

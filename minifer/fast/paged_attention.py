@@ -8,27 +8,20 @@ unused tail of the last block, softmax, and sum the values.
 Run eagerly, ``k_pool[block_table]`` *copies* every row's K/V into a new tensor first: as many
 bytes written as attention then reads. A paged-attention kernel (vLLM's, on GPUs) follows the
 block table inside its loops instead, so each cached key and value is read once, in place.
-`PagedDecodeKernel` runs one:
-
-- on CPU (float32), ``csrc/paged_decode.cpp``: the reference's math in C++, rows split over
-  torch's threads, the next tokens' K/V prefetched; built by `torch.utils.cpp_extension` when
-  first needed and cached on disk;
-- elsewhere (CUDA, other dtypes), the reference through `torch.compile`, which fuses the block
-  lookup into the loads of the kernels it generates.
-
-Where neither can be built (no C++ compiler, no ninja) it warns once, says why, and computes
-the same attention eagerly: slower, never wrong.
+`PagedDecodeKernel` runs one on the CPU in float32, ``csrc/paged_decode.cpp``: the reference's
+math in C++, rows split over torch's threads, the next tokens' K/V prefetched; built by
+`torch.utils.cpp_extension` when first needed and cached on disk. Where it cannot be built (no
+C++ compiler, no ninja) it warns once, says why, and the serving step reads whole blocks
+instead (`minifer.fast.paged`): slower, never wrong.
 """
 
 from __future__ import annotations
 
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
-from .native import build, build_name, reason, vector_isa
+from .native import NativeKernel, vector_isa
 
 __all__ = ["paged_decode_attention", "PagedDecodeKernel", "KERNEL"]
 
@@ -59,65 +52,25 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     return (weights[..., None] * v[:, :, :, None]).sum(1).flatten(1, 2)
 
 
-class PagedDecodeKernel:
-    """Paged decode attention: the C++ kernel on CPU, the compiled reference elsewhere.
+class PagedDecodeKernel(NativeKernel):
+    """The C++ kernel (`NativeKernel`: built once per process, `error` says why not). Call it
+    like `paged_decode_attention`; where it cannot run (not built, another device or dtype)
+    the call computes the reference."""
 
-    Call it like `paged_decode_attention`. `available(device, dtype)` builds what that device
-    needs (once per process) and says whether it runs; `error` holds why the C++ build failed.
-    The compiled reference needs at least 2 rows and 2 blocks per row (torch would otherwise
-    compile a separate graph for a size of 1): callers pad.
-    """
+    kernel, source, flags = "paged_decode", SOURCE, frozenset()
+    isa, cflags = vector_isa()
+    namespace, op = "minifer_paged", "decode"
+    instead = "decode attention reads whole blocks"
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._native: bool | None = None  # None: not tried yet
-        self._compiled = None
-        self.error: str | None = None
-        self.compile_error: str | None = None
-
-    def native(self) -> bool:
-        """Build (or load the cached build of) the C++ kernel; whether it is usable."""
-        if self._native is not None:  # decided: every later call (one per layer) skips the lock
-            return self._native
-        with self._lock:
-            if self._native is None:
-                self._native = False
-                try:
-                    isa, march = vector_isa()
-                    try:
-                        build(build_name("paged_decode", isa), SOURCE, march)
-                    except Exception:
-                        if not march:
-                            raise
-                        build(build_name("paged_decode", "base"), SOURCE, [])  # older compiler
-                    self._native = hasattr(torch.ops.minifer_paged, "decode")
-                except Exception as exc:  # no compiler or ninja, a failed build: stay correct
-                    self.error = reason(exc)
-                    warnings.warn(f"the C++ paged-attention kernel could not be built "
-                                  f"({self.error}); decode attention runs without it",
-                                  RuntimeWarning, stacklevel=3)
-            return self._native
-
-    def available(self, device: torch.device, dtype: torch.dtype) -> bool:
-        if device.type == "cpu" and dtype == torch.float32:
-            return self.native()
-        return self.compile_error is None
+    @staticmethod
+    def shape(q, *args):
+        return q.new_empty(q.shape)
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  block_table: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
-        if q.device.type == "cpu" and q.dtype == torch.float32 and self.native():
+        if q.device.type == "cpu" and q.dtype == torch.float32 and self.available():
             _check(q, k_pool, v_pool, block_table, lengths)
             return torch.ops.minifer_paged.decode(q, k_pool, v_pool, block_table, lengths, scale)
-        if self.compile_error is None:
-            if self._compiled is None:
-                self._compiled = torch.compile(paged_decode_attention, dynamic=True)
-            try:
-                return self._compiled(q, k_pool, v_pool, block_table, lengths, scale)
-            except Exception as exc:  # no compiler, an unsupported backend, ...
-                self.compile_error = reason(exc)
-                warnings.warn(f"the compiled paged-attention kernel is unavailable "
-                              f"({self.compile_error}); attention runs eagerly", RuntimeWarning,
-                              stacklevel=2)
         return paged_decode_attention(q, k_pool, v_pool, block_table, lengths, scale)
 
 

@@ -34,8 +34,9 @@ import torch
 
 from minifer.checks import check_int, check_number
 from minifer.engine.llm_engine import LLMEngine
-from minifer.engine.metrics import RequestMetrics, percentile
+from minifer.engine.metrics import RequestMetrics
 from minifer.sampling import SamplingParams
+from minifer_course.summary import percentile
 
 __all__ = ["MODES", "Load", "ModeResult", "mixed_load", "run_mode", "drive_disaggregated",
            "attach_timeline", "compare", "format_report"]

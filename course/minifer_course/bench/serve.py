@@ -30,8 +30,9 @@ import torch
 
 from minifer.checks import check_int, check_number
 from minifer.engine.llm_engine import LLMEngine
-from minifer.engine.metrics import RequestMetrics, percentile
+from minifer.engine.metrics import RequestMetrics
 from minifer.sampling import SamplingParams
+from minifer_course.summary import percentile
 
 __all__ = ["BenchRequest", "mixed_workload", "serve_workload", "RunSummary", "summarize_run",
            "compare_policies", "compare_prefix_caching", "format_report", "run"]

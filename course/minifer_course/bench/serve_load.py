@@ -8,7 +8,7 @@ Requests arrive as a Poisson process at ``--rate`` requests/s (`minifer_course.w
 prompt and output lengths, prompts cut from the shipped corpus's held-out text). Each is a
 *streaming* ``POST /v1/completions`` (httpx, asynchronous), at most ``--max-concurrency`` in
 flight. The client times every streamed token and reports the metrics of vLLM's serving
-benchmark with its definitions (`minifer.engine.metrics.summarize`): TTFT, TPOT, ITL and E2EL
+benchmark with its definitions (`minifer_course.summary.summarize`): TTFT, TPOT, ITL and E2EL
 (mean, median, p99), request and output-token throughput, and goodput under ``--slo``.
 
 Everything is measured by the client, as a user would see it: TTFT includes the network and
@@ -144,7 +144,7 @@ async def run_load_async(url: str, requests: Sequence[tuple[Any, int, float]], *
     (`api_key`: sent as ``Authorization: Bearer`` to a server started with ``--api-key``)."""
     import httpx
 
-    from minifer.engine.metrics import summarize
+    from minifer_course.summary import summarize
 
     base = url.rstrip("/")
     limits = httpx.Limits(max_connections=max_concurrency or 1000,

@@ -15,7 +15,8 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from minifer.engine.metrics import RequestMetrics, summarize
+from minifer.engine.metrics import RequestMetrics
+from minifer_course.summary import summarize
 
 from ..workload import Arrival
 from .common import wide_layout
