@@ -88,3 +88,16 @@ def test_what_reads_as_a_hub_id(tmp_path, monkeypatch):
     (tmp_path / "org" / "folder").mkdir(parents=True)
     for name in ("org/folder", "../x", "/abs/path", "a/b/c", "shakespeare", "a/..", "./b"):
         assert not is_hub_id(name), name
+
+
+def test_the_server_takes_a_hub_id(cache, monkeypatch):
+    """``python -m minifer.serve --model org/name`` loads the cached snapshot (README, "Serve
+    your own model"); the test runs without a network, as CI does."""
+    from minifer.serve.__main__ import load_model
+
+    root, hf = cache
+    monkeypatch.chdir(root.parent)
+    model, tok = load_model("tiny-org/tiny-qwen", "cpu")
+    assert model.config == mf.GPT.from_hf(hf).config and tok.chat_template
+    with pytest.raises(SystemExit, match="hub id"):
+        load_model("not a model", "cpu")

@@ -273,3 +273,19 @@ def test_models_list_the_fields_clients_read(served):
     assert c.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("gpt-4")
+
+
+def test_a_checkpoint_without_a_chat_template_gets_a_400_naming_messages():
+    """A base model's folder has no chat template: chat is refused with the reason, naming
+    ``messages``, instead of the play form the shipped models use (or a 500)."""
+    from minifer.engine.errors import APIError
+    from minifer.serve.protocol import Limits, parse_chat_request
+
+    tok = mf.ByteTokenizer()
+    tok.checkpoint_folder = "/models/base"  # as `load_hf_checkpoint` marks a folder's tokenizer
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+    with pytest.raises(APIError) as err:
+        parse_chat_request(body, model_name="m", limits=Limits(max_model_len=128, max_tokens=16),
+                           tokenizer=tok, vocab_size=257)
+    assert err.value.status == 400 and err.value.param == "messages"
+    assert "no chat template" in err.value.message and "/v1/completions" in err.value.message

@@ -133,16 +133,18 @@ def load_model(name: str, device=None):
     """A shipped model with its tokenizer, a preset with random weights and bytes, or a Hugging
     Face checkpoint folder (`minifer.load_hf_checkpoint`: its tokenizer and chat template)."""
     import minifer as mf
+    from minifer.hf_checkpoint import is_hub_id
     from minifer.pretrained import PRETRAINED
 
     if name in PRETRAINED:
         return mf.load_pretrained(name, device=device)
     if name in mf.PRESETS:
         return mf.GPT.from_config(name, seed=0).to(device or "cpu").eval(), mf.ByteTokenizer()
-    if os.path.isdir(name):
+    if os.path.isdir(name) or is_hub_id(name):  # a hub id: from the local cache, else downloaded
         return mf.load_hf_checkpoint(name, device=device)
     raise SystemExit(f"--model must be one of {sorted(PRETRAINED)}, a preset "
-                     f"{sorted(mf.PRESETS)} or a checkpoint folder, got {name!r}")
+                     f"{sorted(mf.PRESETS)}, a checkpoint folder or a hub id (org/name), got "
+                     f"{name!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

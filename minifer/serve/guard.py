@@ -71,6 +71,7 @@ class Guard:
     limit, one JSON 500 for any unexpected exception, every error counted by status."""
 
     BODY_METHODS = ("POST", "PUT", "PATCH")
+    POST_PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes that take a body
 
     def __init__(self, app, *, metrics: Any, api_key: str | None,
                  allowed_hosts: frozenset[str] | None, max_body_bytes: int,
@@ -137,7 +138,7 @@ class Guard:
                 return APIError(401, f"{why} was provided: send the server's key as "
                                 "'Authorization: Bearer <key>'", code="invalid_api_key",
                                 headers={"WWW-Authenticate": "Bearer"})
-        if scope.get("method") == "POST":  # the routes' only method with a body (PUT: 405)
+        if scope.get("method") == "POST" and scope.get("path") in self.POST_PATHS:  # else 405
             ctype = h.get("content-type", "").split(";")[0].strip().lower()
             if ctype != "application/json" and not (ctype.startswith("application/")
                                                     and ctype.endswith("+json")):

@@ -476,8 +476,11 @@ def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=
     _check_model(b.model, model_name)
     if tokenizer is None:
         raise _bad("messages", "this server has no tokenizer, and chat needs one")
-    prompt, turn_stops = chat_prompt([{"role": m.role, "content": _message_text(m),
-                                       "name": m.name} for m in b.messages], tokenizer)
+    try:  # a template that fails to render, or a checkpoint without one, is the request's
+        prompt, turn_stops = chat_prompt([{"role": m.role, "content": _message_text(m),
+                                           "name": m.name} for m in b.messages], tokenizer)
+    except ValueError as err:
+        raise _bad("messages", str(err)) from None
     ids = _encode(prompt, tokenizer, vocab_size, "messages", limits, bos=False)  # the template's own
     param = "max_completion_tokens" if b.max_completion_tokens is not None else "max_tokens"
     if b.max_tokens is not None and b.max_completion_tokens is not None \
