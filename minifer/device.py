@@ -7,6 +7,7 @@ clock must first `sync` the device, or it times the launch instead of the work.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -85,3 +86,20 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
     match = re.search(r"^(?:flags|Features)\s*:(.*)$", text, re.MULTILINE)
     return frozenset(match.group(1).split()) if match else frozenset()
+
+
+def available_memory(device: str | torch.device = "cpu") -> int:
+    """Bytes that `device` can still allocate now: free GPU memory, or on the CPU the memory the
+    system reports available (Linux's MemAvailable, else free pages, else half of all)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        text = Path("/proc/meminfo").read_text()
+        return int(re.search(r"^MemAvailable:\s+(\d+) kB", text, re.MULTILINE).group(1)) * 1024
+    except (OSError, AttributeError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2

@@ -419,3 +419,31 @@ def test_min_tokens_defers_the_end_of_sequence_and_stop_strings(make_scripted, t
     # ... one that starts within them does not (that text is already out, streamed or not)
     deferred = run(11, stop=". G")
     assert deferred.text == "ello world. Goodbye!" and deferred.finish_reason == "eos"
+
+
+def test_the_pool_is_sized_from_a_memory_budget_and_max_model_len():
+    """A checkpoint whose context is far longer than what a laptop can cache still gets an
+    engine: `kv_cache_memory` bounds the pool, `max_model_len` the requests (issue 56)."""
+    from minifer.engine.config import EngineConfig
+
+    model = mf.GPT(mf.GPTConfig(vocab_size=257, context_length=131072, n_layer=2, n_head=4, n_embd=32,
+                          n_kv_head=2, intermediate_size=64, positions="rope", norm="rms",
+                          mlp="swiglu", bias=False)).eval()
+    per_token = 2 * 2 * 2 * 8 * 4  # layers × (K, V) × kv heads × head dim × fp32 bytes
+    engine = LLMEngine(model, max_num_seqs=4, kv_cache_memory=1 << 20)  # 1 MiB
+    c = engine.config
+    assert c.num_blocks * c.block_size == (1 << 20) // per_token // 16 * 16  # not 4 × 131072
+    assert engine.pool.nbytes <= 1 << 20
+    with pytest.raises(ValueError, match="max_model_len"):  # longer than the pool holds
+        engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=(1 << 20) // per_token))
+    short = LLMEngine(model, max_num_seqs=4, max_model_len=512, kv_cache_memory=1 << 20)
+    assert short.config.num_blocks == 4 * 512 // 16 and short.config.max_model_len == 512
+    with pytest.raises(ValueError, match=r"max_model_len=512"):
+        short.add_request([1] * 500, SamplingParams(max_new_tokens=20))
+    with pytest.raises(ValueError, match="kv_cache_memory.*--kv-cache-memory.*--max-model-len"):
+        LLMEngine(model, max_model_len=100_000, kv_cache_memory=1 << 20)
+    for bad in (0, -1, 1.5, "1GB"):
+        with pytest.raises((ValueError, TypeError), match="kv_cache_memory"):
+            EngineConfig(kv_cache_memory=bad).resolved(model)
+    with pytest.raises(ValueError, match="max_model_len"):
+        EngineConfig(max_model_len=200_000).resolved(model)

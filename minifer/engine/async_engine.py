@@ -58,7 +58,8 @@ def engine_stats(engine: Any) -> dict[str, float]:
 def engine_max_model_len(engine: Any) -> int:
     """The most tokens (prompt + max_tokens - 1) one request can ever have on this engine: within
     the context window, the KV pool and, without chunked prefill, one step's token budget."""
-    limit = engine.model.config.context_length
+    limit = getattr(getattr(engine, "config", None), "max_model_len", None) \
+        or engine.model.config.context_length
     bm, sch = getattr(engine, "block_manager", None), getattr(engine, "scheduler", None)
     if bm is not None:
         limit = min(limit, bm.num_blocks * bm.block_size)

@@ -8,10 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_int, check_number
+from ..config import kv_token_bytes
+from ..device import available_memory
 
-__all__ = ["EngineConfig", "POLICIES"]
+__all__ = ["EngineConfig", "POLICIES", "KV_CACHE_FRACTION"]
 
-POLICIES = ("static", "continuous")  # the scheduler's (`serve.scheduler`)
+POLICIES = ("static", "continuous")  # the scheduler's (`engine.scheduler`)
+KV_CACHE_FRACTION = 0.5  # of the memory available when the engine starts: the pool's default
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,14 @@ class EngineConfig:
 
     - `policy`: ``"continuous"`` (requests join and leave at every step) or ``"static"``
       (fixed groups run to completion: the baseline).
-    - `block_size`, `num_blocks`: the KV pool (default: room for `max_num_seqs` full contexts).
+    - `block_size`, `num_blocks`: the KV pool. Default: room for `max_num_seqs` requests of
+      `max_model_len` tokens, within `kv_cache_memory`: bytes, or a fraction of the memory
+      available on the pool's device now (default `KV_CACHE_FRACTION`), so that a checkpoint
+      whose context is 128k tokens still starts on a laptop. A pool that cannot hold one request
+      of `max_model_len` tokens is an error when `max_model_len` was given; by default requests
+      are then bounded by the pool instead.
+    - `max_model_len`: most tokens (prompt + output) one request may hold (default and most:
+      the model's context).
     - `max_num_seqs`: most requests running at once; `max_num_batched_tokens`: most tokens fed
       in one step (default: the context length, or 256 with chunked prefill).
     - `enable_chunked_prefill`: split long prompts across steps, beside other requests' decode.
@@ -42,6 +52,8 @@ class EngineConfig:
     device: str | None = None
     aging: float = 0.0
     sample_vocab: int | None = None
+    max_model_len: int | None = None
+    kv_cache_memory: int | float | None = None
 
     def resolved(self, model: torch.nn.Module) -> EngineConfig:
         """Every field checked against `model` (ValueErrors name the field and its range) and
@@ -53,9 +65,15 @@ class EngineConfig:
         check_int("block_size", self.block_size, 1, ctx,
                   why=" (tokens per KV block, at most the model's context)")
         check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_model_len is not None:
+            ctx = check_int("max_model_len", self.max_model_len, 1, ctx,
+                            why=" (tokens one request may hold, at most the model's context)")
+        device = model_device if self.device is None else _model_device(self.device, model_device)
         num_blocks = self.num_blocks
         if num_blocks is None:
-            num_blocks = self.max_num_seqs * -(-ctx // self.block_size)
+            num_blocks = self._pool_blocks(model, ctx, device)
+            if self.max_model_len is None:  # requests are bounded by what the pool holds
+                ctx = min(ctx, num_blocks * self.block_size)
         check_int("num_blocks", num_blocks, 1)
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -65,9 +83,31 @@ class EngineConfig:
                      why=" (priority points per step waited; 0 = strict priority)")
         if self.sample_vocab is not None:
             check_int("sample_vocab", self.sample_vocab, 1, cfg.vocab_size)
-        device = model_device if self.device is None else _model_device(self.device, model_device)
         return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                                   device=str(device), aging=float(self.aging))
+                                   device=str(device), aging=float(self.aging), max_model_len=ctx)
+
+    def _pool_blocks(self, model: torch.nn.Module, max_len: int, device: torch.device) -> int:
+        """Blocks for `max_num_seqs` requests of `max_len` tokens, or fewer: what
+        `kv_cache_memory` holds (a ValueError naming the options where that is not one block,
+        or not one request of an asked-for `max_model_len`)."""
+        per_seq = -(-max_len // self.block_size)
+        memory = KV_CACHE_FRACTION if self.kv_cache_memory is None else self.kv_cache_memory
+        if isinstance(memory, float):
+            check_number("kv_cache_memory", memory, gt=0, le=1,
+                         why=" (a fraction of the available memory, or an integer of bytes)")
+            memory = int(memory * available_memory(device))
+        check_int("kv_cache_memory", memory, 1, why=" (bytes, or a fraction in (0, 1])")
+        cfg, p = model.config, next(t for t in model.parameters() if t.is_floating_point())
+        block_bytes = kv_token_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim,
+                                     p.element_size()) * self.block_size
+        fits = int(memory // block_bytes)
+        if fits < 1 or (fits < per_seq and self.max_model_len is not None):
+            raise ValueError(
+                f"kv_cache_memory={memory:,} bytes holds {fits * self.block_size:,} tokens of "
+                f"K/V, fewer than one request of max_model_len={max_len:,}: give the pool more "
+                f"memory (kv_cache_memory, --kv-cache-memory) or requests fewer tokens "
+                f"(max_model_len, --max-model-len)")
+        return min(self.max_num_seqs * per_seq, fits)
 
 
 def _model_device(device: str, model_device: torch.device) -> torch.device:

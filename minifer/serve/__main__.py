@@ -66,7 +66,12 @@ def _engine_options(e) -> None:
 
     e.add_argument("--policy", choices=["continuous", "static"], default="continuous")
     e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-blocks", type=int, default=None)
+    e.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default: --max-num-seqs requests of --max-model-len tokens, "
+                        "within --kv-cache-memory)")
+    e.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="BYTES|FRACTION",
+                   help="the KV pool's memory: bytes (8GiB, 512MB, 1e9) or a fraction of the "
+                        "memory available at start (0.25); default 0.5")
     e.add_argument("--max-num-seqs", type=int, default=32)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--enable-chunked-prefill", action="store_true")
@@ -99,6 +104,23 @@ def _limit_options(lim) -> None:
     lim.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
                      help="on SIGTERM or Ctrl-C, seconds the requests in flight have to "
                           "finish; then each open stream gets an error event and [DONE]")
+
+
+def memory_size(text: str) -> int | float:
+    """``--kv-cache-memory``: ``8GiB``, ``512MB``, ``1e9`` (bytes) or ``0.25`` (a fraction)."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    lowered = text.strip().lower()
+    unit = next((u for u in units if lowered.endswith(u)), None)
+    try:
+        value = float(lowered[:-len(unit)] if unit else lowered)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes (8GiB, 512MB, 1e9) or a fraction "
+                                         f"(0.25), got {text!r}") from None
+    if unit is None and 0 < value <= 1:
+        return value
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return int(value * (units[unit] if unit else 1))
 
 
 def api_key(flag: str | None) -> str | None:
@@ -166,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_chunked_prefill=args.enable_chunked_prefill,
-                       enable_prefix_caching=args.enable_prefix_caching, aging=args.aging)
+                       enable_prefix_caching=args.enable_prefix_caching, aging=args.aging,
+                       max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory)
     app = create_app(engine, model_name=args.served_model_name or args.model,
                      model_root=args.model, **options)
     if options["api_key"] is None and args.host not in LOOPBACK_HOSTS:
@@ -174,6 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"machines, and it has no API key (--api-key or ${API_KEY_ENV})", file=sys.stderr)
     print(f"minifer: serving {args.model!r} ({engine!r}) on http://{args.host}:{args.port}"
           f"{' (API key required)' if options['api_key'] else ''}", file=sys.stderr)
+    c, pool = engine.config, engine.pool
+    print(f"minifer: KV pool: {c.num_blocks:,} blocks of {c.block_size} tokens = "
+          f"{c.num_blocks * c.block_size:,} tokens, {pool.nbytes / 2**30:.2f} GiB "
+          f"(max_model_len {c.max_model_len:,}; --kv-cache-memory, --max-model-len)",
+          file=sys.stderr)
     make_server(server_config(app, max_connections=args.max_connections,
                               log_level=args.log_level, host=args.host, port=args.port,
                               shutdown_grace_s=args.shutdown_grace)).run()
