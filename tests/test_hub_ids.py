@@ -101,3 +101,21 @@ def test_the_server_takes_a_hub_id(cache, monkeypatch):
     assert model.config == mf.GPT.from_hf(hf).config and tok.chat_template
     with pytest.raises(SystemExit, match="hub id"):
         load_model("not a model", "cpu")
+
+
+def test_the_server_loads_in_the_dtype_and_quantization_asked(cache, monkeypatch):
+    from minifer.serve.__main__ import build_parser, load_model
+
+    root, _ = cache
+    monkeypatch.chdir(root.parent)
+    model, _ = load_model("tiny-org/tiny-qwen", "cpu", torch.float32)
+    assert next(model.parameters()).dtype == torch.float32
+    tiny, _ = load_model("tiny", "cpu", torch.bfloat16)
+    assert next(tiny.parameters()).dtype == torch.bfloat16
+    args = build_parser().parse_args(["--dtype", "bfloat16", "--quantization", "int8",
+                                      "--kv-cache-memory", "2GiB", "--max-model-len", "4096"])
+    assert (args.dtype, args.quantization, args.kv_cache_memory, args.max_model_len) == (
+        "bfloat16", "int8", 2 * 2**30, 4096)
+    assert build_parser().parse_args(["--kv-cache-memory", "0.25"]).kv_cache_memory == 0.25
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-cache-memory", "lots"])

@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best present)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="the weights' dtype (default: a checkpoint's stored one)")
+    p.add_argument("--quantization", choices=("int8", "int4", "bf16"), default=None,
+                   help="serve quantized weights (minifer.quantize)")
     sec = p.add_argument_group("security")
     sec.add_argument("--api-key", default=None,
                      help=f"require 'Authorization: Bearer KEY' on every route but /health "
@@ -151,19 +155,22 @@ def server_options(args: argparse.Namespace) -> dict:
                 threads=args.threads, engine_in=args.engine_in, replicas=args.engine_replicas)
 
 
-def load_model(name: str, device=None):
+def load_model(name: str, device=None, dtype=None):
     """A shipped model with its tokenizer, a preset with random weights and bytes, or a Hugging
     Face checkpoint folder (`minifer.load_hf_checkpoint`: its tokenizer and chat template)."""
+    import torch
+
     import minifer as mf
     from minifer.hf_checkpoint import is_hub_id
     from minifer.pretrained import PRETRAINED
 
     if name in PRETRAINED:
-        return mf.load_pretrained(name, device=device)
+        return mf.load_pretrained(name, device=device, dtype=dtype)
     if name in mf.PRESETS:
-        return mf.GPT.from_config(name, seed=0).to(device or "cpu").eval(), mf.ByteTokenizer()
+        model = mf.GPT.from_config(name, seed=0).to(device or "cpu", dtype or torch.float32)
+        return model.eval(), mf.ByteTokenizer()
     if os.path.isdir(name) or is_hub_id(name):  # a hub id: from the local cache, else downloaded
-        return mf.load_hf_checkpoint(name, device=device)
+        return mf.load_hf_checkpoint(name, device=device, dtype=dtype)
     raise SystemExit(f"--model must be one of {sorted(PRETRAINED)}, a preset "
                      f"{sorted(mf.PRESETS)}, a checkpoint folder or a hub id (org/name), got "
                      f"{name!r}")
@@ -177,13 +184,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))  # exits 2 with the usage, before anything is loaded
 
+    import torch
+
     import minifer as mf
 
     from ..engine.llm_engine import LLMEngine
     from .api import LOOPBACK_HOSTS, create_app, make_server, server_config
 
     device = args.device or str(mf.default_device())
-    model, tok = load_model(args.model, device)
+    model, tok = load_model(args.model, device, getattr(torch, args.dtype or "", None))
+    if args.quantization is not None:
+        model = mf.quantize(model, args.quantization)
     engine = LLMEngine(model, tok, policy=args.policy, block_size=args.block_size,
                        num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
