@@ -242,8 +242,7 @@ def load_hf_checkpoint(folder: str | Path, device: torch.device | str | None = N
     Every file is checked before the weights are read (config.json field by field, tensors'
     dtypes and shapes from the headers, names and links confined to the folder). `dtype`
     defaults to the stored one. EOS is tokenizer_config.json's ``eos_token``; other ids the
-    configs list end a reply too. BOS and the chat template are the checkpoint's.
-    """
+    configs list end a reply too. BOS and the chat template are the checkpoint's."""
     device = None if device is None else as_device(device)  # a missing device: fail first
     folder = resolve_checkpoint(folder)
     hc = _read_json(folder, "config.json", required=True)

@@ -67,8 +67,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: returns ``q`` (int8, [N, K]) and ``scale`` (fp32, [N]).
 
     ``scale[n] = max|w[n]| / 127``, so the largest weight of each row maps to ±127 and every
-    weight is off by at most ``scale[n] / 2``.
-    """
+    weight is off by at most ``scale[n] / 2``."""
     w = w.detach().float()
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -117,8 +116,7 @@ def quantize_int4(w: torch.Tensor, group_size: int | None = None
     (fp32, [N, K // group_size]) with ``w ≈ (q - 8) * scale + zero``.
 
     Each group's minimum maps to 0 and its maximum to 15, so a weight is off by at most
-    ``scale / 2`` of its group. ``group_size=None``: `default_group_size` of ``K``.
-    """
+    ``scale / 2`` of its group. ``group_size=None``: `default_group_size` of ``K``."""
     N, K = w.shape
     group_size = default_group_size([K]) if group_size is None else group_size
     _check_group_size(K, group_size)
@@ -203,8 +201,7 @@ def fused_problem(bits: int, out_features: int, in_features: int, group_size: in
     First the rules known to crash the kernel (`_static_problem`), then a probe on this very
     shape: a random layer run through the kernel on 1, 3 and 17 rows and compared with the
     reference path; an exception or an error over 2% of the output's scale is a problem.
-    Cached per shape.
-    """
+    Cached per shape."""
     static = _static_problem(bits, in_features, group_size)
     if static is not None:
         return static
@@ -352,8 +349,7 @@ class QuantizedLinear(nn.Module):
     * ``bias`` in float, when the layer has one.
 
     The integer path also keeps each weight row's sum for the one-row kernel (not a buffer:
-    rebuilt when missing, e.g. after loading a state dict).
-    """
+    rebuilt when missing, e.g. after loading a state dict)."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, *,
                  group_size: int | None = None,
@@ -384,8 +380,7 @@ class QuantizedLinear(nn.Module):
 
         ``group_size`` (int4): None picks `default_group_size` of this layer. ``impl="fused"``
         raises a ValueError for a shape `_static_problem` rules out; `quantize` instead falls
-        back per layer.
-        """
+        back per layer."""
         if bits not in (8, 4):
             raise ValueError(f"bits must be 8 or 4, got {bits!r}")
         if impl not in ("fused", "reference", "integer"):
@@ -525,8 +520,7 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
 
     Exactness: the reference path computes exactly ``x @ dequantize()ᵀ`` in the activation
     dtype; the fused path rounds activations to ``compute_dtype``, so its logits differ in the
-    low digits and are not bit-identical across CPUs.
-    """
+    low digits and are not bit-identical across CPUs."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
     if impl not in IMPLS:

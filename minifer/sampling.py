@@ -43,8 +43,7 @@ class SamplingParams:
     ``temperature=0`` is greedy. `seed` makes sampling reproducible: each prompt gets its own
     generator seeded with it, so a prompt gives the same text alone or inside a batch. Numbers
     may be NumPy scalars (stored as Python ones); ``logit_bias`` maps token ids to numbers,
-    ±inf included (module doc).
-    """
+    ±inf included (module doc)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 = off

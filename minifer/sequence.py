@@ -83,8 +83,7 @@ class TextStopper:
 
     Stop strings are matched on text, not token ids, because a stop string can be split across
     tokens in many ways. Text that could still turn out to be the start of a stop string is held
-    back, so a reader never sees part of a stop string that is later cut away.
-    """
+    back, so a reader never sees part of a stop string that is later cut away."""
 
     def __init__(self, tokenizer: TokenizerLike, stop: abc.Sequence[str]) -> None:
         self.detok = tokenizer.detokenizer()
@@ -132,8 +131,7 @@ class Sequence:
     end-of-sequence token, a stop string (matched on the detokenized text) or the
     `max_new_tokens` limit. The `Completion` it fills (`result`) is what users get back.
     `min_tokens` (set by the serving engine, which also keeps the end-of-sequence token from
-    being sampled before then): stop strings count only in the text after that many tokens.
-    """
+    being sampled before then): stop strings count only in the text after that many tokens."""
 
     min_tokens = 0
 

@@ -147,8 +147,7 @@ class Drafter:
     - ``begin(prompt_ids, ctx)``: a new sequence starts (a model drafter prefills here);
     - ``propose(seq, k, seen)`` → ``(tokens, q)``: up to k draft tokens ``(n,)`` continuing the
       host list `seq` and, when sampling, their distributions ``(n, V)`` (None: deterministic);
-    - ``commit(accepted, proposed)``: the target kept the first `accepted` of `proposed` tokens.
-    """
+    - ``commit(accepted, proposed)``: the target kept the first `accepted` of `proposed` tokens."""
 
     name = "drafter"
     passes = 0
@@ -298,8 +297,7 @@ def speculative_generate(target: torch.nn.Module, draft, prompts,
     the k + 1-position verification rounds differently from one-token decoding, so a greedy
     near-tie can flip. `draft_tokenizer`: checked against `tokenizer`. `target_cache`: a batch-1
     `StaticKVCache` to use (and leave filled) instead of allocating one. `accept(p_d, q_d, u)`:
-    the acceptance rule when sampling. `threads`: as for `minifer.generate`.
-    """
+    the acceptance rule when sampling. `threads`: as for `minifer.generate`."""
     check_int("k (draft tokens per target pass)", k, 1)
     if not callable(accept):
         raise TypeError(f"accept must be a function (p_d, q_d, u) -> bool tensor, got {accept!r}")

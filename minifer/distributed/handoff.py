@@ -54,8 +54,7 @@ class Handoff:
 
     `kv`: the prompt's K/V, ``(n_layer, 2, len(prompt_ids), kv_heads, head_dim)``, or None when
     the first token finished the request. Times are ``time.perf_counter()`` seconds (one clock
-    for every process of a Linux machine).
-    """
+    for every process of a Linux machine)."""
 
     request_id: str
     prompt_ids: list[int]

@@ -101,8 +101,7 @@ class AsyncEngine:
 
     `on_finish(output)` is called in the engine thread for every request's last output,
     `on_step()` after every step. `threads`: torch's CPU threads for the steps (None: torch's
-    choice; ``"auto"``: the cores other programs leave free, between steps).
-    """
+    choice; ``"auto"``: the cores other programs leave free, between steps)."""
 
     id_prefix = "srv-"  # request ids are id_prefix + a count (`EngineReplicas` sets one each)
 

@@ -46,8 +46,7 @@ class BlockManager:
     - `append_slots(seq, n)`: grow the table so the sequence can hold `n` tokens.
     - `commit(seq, tokens, n)`: `n` tokens now have their K/V written; name the full blocks.
     - `free(seq)`: drop the sequence's references (a second `free` is an error).
-    - `can_allocate` / `can_append`: whether a request fits, beforehand.
-    """
+    - `can_allocate` / `can_append`: whether a request fits, beforehand."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
                  bytes_per_token: int = 0) -> None:

@@ -74,8 +74,7 @@ class PagedKVPool:
 
         Shape ``(n_layer, 2, num_tokens, kv_heads, head_dim)`` (K at index 0, V at 1), contiguous:
         exactly ``bytes_per_token × num_tokens`` bytes, what disaggregated serving sends from
-        the prefill worker to the decode worker.
-        """
+        the prefill worker to the decode worker."""
         check_int("num_tokens", num_tokens, 1)
         if len(table) * self.block_size < num_tokens:
             raise ValueError(f"table of {len(table)} blocks cannot hold {num_tokens} tokens")
@@ -121,8 +120,7 @@ class PackedBatch:
     own positions (`positions`). `logits_index`: the packed index of the last token of each
     row in `logits_rows` (default: all), the only positions whose logits are needed.
 
-    The rows are checked (ValueErrors): each feeds a token and fits its blocks.
-    """
+    The rows are checked (ValueErrors): each feeds a token and fits its blocks."""
 
     packed = True  # GPT.forward: run the packed path (see `minifer.cache.PackedKVCache`)
 

@@ -37,8 +37,7 @@ def bf16_reference(x: torch.Tensor, w: torch.Tensor,
 class Bf16Gemv(NativeKernel):
     """The C++ kernel where this CPU has AVX512-BF16 and it builds; `available()` says whether.
 
-    Call it like `bf16_reference`, on contiguous bf16 tensors. `error` says why a build failed.
-    """
+    Call it like `bf16_reference`, on contiguous bf16 tensors. `error` says why a build failed."""
 
     kernel, source, flags = "bf16_gemv", SOURCE, BF16_FLAGS
     cflags, isa = ["-march=x86-64-v4", "-mavx512bf16"], "avx512bf16"

@@ -86,8 +86,7 @@ def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> LeanStep
     `minifer.decode_step` as its `step`).
 
     `mode` None: ``"reduce-overhead"`` (CUDA graphs) on CUDA, inductor's frozen default on a
-    CPU. Compiled once per process and mode.
-    """
+    CPU. Compiled once per process and mode."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
     cpu = next(model.parameters()).device.type == "cpu"

@@ -63,8 +63,7 @@ class Int8Gemv(NativeKernel):
     """The C++ kernel where this CPU has VNNI and it builds; `available()` says whether.
 
     Call it like `w8a8_reference`, with ``rowsum = w.sum(1)`` in int32 (the kernel feeds ``x``
-    in as unsigned bytes and takes ``128 * rowsum`` off again). `error` says why a build failed.
-    """
+    in as unsigned bytes and takes ``128 * rowsum`` off again). `error` says why a build failed."""
 
     kernel, source, flags = "int8_gemv", SOURCE, VNNI_FLAGS
     cflags, isa = ["-march=x86-64-v4", "-mavx512vnni", "-ffp-contract=off"], "avx512vnni"

@@ -187,8 +187,7 @@ def _scratch(pool: PagedKVPool, name: str, rows: int, width: int) -> torch.Tenso
 
     Layers run one after another and each consumes its reads before the next, so one buffer
     per name serves every layer and step: no fresh megabytes per layer. Nothing in it outlives
-    the call; it is no second copy of the K/V.
-    """
+    the call; it is no second copy of the K/V."""
     buffers = _SCRATCH.setdefault(pool, {})
     buf = buffers.get(name)
     if buf is None or buf.numel() < rows * width:

@@ -40,8 +40,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     - `lengths`: ``(B,)`` tokens row ``b`` attends to (its new token's K/V already written).
 
     Returns ``(B, n_head, head_dim)``. Query heads share K/V heads in groups of
-    ``n_head // n_kv_head`` (grouped-query attention).
-    """
+    ``n_head // n_kv_head`` (grouped-query attention)."""
     k = k_pool[block_table].flatten(1, 2)  # (B, T, n_kv_head, head_dim), T = M * block_size
     v = v_pool[block_table].flatten(1, 2)
     qg = q.unflatten(1, (k.shape[2], -1))  # (B, n_kv_head, group, head_dim)

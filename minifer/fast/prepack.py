@@ -73,8 +73,7 @@ def _layer_problem(w: torch.Tensor) -> str | None:
 class PackedLinear(nn.Linear):
     """An `nn.Linear` that multiplies by its weight prepacked for oneDNN (see the module doc).
 
-    ``batch_size`` is the number of rows the pack is tuned for (any number of rows works).
-    """
+    ``batch_size`` is the number of rows the pack is tuned for (any number of rows works)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  batch_size: int = 1, device=None, dtype=None) -> None:
@@ -147,8 +146,7 @@ def prepack(model: nn.Module, *, batch_size: int = 1) -> nn.Module:
 
     The model must be on the CPU in float32 or bfloat16; int8/int4 models (`quantize`) have
     their own kernels and no `nn.Linear` left to pack, and ``quantize(model, "bf16")`` is
-    packed already where oneDNN packs bf16 (`prepare_bf16`).
-    """
+    packed already where oneDNN packs bf16 (`prepare_bf16`)."""
     problem = prepack_problem()  # oneDNN at all; each layer's dtype is checked below
     if problem is not None:
         raise RuntimeError(f"prepack: {problem}")

@@ -53,8 +53,7 @@ def idle_cpus(interval: float = 0.2, cpus: int | None = None) -> float:
     """How many of the machine's `cpus` cores were idle over the next `interval` seconds.
 
     Where the kernel's counters cannot be read, falls back to ``cpus - load average``, and
-    to `cpus` where there is no load average either.
-    """
+    to `cpus` where there is no load average either."""
     cpus = cpus or os.cpu_count() or 1
     before = cpu_times()
     if before is not None:
@@ -160,8 +159,7 @@ class ThreadGovernor:
     A decision holds, and is applied at every call, until the next one. Call `pause()` when
     work stops and `resume()` when it starts again: the pause says little about now, so it is
     left out and the last decision stands. Where the counters cannot be read it never changes
-    anything.
-    """
+    anything."""
 
     def __init__(self, cpus: int | None = None, period_s: float = 1.0, *,
                  counters=cpu_times, own_cpu_s=time.process_time, waited_s=run_queue_wait,

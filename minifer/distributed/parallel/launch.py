@@ -80,8 +80,7 @@ class Workers:
     ``OMP_NUM_THREADS=threads`` and this process's pid (a worker whose launcher dies exits), plus
     `extra_env`. Its stderr (and stdout unless `pipes`, then the caller's pipes) go to
     ``rankR.log`` in `logdir`. Use it as a context manager, or call :meth:`end` in a
-    ``finally``; :meth:`check` raises :class:`WorkerError` with every failed rank's output.
-    """
+    ``finally``; :meth:`check` raises :class:`WorkerError` with every failed rank's output."""
 
     def __init__(self, argv_per_rank: list[list[str]], logdir: str | Path, *,
                  module: str = "minifer.distributed.parallel", threads: int = 1, pipes: bool = False,
@@ -215,8 +214,7 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
 
     `model`: a `GPT` in memory (saved for the workers) or a shipped model's name. `prompts`: a
     string, a list of strings (needs a tokenizer), token ids, or a list of those. `threads`:
-    torch threads per process. Errors in the split are raised before any process starts.
-    """
+    torch threads per process. Errors in the split are raised before any process starts."""
     params = params or SamplingParams()
     if params.stop or params.repetition_penalty != 1.0:
         raise ValueError("the tensor-parallel loop supports temperature, top_k, top_p, seed, "

@@ -154,8 +154,7 @@ class TPMLP(MLP):
 def shard_gpt(model: nn.Module, plan: ShardPlan, all_reduce: AllReduce) -> nn.Module:
     """Replace every block's attention and MLP of `model` by this rank's slices, in place, and
     return it. The rest is replicated, so ``model(ids, cache=...)`` runs as before with a cache
-    of this rank's K/V heads (`rank_cache`), in the block's attention implementation.
-    """
+    of this rank's K/V heads (`rank_cache`), in the block's attention implementation."""
     for block in model.transformer.h:
         block.attn = TPAttention(block.attn, plan, all_reduce)
         block.mlp = TPMLP(block.mlp, plan, all_reduce)

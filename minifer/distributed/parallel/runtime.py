@@ -139,8 +139,7 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
     `prompts`: token ids, one list per row (left padded into one batch). Rank 0 samples each
     token with `params` and broadcasts it; a row stops at `eos_token_id` or ``max_new_tokens``.
     `vocab`: sample only among the first `vocab` ids. The loop is `generation.run_batch`'s, with
-    the rank's cache (its own K/V heads), that sampler and hooks timing each step.
-    """
+    the rank's cache (its own K/V heads), that sampler and hooks timing each step."""
     params = params or SamplingParams()
     device = next(model.parameters()).device
     seqs, max_len = _rows(prompts, params, eos_token_id, model.config.context_length)
@@ -276,8 +275,7 @@ def watch_parent() -> None:
 def leave_group(done: bool) -> None:
     """Leave the process group together: a barrier, then destroy it. A `run_local` worker that
     is `done` (its report written) ends with ``os._exit(0)`` after the barrier, since tearing
-    gloo and the interpreter down can hang a finished rank; a failed run ends with its error.
-    """
+    gloo and the interpreter down can hang a finished rank; a failed run ends with its error."""
     if not done:
         dist.destroy_process_group()
         return
