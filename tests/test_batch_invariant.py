@@ -27,6 +27,7 @@ from minifer.quantization import QuantizedLinear
 FIVE = ["ROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak.\n",
         "KING HENRY:\n", "To be, or not", "JULIET:\nO"]
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
+THREADS = torch.get_num_threads()
 SHORT = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                    HealthCheck.too_slow])
 
@@ -171,3 +172,31 @@ def test_shipped_model_batched_equals_alone_with_the_option(shipped_in, precisio
     batched, alone = batched_and_alone(shipped_in[precision], prompts, 4, batch_invariant=True,
                                        threads=1)
     assert batched == alone
+
+
+# ---- the serving engine ------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_engine_with_the_option_equals_generate_alone(llama_in, precision):
+    """Packed steps (decode rows beside prompt chunks) give each request `generate`'s tokens
+    alone, both with ``batch_invariant=True``."""
+    from minifer.serve.engine import LLMEngine
+
+    model = llama_in[precision]
+    prompts = [list(range(3, 60)), [7], list(range(100, 112)), [9, 8, 7, 6], list(range(30, 130))]
+    alone = [mf.generate(model, [p], greedy(6), batch_invariant=True, threads=1)[0].token_ids
+             for p in prompts]
+    torch.set_num_threads(1)  # the engine computes at torch's count: the same one
+    try:
+        for options in (dict(max_num_seqs=2), dict(enable_chunked_prefill=True,
+                                                   max_num_batched_tokens=16)):
+            engine = LLMEngine(model, batch_invariant=True, **options)
+            assert [o.token_ids for o in engine.generate(prompts, greedy(6))] == alone
+    finally:
+        torch.set_num_threads(THREADS)
+
+
+def test_engine_option_is_checked(shipped):
+    from minifer.serve.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="batch_invariant"):
+        LLMEngine(shipped[0], batch_invariant="yes")

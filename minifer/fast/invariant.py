@@ -16,7 +16,8 @@ order too. bf16 and W8A8's per-token rounding turn such last-bit differences int
   place in the block (checked in the tests for float32, bf16, W8A8 and int4 layers).
 - `attend_per_query`: attention one query at a time, over exactly the keys it sees: the call
   a one-token decode step makes. A prompt's token in the prefill, the same token recomputed
-  and a decode step then run the same SDPA call on the same keys.
+  and a decode step then run the same SDPA call on the same keys; the serving engine's packed
+  steps too (`paged_per_query`, over the paged pool: ``LLMEngine(..., batch_invariant=True)``).
 - rotary angles are read from one table of every position (`rotary_table`), not computed per
   call over a tensor whose shape depends on the batch (vector and scalar cos differ).
 - the thread count is fixed for the call (the run's sums change with it: `generate` pins it).
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 
 from ..cache import AttentionInputs
 
-__all__ = ["ROWS", "in_rows", "attend_per_query", "rotary_table", "batch_invariant"]
+__all__ = ["ROWS", "in_rows", "attend_per_query", "paged_per_query", "rotary_table",
+           "batch_invariant"]
 
 ROWS = 8  # tokens per token-wise call: a multiple of every kernel's row tile, not too many
 # wasted products for a batch of one (BENCHMARKS.md, "batch-invariant")
@@ -53,6 +55,8 @@ def in_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     M = x2.shape[0]
+    if M == 0:  # nothing to compute (a serving step whose rows all continue their prompts)
+        return fn(x)
     pad = -M % rows
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, shape[-1])])
@@ -83,6 +87,38 @@ def attend_per_query(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch
             out[b, :, :, t] = F.scaled_dot_product_attention(
                 q[b:b + 1, :, :, t], k[b:b + 1, :, s:end], v[b:b + 1, :, s:end])[0]
     return out.reshape(B, nh, T, hd)
+
+
+def paged_per_query(batch) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """A serving step's attention (a `PackedBatch`'s ``attention(layer, q)``, its new K/V
+    already in the pool) one query at a time: each row's K/V gathered from its slots, and each
+    new token attends over its row's first ``position + 1`` tokens in the call
+    `attend_per_query` makes for it (so the engine and `generate` agree, batch for batch)."""
+    pool, dev = batch.pool, batch.pool.device
+    index = [torch.tensor(pool.slots(t, 0, c + n), device=dev)
+             for t, c, n in zip(batch.tables, batch.context, batch.num_new)]
+
+    def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+        nkv, hd = pool.k[layer].shape[-2:]
+        pk, pv = (x[layer].view(-1, nkv, hd) for x in (pool.k, pool.v))  # (slots, nkv, hd)
+        out, offset, g = q.new_zeros(q.shape), 0, q.shape[1] // nkv
+        for idx, c, n in zip(index, batch.context, batch.num_new):
+            kr, vr = (x[idx].transpose(0, 1)[None] for x in (pk, pv))  # (1, nkv, c + n, hd)
+            for t in range(n):
+                qt = q[:, :, offset + t].reshape(1, nkv, g, hd)
+                y = F.scaled_dot_product_attention(qt, kr[:, :, :c + t + 1], vr[:, :, :c + t + 1])
+                out[:, :, offset + t] = y.reshape(1, -1, hd)
+            offset += n
+        return out
+    return attend
+
+
+def _packed(model: nn.Module) -> Callable:
+    """A `GPT.forward_packed` whose step attends through `paged_per_query`."""
+    def forward_packed(idx: torch.Tensor, cache) -> torch.Tensor:
+        cache.attention = paged_per_query(cache)
+        return type(model).forward_packed(model, idx, cache)
+    return forward_packed
 
 
 def rotary_table(rotary: nn.Module, length: int) -> Callable:
@@ -127,6 +163,7 @@ def batch_invariant(model: nn.Module, on: bool) -> Iterator[None]:
         shadow(m, "forward", functools.partial(in_rows, type(m).forward.__get__(m)))
     for block in model.transformer.h:
         shadow(block.attn, "scores_times_values", functools.partial(attend_per_query, block.attn))
+    shadow(model, "forward_packed", _packed(model))
     if getattr(model, "rotary", None) is not None:
         shadow(model.rotary, "forward", rotary_table(model.rotary, model.config.context_length))
     try:

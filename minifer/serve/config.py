@@ -35,6 +35,8 @@ class EngineConfig:
       the block table), ``"slots"`` (the readable reference) or ``"kernel"`` (decode rows
       through a paged-attention kernel built for this machine on first use). The first and
       last are `minifer.fast.paged`'s: with the speed-ups off every read is the reference.
+    - `batch_invariant`: each request's tokens exactly as `generate` gives them alone, whatever
+      else shares its steps (`minifer.fast.invariant`: slower; keep torch's thread count fixed).
     """
 
     policy: str = "continuous"
@@ -48,6 +50,7 @@ class EngineConfig:
     aging: float = 0.0
     sample_vocab: int | None = None
     kv_read: str = "blocks"
+    batch_invariant: bool = False
 
     def resolved(self, model: torch.nn.Module) -> EngineConfig:
         """Every field checked against `model` (ValueErrors name the field and its range) and
@@ -72,6 +75,8 @@ class EngineConfig:
         if self.sample_vocab is not None:
             check_int("sample_vocab", self.sample_vocab, 1, cfg.vocab_size)
         check_read(self.kv_read)
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         device = model_device if self.device is None else _model_device(self.device, model_device)
         return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                    device=str(device), aging=float(self.aging))

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from .. import hooks
 from ..sampling import mask_padded_vocab, sample
 from .kv_pool import PackedBatch, PagedKVPool
 from .options import ban_early_eos, record_logprobs
@@ -32,19 +33,20 @@ class ModelRunner:
     """Runs the scheduled chunks of one step through `model` over the paged `pool`.
 
     `read` picks how attention reads the pool (`PackedBatch`); ``"kernel"``, where the paged
-    kernel cannot be built on this machine, warns and reads whole blocks. Counters (for
+    kernel cannot be built on this machine, warns and reads whole blocks. `batch_invariant`:
+    each step runs `minifer.hooks.batch_invariant`'s kernels (`EngineConfig`). Counters (for
     benchmarks and lessons): `num_forward_calls` and `forward_time_s` (the time spent inside
     the forward calls), `num_prefill_tokens` (prompt and recomputed tokens fed),
     `num_decode_tokens` (sampled tokens fed back) and `num_decode_calls` (calls with at least
     one decode row: decode tokens / calls is the mean decode batch).
     """
 
-    def __init__(self, model: torch.nn.Module, pool: PagedKVPool,
-                 device: torch.device, read: str = "blocks") -> None:
+    def __init__(self, model: torch.nn.Module, pool: PagedKVPool, device: torch.device,
+                 read: str = "blocks", batch_invariant: bool = False) -> None:
         if read == "kernel" and not KERNEL.available(torch.device(device), pool.dtype):
             read = "blocks"  # KERNEL has warned, naming why
         self.model, self.pool, self.device = model, pool, device
-        self.read = read  # how attention reads the pool (`PackedBatch`)
+        self.read, self.invariant = read, batch_invariant  # `PackedBatch`; `hooks.batch_invariant`
         self.num_forward_calls = 0
         self.forward_time_s = 0.0
         self.num_prefill_tokens = 0
@@ -65,7 +67,7 @@ class ModelRunner:
                             checked=True)  # the scheduler's rows: they fit their blocks
         self._count(rows)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), hooks.batch_invariant(self.model, self.invariant):
             idx = torch.tensor([ids], dtype=torch.long, device=self.device)
             logits = self.model(idx, cache=batch)  # (len(due), vocab): the rows that sample
             self.forward_time_s += time.perf_counter() - t0
