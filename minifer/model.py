@@ -452,7 +452,7 @@ def _inputs(idx: torch.Tensor, cache: KVCache | None, start: torch.Tensor | None
     if start is None and (offset == 0 or T == 1):
         pos = q_slots.unsqueeze(0).expand(B, T)  # (B, T)
         return AttentionInputs(pos, None, offset == 0 and T > 1, cache)
-    rows = None if start is None else start.tolist()  # left padding: attention row by row
+    rows = None if start is None or start.is_meta else start.tolist()  # padded: row by row
     start = torch.zeros(B, dtype=torch.long, device=device) if start is None else start.to(device)
     pos = (q_slots[None, :] - start[:, None]).clamp(min=0)  # (B, T) per-row positions
     k_slots = torch.arange(offset + T, device=device)  # (S,)
