@@ -7,7 +7,7 @@ next free slot in place: the decode loop never concatenates or reallocates.
 
 Batches of prompts of different lengths are *left padded*: every row writes at the same slot
 (`pos`), and row ``b``'s real tokens start at slot ``start[b]``. Slots before ``start[b]`` hold
-padding that attention masks out, so each row computes what it would compute alone.
+padding that attention never reads: it runs row by row over ``start[b]..`` (`AttentionInputs.rows`).
 
 `KVCache` writes down what the model asks of any cache (the serving engine's paged pool keeps
 its packed variant, `PackedKVCache`), and `AttentionInputs` bundles what every layer needs for

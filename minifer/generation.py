@@ -13,10 +13,13 @@ step (decode, sample); tensor parallelism (`minifer.parallel.generate_tp`) runs 
 `advance` a step that drafts, verifies and returns several tokens.
 
 Prompts of different lengths share a batch by *left padding*: row b's real tokens start at slot
-``start[b]`` and the attention mask hides the padding, so every row computes what it would
-compute alone. In fp32 that holds exactly (greedy tokens are identical, tested); in bf16/fp16 the
-padded batch runs matmuls of other shapes, whose rounding can differ, so outputs may diverge
-after a near-tie.
+``start[b]``, and attention runs row by row over each row's own slots (the call the row makes
+alone), so every row computes what it would compute alone but for the matrix products, which a
+batch runs in other shapes: their sums add up in another order (~1e-6 of the logits in fp32).
+W8A8 int8 sums exactly, so its tokens are the same batched as alone (tested); in fp32 the
+difference stays far below a choice between two tokens; bf16 and int4 can flip a near-tie.
+``batch_invariant=True`` runs every product in a fixed shape too (`minifer.fast.invariant`):
+batched == alone == recomputed in every precision, at a cost (BENCHMARKS.md).
 
 Speed-ups plug in at `minifer.hooks`: the thread count around a call, and the decode step (the
 speed-ups' lean step, compiled with ``compile=True``). See `minifer.fast`.
