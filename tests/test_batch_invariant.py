@@ -22,7 +22,7 @@ import minifer as mf
 from conftest import on_device
 from minifer import GPT, GPTConfig
 from minifer.fast import invariant
-from minifer.quantization import QuantizedLinear
+from minifer.quantization import QuantizedLinear, fused_available
 
 FIVE = ["ROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak.\n",
         "KING HENRY:\n", "To be, or not", "JULIET:\nO"]
@@ -90,7 +90,8 @@ def _layers() -> dict[str, torch.nn.Module]:
         warnings.simplefilter("ignore")
         return {"fp32": lin, "bf16": mf.quantize(torch.nn.Sequential(lin), "bf16")[0],
                 "int8": QuantizedLinear.from_linear(lin, 8, impl="integer"),
-                "int4": QuantizedLinear.from_linear(lin, 4, impl="reference")}
+                "int4": QuantizedLinear.from_linear(
+                    lin, 4, impl="fused" if fused_available(4) else "reference")}
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
