@@ -22,7 +22,7 @@ order too. bf16 and W8A8's per-token rounding turn such last-bit differences int
   call over a tensor whose shape depends on the batch (vector and scalar cos differ).
 - the thread count is fixed for the call (the run's sums change with it: `generate` pins it).
 
-Cost (BENCHMARKS.md, "batch-invariant"): one row at a time still makes `ROWS`-row products,
+Cost (BENCHMARKS.md, "Batched == alone"): one row at a time still makes `ROWS`-row products,
 and the prefill one attention call per token. CPU and CUDA alike: only the shapes change.
 `batch_invariant` (the `hooks.batch_invariant` of the speed-up package) puts these kernels
 into one model for one call, and takes them out again after it.
@@ -43,8 +43,8 @@ from ..cache import AttentionInputs
 __all__ = ["ROWS", "in_rows", "attend_per_query", "paged_per_query", "rotary_table",
            "batch_invariant"]
 
-ROWS = 8  # tokens per token-wise call: a multiple of every kernel's row tile, not too many
-# wasted products for a batch of one (BENCHMARKS.md, "batch-invariant")
+ROWS = 8  # tokens per token-wise call: any fixed count gives the same numbers in every batch
+# (tested); 8 keeps a batch of one's wasted rows few (BENCHMARKS.md, "Batched == alone")
 
 
 def in_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
