@@ -151,14 +151,14 @@ class CausalSelfAttention(nn.Module):
         sdpa = _attention_math if self.impl == "math" else F.scaled_dot_product_attention
         if inputs.rows is None:
             return sdpa(q, k, v, inputs.mask, is_causal=inputs.is_causal)
-        T = inputs.positions.shape[1]
-        offset, ys = k.shape[2] - T, []  # slots cached before the new tokens
+        T, y = inputs.positions.shape[1], torch.zeros_like(q)  # padding queries: zeros, unread
+        offset = k.shape[2] - T  # slots cached before the new tokens
         for b, s in enumerate(inputs.rows):  # row b's real slots: s.., its real queries: qs..
             qs = max(s - offset, 0)
             mask = None if offset == 0 or T == 1 else inputs.mask[b:b + 1, :, qs:, s:]
-            ys.append(F.pad(sdpa(q[b:b + 1, :, qs:], k[b:b + 1, :, s:], v[b:b + 1, :, s:], mask,
-                                 is_causal=offset == 0 and T - qs > 1), (0, 0, qs, 0)))
-        return torch.cat(ys)  # padding queries: zeros, never read
+            y[b:b + 1, :, qs:] = sdpa(q[b:b + 1, :, qs:], k[b:b + 1, :, s:], v[b:b + 1, :, s:],
+                                      mask, is_causal=offset == 0 and T - qs > 1)
+        return y
 
 
 def _attention_math(q, k, v, mask, is_causal):
