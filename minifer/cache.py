@@ -7,7 +7,7 @@ next free slot in place: the decode loop never concatenates or reallocates.
 
 Batches of prompts of different lengths are *left padded*: every row writes at the same slot
 (`pos`), and row ``b``'s real tokens start at slot ``start[b]``. Slots before ``start[b]`` hold
-padding that attention masks out, so each row computes what it would compute alone.
+padding that attention never reads: it runs row by row over ``start[b]..`` (`AttentionInputs.rows`).
 
 `KVCache` writes down what the model asks of any cache (the serving engine's paged pool keeps
 its packed variant, `PackedKVCache`), and `AttentionInputs` bundles what every layer needs for
@@ -104,6 +104,10 @@ class AttentionInputs:
     - `packed`: the call packs rows of any lengths (`PackedKVCache`); `cache.attend` does it.
     - `rotation`: with rotary positions, the cos and sin of every new token's angles, which
       `GPT.blocks` computes once for all layers.
+    - `rows`: in a left-padded batch, each row's first real slot: attention then runs row by
+      row over the row's own slots, exactly the arithmetic of the row alone (a padded row's
+      softmax and product add the same numbers in another order, which W8A8 can turn into
+      another token).
     """
 
     positions: torch.Tensor
@@ -112,6 +116,7 @@ class AttentionInputs:
     cache: KVCache | None = None
     packed: bool = False  # rows packed in one sequence: attention is `cache.attend` (PackedKVCache)
     rotation: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary cos, sin: `GPT.blocks`
+    rows: list[int] | None = None  # a left-padded batch: each row's first real slot (host ints)
 
 
 def _is_int8(dtype) -> bool:
@@ -152,12 +157,10 @@ class StaticKVCache:
         shape = (batch_size, n_kv_head, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.batch_size, self.max_len = batch_size, max_len
+        self.batch_size, self.max_len, self.dtype, self.device = batch_size, max_len, dtype, device
         self.n_layer, self.n_kv_head, self.head_dim = n_layer, n_kv_head, head_dim
-        self.dtype, self.device = dtype, device
-        self.pos = 0
         self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.padded = False  # any row left padded? (kept on the host to avoid a device sync)
+        self.pos, self.padded = 0, False  # padded: any row left padded? (on the host: no sync)
 
     def _allocate_scales(self, n_layer: int, shape: tuple[int, ...], device) -> None:
         self.k_scale = [torch.zeros(shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
@@ -179,11 +182,7 @@ class StaticKVCache:
     def reset(self, start: torch.Tensor | list[int] | None = None) -> None:
         """Empty the cache for a new batch; `start[b]` = number of left-padding slots of row b."""
         self.pos = 0
-        if start is None:
-            self.start.zero_()
-            self.padded = False
-            return
-        start = torch.as_tensor(start, dtype=torch.long)
+        start = torch.as_tensor([0] * self.batch_size if start is None else start, dtype=torch.long)
         if start.shape != (self.batch_size,):
             raise ValueError(f"start must have shape ({self.batch_size},), got {tuple(start.shape)}")
         self.padded = bool((start > 0).any())

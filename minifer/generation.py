@@ -13,10 +13,13 @@ step (decode, sample); tensor parallelism (`minifer.distributed.parallel.generat
 `advance` a step that drafts, verifies and returns several tokens.
 
 Prompts of different lengths share a batch by *left padding*: row b's real tokens start at slot
-``start[b]`` and the attention mask hides the padding, so every row computes what it would
-compute alone. In fp32 that holds exactly (greedy tokens are identical, tested); in bf16/fp16 the
-padded batch runs matmuls of other shapes, whose rounding can differ, so outputs may diverge
-after a near-tie.
+``start[b]``, and attention runs row by row over each row's own slots (the call the row makes
+alone), so every row computes what it would compute alone but for the matrix products, which a
+batch runs in other shapes: their sums add up in another order (~1e-6 of the logits in fp32).
+W8A8 int8 sums exactly, so its tokens are the same batched as alone (tested); in fp32 the
+difference stays far below a choice between two tokens; bf16 and int4 can flip a near-tie.
+``batch_invariant=True`` runs every product in a fixed shape too (`minifer.fast.invariant`):
+batched == alone == recomputed in every precision, at a cost (BENCHMARKS.md).
 
 Speed-ups plug in at `minifer.hooks`: the thread count around a call, and the decode step (the
 speed-ups' lean step, compiled with ``compile=True``). See `minifer.fast`.
@@ -42,10 +45,8 @@ __all__ = ["prefill", "decode_step", "advance", "stream", "run_batch", "generate
 
 # ---- the two kinds of forward pass ---------------------------------------------------------
 def prefill(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Run all prompt tokens ``(B, T)`` in one pass, writing their K/V into `cache`.
-
-    Call ``cache.reset(start)`` first for a new batch. Returns the next-token logits ``(B, V)``.
-    """
+    """Run all prompt tokens ``(B, T)`` in one pass, writing their K/V into `cache` (reset for
+    a new batch: ``cache.reset(start)``); returns the next-token logits ``(B, V)``."""
     return model(ids, cache=cache, last_only=True)[:, -1]
 
 
@@ -104,9 +105,8 @@ class Batch:
 
 def new_cache(model: torch.nn.Module, batch: Batch, cache: StaticKVCache | None,
               kv_dtype, compile: bool | str) -> StaticKVCache:
-    """The KV cache for `batch`, reset to its padding: `cache` if given (checked), else one
-    sized for it (rounded up to 64 slots when compiling, so that requests of similar length
-    share one compiled graph)."""
+    """The KV cache for `batch`, reset to its padding: `cache` if given (checked), else one sized
+    for it (compiling: rounded up to 64 slots, so that similar requests share one graph)."""
     B, slots = batch.ids.shape[0], batch.ids.shape[1] - 1  # the last token is never fed back
     if cache is None:
         check_kv_dtype(kv_dtype, next(p for p in model.parameters() if p.is_floating_point()).dtype)
@@ -122,13 +122,15 @@ def new_cache(model: torch.nn.Module, batch: Batch, cache: StaticKVCache | None,
 
 def run_batch(model: torch.nn.Module, req: Prepared, *, use_cache: bool = True,
               kv_dtype: torch.dtype | str | None = None, compile: bool | str = False,
-              cache: StaticKVCache | None = None, sampler: Callable[[Sampler], Sampler] | None = None,
-              threads: int | str | None = None) -> Iterator[TokenEvent]:
+              cache: StaticKVCache | None = None, threads: int | str | None = None,
+              sampler: Callable[[Sampler], Sampler] | None = None,
+              batch_invariant: bool = False) -> Iterator[TokenEvent]:
     """Generate for checked request input (`sequence.prepare`): prefill → (sample → append →
     decode step)* → stop, one `TokenEvent` per token. Tensor parallelism passes a `cache` of
     its rank's heads and a `sampler` that wraps the plain one (logits → tokens)."""
-    if compile and not use_cache:
-        raise ValueError("compile=True compiles the cached decode step: it needs use_cache=True")
+    if compile and (not use_cache or batch_invariant):
+        raise ValueError("compile=True needs use_cache=True and batch_invariant=False")
+    threads = torch.get_num_threads() if batch_invariant and threads in (None, "auto") else threads
     seqs, device = req.sequences, req.device
     batch = Batch.of(seqs, device)
     plain = BatchSampler(seqs[0].params, [s.prompt_ids for s in seqs], req.vocab,
@@ -150,7 +152,8 @@ def run_batch(model: torch.nn.Module, req: Prepared, *, use_cache: bool = True,
         n += 1
         return [[t] for t in tokens.tolist()]  # waits for the device: the token now exists
 
-    with hooks.generation_threads(threads, device) as between_steps, torch.inference_mode():
+    with hooks.batch_invariant(model, batch_invariant), torch.inference_mode(), \
+            hooks.generation_threads(threads, device) as between_steps:
         yield from advance(seqs, step, time.perf_counter())
 
 
@@ -177,7 +180,8 @@ def stream(model: torch.nn.Module, prompts, params: SamplingParams | None = None
            tokenizer: TokenizerLike | None = None, *, use_cache: bool = True,
            device: torch.device | str | None = None, completions: list[Completion] | None = None,
            kv_dtype: torch.dtype | str | None = None, compile: bool | str = False,
-           threads: int | str | None = None) -> Iterator[TokenEvent]:
+           threads: int | str | None = None, batch_invariant: bool = False
+           ) -> Iterator[TokenEvent]:
     """Yield a `TokenEvent` for every generated token of every prompt, as soon as it exists.
     `completions`: a list to fill with the final `Completion`s; the other arguments are
     `generate`'s."""
@@ -185,24 +189,25 @@ def stream(model: torch.nn.Module, prompts, params: SamplingParams | None = None
     if completions is not None:  # the caller's list may already hold earlier results
         completions.extend(s.result for s in req.sequences)
     yield from run_batch(model, req, use_cache=use_cache, kv_dtype=kv_dtype, compile=compile,
-                         threads=threads)
+                         threads=threads, batch_invariant=batch_invariant)
 
 
 def generate(model: torch.nn.Module, prompts, params: SamplingParams | None = None,
              tokenizer: TokenizerLike | None = None, *, use_cache: bool = True,
              device: torch.device | str | None = None, kv_dtype: torch.dtype | str | None = None,
-             compile: bool | str = False, threads: int | str | None = None) -> list[Completion]:
+             compile: bool | str = False, threads: int | str | None = None,
+             batch_invariant: bool = False) -> list[Completion]:
     """Generate for one prompt or a batch; returns one `Completion` per prompt, in order.
 
     - `use_cache=False` recomputes the whole sequence at every step: the reference path.
     - `kv_dtype`: the KV cache's dtype (default: the model's); ``"int8"`` quantizes the cache.
     - `compile`: a compiled decode step (True, or a `torch.compile` mode; `minifer.fast`).
     - `threads` (CPU): an integer fixes torch's count for this call; None leaves it as it is;
-      ``"auto"`` uses every idle core, lowered while other programs hold cores (a governor
-      that reads the CPU's counters between steps: only when asked).
+      ``"auto"`` uses every idle core, lowered while other programs hold cores (only when asked).
+    - `batch_invariant`: each row's tokens exactly as alone and recomputed (`fast.invariant`).
     """
     req = prepare(model, prompts, params, tokenizer, device=device)
     for _ in run_batch(model, req, use_cache=use_cache, kv_dtype=kv_dtype, compile=compile,
-                       threads=threads):
+                       threads=threads, batch_invariant=batch_invariant):
         pass
     return [s.result for s in req.sequences]

@@ -2,8 +2,9 @@
 
 The core calls the functions below at the few places where a faster way exists: the greedy
 argmax, the decode step, the thread count around a generation call and in the serving engine's
-loop, a W8A8 layer's product, the layout of a new model's weights, the serving engine's paged
-attention, and the layers of a new bf16 model. Here each is the plain reference.
+loop, a W8A8 layer's product, the batch-invariant kernels around a call that asks for them, the
+layout of a new model's weights, the serving engine's paged attention, and the layers of a new
+bf16 model. Here each is the plain reference.
 `minifer.fast.install()`, which ``import minifer`` runs, puts the speed-up package's versions in
 their place; each is tested equal to the one it replaces. To read exactly the code that runs,
 turn them off: ``with minifer.fast.disabled():`` around a call, or ``MINIFER_SPEEDUPS=0`` in the
@@ -23,13 +24,25 @@ import torch
 
 from .checks import check_threads
 
-__all__ = ["argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights",
-           "packed_attention", "prepare_bf16", "serving_threads"]
+__all__ = ["argmax", "batch_invariant", "decode_function", "generation_threads", "int8_matmul",
+           "lay_out_weights", "packed_attention", "prepare_bf16", "serving_threads"]
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The greedy token of each row of ``(B, V)`` logits: the first index of its maximum."""
     return logits.argmax(dim=-1)  # (B,)
+
+
+@contextlib.contextmanager
+def batch_invariant(model: torch.nn.Module, on: bool) -> Iterator[None]:
+    """Around one generation call: with `on`, `model` computes each row as it would alone,
+    cached or recomputed (``generate(..., batch_invariant=True)``). Plain: only ``on=False``;
+    the kernels that make a row's sums independent of its batch are the speed-up package's
+    (`minifer.fast.invariant`), so with the speed-ups off ``on=True`` is a ValueError."""
+    if on:
+        raise ValueError("batch_invariant=True needs minifer.fast's batch-invariant kernels, "
+                         "which are off (MINIFER_SPEEDUPS=0 or inside minifer.fast.disabled())")
+    yield
 
 
 def decode_function(model: torch.nn.Module, cache, compile: bool | str) -> Callable | None:

@@ -129,30 +129,36 @@ class CausalSelfAttention(nn.Module):
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.c_attn(x).split([nh * hd, nkv * hd, nkv * hd], dim=2)
         q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, nkv, hd).transpose(1, 2)
+        k, v = (x.view(B, T, nkv, hd).transpose(1, 2) for x in (k, v))  # (B, nkv, T, hd)
         if inputs.rotation is not None:  # rotary positions: turn q and k, then cache k turned
             cos, sin = inputs.rotation  # (B, 1, T, hd/2) each
             q, k = rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin)
-        cache = inputs.cache
         if inputs.packed:  # rows of any lengths packed in one sequence: the cache keeps them apart
-            y = cache.attend(self.layer_idx, q, k, v)  # (1, nh, N, hd)
+            y = inputs.cache.attend(self.layer_idx, q, k, v)  # (1, nh, N, hd)
             return y.transpose(1, 2).reshape(B, T, nh * hd)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd): all cached tokens
+        if inputs.cache is not None:
+            k, v = inputs.cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd): all cached tokens
         if nkv != nh and T == 1:  # grouped-query decode: each K/V head's nh // nkv query heads
             q = q.reshape(B, nkv, nh // nkv, hd)  # attend as its rows, reading the cache once
         elif nkv != nh:  # grouped-query prefill: each K/V head copied for its nh // nkv query heads
-            k = k.repeat_interleave(nh // nkv, dim=1)
-            v = v.repeat_interleave(nh // nkv, dim=1)
+            k, v = (x.repeat_interleave(nh // nkv, dim=1) for x in (k, v))
         y = self.scores_times_values(q, k, v, inputs)  # (B, nh, T, hd) or, grouped, (B, nkv, nh // nkv, hd)
         return y.reshape(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)  # (B, T, nh * hd)
 
     def scores_times_values(self, q, k, v, inputs: AttentionInputs) -> torch.Tensor:
-        """softmax(q kᵀ / √hd) v, each query row over the keys its mask allows."""
-        if self.impl == "math":
-            return _attention_math(q, k, v, inputs.mask, inputs.is_causal)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=inputs.mask, is_causal=inputs.is_causal)
+        """softmax(q kᵀ / √hd) v, each query over the keys its mask allows. A left-padded batch
+        goes row by row over each row's own slots (`AttentionInputs.rows`): its call alone."""
+        sdpa = _attention_math if self.impl == "math" else F.scaled_dot_product_attention
+        if inputs.rows is None:
+            return sdpa(q, k, v, inputs.mask, is_causal=inputs.is_causal)
+        T, y = inputs.positions.shape[1], torch.zeros_like(q)  # padding queries: zeros, unread
+        offset = k.shape[2] - T  # slots cached before the new tokens
+        for b, s in enumerate(inputs.rows):  # row b's real slots: s.., its real queries: qs..
+            qs = max(s - offset, 0)
+            mask = None if offset == 0 or T == 1 else inputs.mask[b:b + 1, :, qs:, s:]
+            y[b:b + 1, :, qs:] = sdpa(q[b:b + 1, :, qs:], k[b:b + 1, :, s:], v[b:b + 1, :, s:],
+                                      mask, is_causal=offset == 0 and T - qs > 1)
+        return y
 
 
 def _attention_math(q, k, v, mask, is_causal):
@@ -354,8 +360,7 @@ class GPT(nn.Module):
         x = self.blocks(idx, inputs)  # (B, T, C)
         if cache is not None:
             cache.advance(idx.shape[1])
-        if last_only:
-            x = x[:, -1:, :]  # (B, 1, C)
+        x = x[:, -1:, :] if last_only else x  # (B, 1, C) with last_only
         return self.lm_head(self.transformer.ln_f(x))  # (B, T or 1, vocab)
 
     def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
@@ -437,19 +442,18 @@ def _checks_ids(device_type: str, fresh: bool) -> bool:
 
 def _inputs(idx: torch.Tensor, cache: KVCache | None, start: torch.Tensor | None
             ) -> AttentionInputs:
-    """Position ids, attention mask and causal flag for the T new tokens `idx` ``(B, T)``, at
-    slots ``offset..offset+T-1`` after the `offset` tokens `cache` holds. Without padding, a
-    fresh prefill is plain causal attention and a one-token step sees every cached slot: no
-    mask. Otherwise query slot i of row b sees key slot j when ``start[b] <= j <= i`` (start 0
-    without padding), and always itself (a padding row attending to nothing gives NaNs)."""
+    """Position ids, attention mask, causal flag (and padded rows' starts) for the T new tokens
+    `idx` ``(B, T)`` at slots ``offset..``, after the `offset` tokens `cache` holds. Unpadded,
+    a fresh prefill is causal and a one-token step sees every cached slot: no mask. Else query
+    slot i of row b sees key slot j if ``start[b] <= j <= i``, and always itself (no NaNs)."""
     (B, T), device = idx.shape, idx.device
     offset = 0 if cache is None else cache.pos
-    if cache is not None:  # the cache knows each row's padding
-        start = cache.start if cache.padded else None
+    start = start if cache is None else cache.start if cache.padded else None  # cache: its own
     q_slots = torch.arange(offset, offset + T, device=device)  # (T,)
     if start is None and (offset == 0 or T == 1):
         pos = q_slots.unsqueeze(0).expand(B, T)  # (B, T)
         return AttentionInputs(pos, None, offset == 0 and T > 1, cache)
+    rows = None if start is None or start.is_meta else start.tolist()  # padded: row by row
     start = torch.zeros(B, dtype=torch.long, device=device) if start is None else start.to(device)
     pos = (q_slots[None, :] - start[:, None]).clamp(min=0)  # (B, T) per-row positions
     k_slots = torch.arange(offset + T, device=device)  # (S,)
@@ -457,5 +461,5 @@ def _inputs(idx: torch.Tensor, cache: KVCache | None, start: torch.Tensor | None
     real = k_slots[None, :] >= start[:, None]  # (B, S)
     self_ = k_slots[None, :] == q_slots[:, None]  # (T, S)
     mask = (causal[None] & real[:, None, :]) | self_[None]  # (B, T, S)
-    return AttentionInputs(pos, mask.unsqueeze(1), False, cache)  # mask (B, 1, T, S)
+    return AttentionInputs(pos, mask.unsqueeze(1), False, cache, rows=rows)  # mask (B, 1, T, S)
 

@@ -40,6 +40,8 @@ class EngineConfig:
     - `aging`: priority points a waiting request gains per step (0 = strict priority).
     - `sample_vocab`: sample only among the first `sample_vocab` token ids (default: the
       tokenizer's vocabulary, else the model's); a worker without the tokenizer gets its size.
+    - `batch_invariant`: each request's tokens exactly as `generate` gives them alone, whatever
+      else shares its steps (`minifer.fast.invariant`: slower; keep torch's thread count fixed).
     """
 
     policy: str = "continuous"
@@ -54,6 +56,7 @@ class EngineConfig:
     sample_vocab: int | None = None
     max_model_len: int | None = None
     kv_cache_memory: int | float | None = None
+    batch_invariant: bool = False
 
     def resolved(self, model: torch.nn.Module) -> EngineConfig:
         """Every field checked against `model` (ValueErrors name the field and its range) and
@@ -83,6 +86,8 @@ class EngineConfig:
                      why=" (priority points per step waited; 0 = strict priority)")
         if self.sample_vocab is not None:
             check_int("sample_vocab", self.sample_vocab, 1, cfg.vocab_size)
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                    device=str(device), aging=float(self.aging), max_model_len=ctx)
 

@@ -90,7 +90,7 @@ class LLMEngine:
                                           enable_prefix_caching=c.enable_prefix_caching,
                                           bytes_per_token=self.pool.bytes_per_token)
         self.scheduler = Scheduler(self.block_manager, c)
-        self.runner = ModelRunner(model, self.pool, self.device)
+        self.runner = ModelRunner(model, self.pool, self.device, batch_invariant=c.batch_invariant)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._order = itertools.count()
         self.last_step: StepStats | None = None

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from .. import hooks
 from ..sampling import mask_padded_vocab, sample
 from .kv_pool import PackedBatch, PagedKVPool
 from .options import ban_early_eos, record_logprobs
@@ -30,6 +31,7 @@ __all__ = ["ModelRunner"]
 class ModelRunner:
     """Runs the scheduled chunks of one step through `model` over the paged `pool`.
 
+    `batch_invariant`: each step runs `minifer.hooks.batch_invariant`'s kernels (`EngineConfig`).
     Counters (for
     benchmarks and lessons): `num_forward_calls` and `forward_time_s` (the time spent inside
     the forward calls), `num_prefill_tokens` (prompt and recomputed tokens fed),
@@ -37,8 +39,10 @@ class ModelRunner:
     one decode row: decode tokens / calls is the mean decode batch).
     """
 
-    def __init__(self, model: torch.nn.Module, pool: PagedKVPool, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, pool: PagedKVPool, device: torch.device,
+                 batch_invariant: bool = False) -> None:
         self.model, self.pool, self.device = model, pool, device
+        self.invariant = batch_invariant  # `hooks.batch_invariant`
         self.num_forward_calls = 0
         self.forward_time_s = 0.0
         self.num_prefill_tokens = 0
@@ -57,7 +61,7 @@ class ModelRunner:
                             logits_rows=due)
         self._count(chunks)
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), hooks.batch_invariant(self.model, self.invariant):
             idx = torch.tensor([ids], dtype=torch.long, device=self.device)
             logits = self.model(idx, cache=batch)  # (len(due), vocab): the rows that sample
             self.forward_time_s += time.perf_counter() - t0

@@ -15,6 +15,7 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 | `paged`: the serving step's attention planned once per step, decode rows batched | `PackedBatch.attend_rows` | `hooks.packed_attention` |
 | `int8_gemv`: minifer's AVX512-VNNI kernel for one int8 row | `int8_gemv.w8a8_reference` | `hooks.int8_matmul` (W8A8 layers) |
 | `bf16_gemv`: minifer's AVX512-BF16 kernel for one bf16 row | `bf16_gemv.bf16_reference` | prepacked bf16 layers |
+| `invariant`: batch-invariant kernels (token-wise layers in fixed blocks of rows, attention one query at a time) | the model's own layers | `hooks.batch_invariant` (``batch_invariant=True``) |
 | `native`: the C++ build of those kernels | | |
 
 With the speed-ups off (``with minifer.fast.disabled():``, or ``MINIFER_SPEEDUPS=0`` in the
@@ -44,6 +45,7 @@ from .. import hooks
 from .argmax import first_argmax
 from .compiled import decode_function
 from .int8_gemv import int8_matmul
+from .invariant import batch_invariant
 from .layout import column_major_linears
 from .paged import packed_attention
 from .prepack import prepare_bf16
@@ -51,10 +53,11 @@ from .threads import generation_threads, serving_threads
 
 __all__ = ["install", "disabled", "installed"]
 
-SEAM = ("argmax", "decode_function", "generation_threads", "int8_matmul", "lay_out_weights",
-        "packed_attention", "prepare_bf16", "serving_threads")
+SEAM = ("argmax", "batch_invariant", "decode_function", "generation_threads", "int8_matmul",
+        "lay_out_weights", "packed_attention", "prepare_bf16", "serving_threads")
 _PLAIN = {name: getattr(hooks, name) for name in SEAM}
-_FAST = {"argmax": first_argmax, "decode_function": decode_function,
+_FAST = {"argmax": first_argmax, "batch_invariant": batch_invariant,
+         "decode_function": decode_function,
          "generation_threads": generation_threads, "int8_matmul": int8_matmul,
          "lay_out_weights": column_major_linears, "packed_attention": packed_attention,
          "prepare_bf16": prepare_bf16, "serving_threads": serving_threads}

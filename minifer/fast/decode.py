@@ -61,13 +61,15 @@ def step_inputs(writer: SlotWriter, dtype: torch.dtype) -> AttentionInputs:
     cache, slot = writer.cache, writer.slot
     start = cache.start  # (B,)
     positions = (slot - start)[:, None]  # (B, 1): each row's own position
-    mask = None
-    if writer.kv_len is None or cache.padded:
+    mask, rows = None, None
+    if writer.kv_len is not None and cache.padded:  # eager: row by row, each as it runs alone
+        rows = start.tolist()
+    elif writer.kv_len is None:
         slots = writer.slots[:writer.kv_len]  # (S,) the key slots read
         allowed = (slots <= slot) & (slots >= start[:, None])  # (B, S)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=slot.device)
         mask = mask.masked_fill(~allowed, float("-inf"))[:, None, None, :]  # (B, 1, 1, S)
-    return AttentionInputs(positions, mask, False, writer)
+    return AttentionInputs(positions, mask, False, writer, rows=rows)
 
 
 def lean_forward(model: GPT, tokens: torch.Tensor, writer: SlotWriter) -> torch.Tensor:
