@@ -34,9 +34,8 @@ def _is_int(value: Any) -> bool:
 
 def check_int(name: str, value: Any, lo: int | None = 1, hi: int | None = None, *,
               why: str = "", allowed: str | None = None) -> int:
-    """`value` as a Python int if it is an integer (Python or NumPy, not a bool) in [lo, hi]
-    (None: unbounded), else ``ValueError("{name} must {allowed}{why}, got {value!r}")``;
-    `allowed` defaults to "be " and the range in words, `why` explains, e.g. " (0 = off)"."""
+    """`value` as an int if it is one (Python or NumPy, not a bool) in [lo, hi] (None: no
+    bound), else ``ValueError("{name} must {allowed}{why}, got {value!r}")``."""
     ok = _is_int(value)
     if ok:
         v = operator.index(value)
@@ -50,9 +49,8 @@ def check_int(name: str, value: Any, lo: int | None = 1, hi: int | None = None, 
 def check_number(name: str, value: Any, *, gt: float | None = None, ge: float | None = None,
                  lt: float | None = None, le: float | None = None, finite: bool = False,
                  why: str = "") -> float:
-    """`value` if it is a real number (Python or NumPy, not a bool, not NaN) within the given
-    bounds (``gt``/``lt`` exclusive, ``ge``/``le`` inclusive; `finite`: not ±inf), else a
-    ValueError naming `name`, the bounds and the value. A NumPy scalar comes back as a float."""
+    """`value` (a NumPy scalar as a float) if it is a real number, not a bool or NaN, within
+    the bounds (`finite`: not ±inf), else a ValueError naming `name`, the bounds and the value."""
     try:
         ok = _is_real(value) and not math.isnan(float(value))
     except OverflowError:  # an int too large for a float

@@ -89,17 +89,10 @@ def cpu_flags() -> frozenset[str]:
 
 
 def available_memory(device: str | torch.device = "cpu") -> int:
-    """Bytes that `device` can still allocate now: free GPU memory, or on the CPU the memory the
-    system reports available (Linux's MemAvailable, else free pages, else half of all)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.mem_get_info(dev)[0]
-    try:
-        text = Path("/proc/meminfo").read_text()
-        return int(re.search(r"^MemAvailable:\s+(\d+) kB", text, re.MULTILINE).group(1)) * 1024
-    except (OSError, AttributeError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    """Bytes `device` can still allocate: free GPU memory, or Linux's MemAvailable (else half)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = Path("/proc/meminfo")
+    found = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text() if meminfo.exists() else "",
+                      re.MULTILINE)
+    return int(found.group(1)) * 1024 if found else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2

@@ -377,13 +377,9 @@ class GPT(nn.Module):
             _refuse_input(self.config, idx, cache)
 
     def forward_packed(self, idx: torch.Tensor, cache: PackedKVCache) -> torch.Tensor:
-        """Logits ``(len(cache.logits_index), vocab)`` for many rows packed in one sequence.
-
-        `idx` ``(1, N)`` holds every row's new tokens end to end (a serving step: decode rows
-        and prompt chunks together, see `minifer.engine.kv_pool.PackedBatch`). Every token-wise
-        layer runs once over all N tokens; attention is left to ``cache.attend``, which keeps
-        each row to its own tokens. Logits are computed only at ``cache.logits_index``.
-        """
+        """Logits ``(len(cache.logits_index), vocab)`` for rows packed end to end in `idx`
+        ``(1, N)`` (a serving step, `engine.kv_pool.PackedBatch`): token-wise layers run once
+        over all N tokens, ``cache.attend`` keeps each row to its own tokens."""
         if idx.dim() != 2 or idx.shape[0] != 1 or idx.shape[1] != cache.num_tokens:
             raise ValueError(f"a packed call takes idx of shape (1, {cache.num_tokens}), got "
                              f"{tuple(idx.shape)}")
@@ -434,9 +430,8 @@ def _refuse_input(config: GPTConfig, idx: torch.Tensor, cache: KVCache | None) -
 
 
 def _checks_ids(device_type: str, fresh: bool) -> bool:
-    """Whether `GPT.check_input` range-checks token ids: always on the CPU; on an accelerator,
-    where reading the result back makes the host wait, only for calls that start a sequence
-    (later tokens come from the engine's own sampling or drafter)."""
+    """Whether to range-check token ids: always on the CPU; on an accelerator (the read makes
+    the host wait) only for calls that start a sequence (later ids are the engine's own)."""
     return device_type == "cpu" or (fresh and device_type != "meta")
 
 

@@ -171,11 +171,9 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
     """Bias → penalty → temperature → top-k → top-p on ``(B, V)`` logits, in float32: their
-    softmax is the distribution the next token is drawn from (greedy: their argmax).
-
-    A ±inf bias *sets* a logit (+inf forces its token). A row that cannot be sampled (NaN, or
-    all -inf) is a ValueError, found from the row maxima: read on the host on the CPU, where it
-    is free, and on an accelerator only when ``logit_bias`` holds ±inf."""
+    softmax is the next token's distribution. A ±inf bias *sets* a logit (+inf forces its
+    token); a row that cannot be sampled (NaN, all -inf) is a ValueError, found from the row
+    maxima (read on the host on the CPU; on an accelerator only with a ±inf bias)."""
     _check_shapes(logits, seen)
     logits = logits.float()
     bias = params.logit_bias

@@ -59,8 +59,7 @@ class EngineConfig:
     batch_invariant: bool = False
 
     def resolved(self, model: torch.nn.Module) -> EngineConfig:
-        """Every field checked against `model` (ValueErrors name the field and its range) and
-        the defaults filled in, before anything is allocated."""
+        """Every field checked against `model` and the defaults filled in, before any allocation."""
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         cfg, model_device = model.config, next(model.parameters()).device
@@ -74,9 +73,7 @@ class EngineConfig:
         device = model_device if self.device is None else _model_device(self.device, model_device)
         num_blocks = self.num_blocks
         if num_blocks is None:
-            num_blocks = self._pool_blocks(model, ctx, device)
-            if self.max_model_len is None:  # requests are bounded by what the pool holds
-                ctx = min(ctx, num_blocks * self.block_size)
+            num_blocks, ctx = self._pool_blocks(model, ctx, device)
         check_int("num_blocks", num_blocks, 1)
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -91,28 +88,19 @@ class EngineConfig:
         return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget,
                                    device=str(device), aging=float(self.aging), max_model_len=ctx)
 
-    def _pool_blocks(self, model: torch.nn.Module, max_len: int, device: torch.device) -> int:
-        """Blocks for `max_num_seqs` requests of `max_len` tokens, or fewer: what
-        `kv_cache_memory` holds (a ValueError naming the options where that is not one block,
-        or not one request of an asked-for `max_model_len`)."""
-        per_seq = -(-max_len // self.block_size)
+    def _pool_blocks(self, model: torch.nn.Module, max_len: int, device) -> tuple[int, int]:
+        """Blocks for `max_num_seqs` requests of `max_len` tokens or what the budget holds."""
         memory = KV_CACHE_FRACTION if self.kv_cache_memory is None else self.kv_cache_memory
-        if isinstance(memory, float):
-            check_number("kv_cache_memory", memory, gt=0, le=1,
-                         why=" (a fraction of the available memory, or an integer of bytes)")
-            memory = int(memory * available_memory(device))
+        if isinstance(memory, float):  # a fraction of what is free now
+            memory = int(check_number("kv_cache_memory", memory, gt=0, le=1) * available_memory(device))
         check_int("kv_cache_memory", memory, 1, why=" (bytes, or a fraction in (0, 1])")
         cfg, p = model.config, next(t for t in model.parameters() if t.is_floating_point())
-        block_bytes = kv_token_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim,
-                                     p.element_size()) * self.block_size
-        fits = int(memory // block_bytes)
-        if fits < 1 or (fits < per_seq and self.max_model_len is not None):
-            raise ValueError(
-                f"kv_cache_memory={memory:,} bytes holds {fits * self.block_size:,} tokens of "
-                f"K/V, fewer than one request of max_model_len={max_len:,}: give the pool more "
-                f"memory (kv_cache_memory, --kv-cache-memory) or requests fewer tokens "
-                f"(max_model_len, --max-model-len)")
-        return min(self.max_num_seqs * per_seq, fits)
+        fits = memory // int(kv_token_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim, p.element_size()) * self.block_size)
+        if fits < 1 or (fits * self.block_size < max_len and self.max_model_len is not None):
+            raise ValueError(f"kv_cache_memory={memory:,} bytes holds {fits * self.block_size:,} tokens, fewer than "
+                             f"one request of max_model_len={max_len:,}: raise --kv-cache-memory or lower --max-model-len")
+        blocks = min(self.max_num_seqs * -(-max_len // self.block_size), fits)
+        return blocks, min(max_len, blocks * self.block_size)
 
 
 def _model_device(device: str, model_device: torch.device) -> torch.device:

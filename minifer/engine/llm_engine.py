@@ -115,8 +115,8 @@ class LLMEngine:
                     arrival_time: float | None = None, *, logprobs: int | None = None,
                     min_tokens: int = 0) -> str:
         """Queue one request (text with a tokenizer, or token ids); returns its id (default
-        ``req-N``). A ValueError for a request that could never run: `options.prepare_request`
-        and `Scheduler.check_fits` say why. `arrival_time`: ``time.perf_counter()`` seconds."""
+        ``req-N``). A ValueError for one that could never run (`options.prepare_request`,
+        `Scheduler.check_fits`). `arrival_time`: ``time.perf_counter()`` seconds."""
         req = self.new_request(prompt, params, request_id, priority, arrival_time,
                                logprobs=logprobs, min_tokens=min_tokens)
         self.requests[req.request_id] = req
@@ -130,7 +130,7 @@ class LLMEngine:
         seq, vocab = prepare_request(self.model, self.tokenizer, prompt, params,
                                      priority=priority, arrival_time=arrival_time,
                                      request_id=request_id, logprobs=logprobs,
-                                     min_tokens=min_tokens)
+                                     min_tokens=min_tokens, max_model_len=self.config.max_model_len)
         self.scheduler.check_fits(seq)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")

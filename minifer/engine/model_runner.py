@@ -69,9 +69,8 @@ class ModelRunner:
             return self.sample([chunks[j].request for j in due], logits)
 
     def sample(self, requests: list[Request], logits: torch.Tensor) -> list[int | Exception]:
-        """One token per request from its logits row; requests sharing a `SamplingParams`
-        object are sampled together, each with its own generator. What fails for one request
-        comes back as its exception in place of its token; the other rows are unaffected."""
+        """One token per request from its logits row (requests sharing a `SamplingParams`
+        together); what fails for one request comes back as its exception, in its place."""
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(id(r.params), []).append(i)

@@ -45,7 +45,7 @@ def generate_arguments(prompts, params) -> tuple[list, list]:
 def prepare_request(model, tokenizer, prompt, params: SamplingParams | None, *,
                     priority: int = 0, arrival_time: float | None = None,
                     request_id: str | None = None, logprobs: int | None = None,
-                    min_tokens: int = 0):
+                    min_tokens: int = 0, max_model_len: int | None = None):
     """The one check of a request, for every front: its `Sequence` and the vocabulary it may
     sample from, or a ValueError naming what is wrong (`model` is checked once by the front)."""
     check_request(prompt, priority)
@@ -59,7 +59,8 @@ def prepare_request(model, tokenizer, prompt, params: SamplingParams | None, *,
     cfg = model.config
     ids = prompt_ids(0, prompt, tokenizer, cfg.vocab_size)
     vocab = usable_vocab(cfg, tokenizer, params)
-    check_context(0, len(ids), params.max_new_tokens, {"model": cfg.context_length})
+    windows = {"model": cfg.context_length, "max_model_len": max_model_len or cfg.context_length}
+    check_context(0, len(ids), params.max_new_tokens, windows)
     seq = SequenceState(0, ids, params, tokenizer, eos_ids(cfg, tokenizer))
     check_options(seq, logprobs, min_tokens)
     return seq, vocab

@@ -74,7 +74,6 @@ class Scheduler:
         self.bm, self.policy = block_manager, config.policy
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
         self.chunked, self.aging = config.enable_chunked_prefill, float(config.aging)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -118,13 +117,8 @@ class Scheduler:
         return cached, out[0]
 
     def check_fits(self, seq: SequenceState) -> None:
-        """A ValueError for a request (its prepared `Sequence`) this scheduler could never
-        run: more blocks than the pool, or, without chunked prefill, more tokens than a step."""
+        """A ValueError for a request the pool (or, unchunked, one step) could never hold."""
         need = seq.max_len
-        if need > self.max_model_len:
-            raise ValueError(f"prompt has {len(seq.prompt_ids)} tokens; with max_new_tokens="
-                             f"{seq.params.max_new_tokens} the request holds {need} > "
-                             f"max_model_len={self.max_model_len} tokens")
         if self.bm.blocks_for(need) > self.bm.num_blocks or (
                 not self.chunked and need > self.max_num_batched_tokens):
             raise ValueError(self._why_unfit(seq))
