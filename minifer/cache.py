@@ -13,11 +13,9 @@ padding that attention never reads: it runs row by row over ``start[b]..`` (`Att
 its packed variant, `PackedKVCache`), and `AttentionInputs` bundles what every layer needs for
 one forward call.
 
-How exact: in fp32, cached and recomputed logits (and a row batched or alone) agree to float
-rounding (within 1e-5; kernels of different shapes add in different orders), so greedy tokens
-are identical. In bf16/fp16 they agree only to that dtype's precision (~1% of the logits'
-scale): greedy tokens can diverge after a near-tie. The int8 cache is an approximation
-(within 2% of the logits' scale). See tests/test_exactness.py.
+How exact: in fp32, cached and recomputed logits agree to float rounding (kernels of other
+shapes add in other orders), so greedy tokens are identical; in bf16/fp16 only to that dtype's
+precision (a near-tie can flip); the int8 cache approximates (tests/test_exactness.py).
 """
 
 from __future__ import annotations

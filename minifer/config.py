@@ -207,10 +207,4 @@ PRESETS.update({
     # its tiny twin for fast tests, grouped-query
     "tiny-llama": GPTConfig(vocab_size=257, context_length=128, n_layer=2, n_head=4, n_embd=32,
                             n_kv_head=2, intermediate_size=64, eos_token_id=256, **LLAMA),
-    # real checkpoints' shapes for analytic lessons (on the meta device), GQA 32 → 8 and 64 → 8
-    "llama-3-8b": GPTConfig(vocab_size=128256, context_length=8192, n_layer=32, n_head=32,
-                            n_embd=4096, n_kv_head=8, intermediate_size=14336,
-                            rope_theta=500000.0, **LLAMA),
-    "llama-2-70b": GPTConfig(vocab_size=32000, context_length=4096, n_layer=80, n_head=64,
-                             n_embd=8192, n_kv_head=8, intermediate_size=28672, **LLAMA),
 })

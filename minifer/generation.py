@@ -12,14 +12,11 @@ step (decode, sample); tensor parallelism (`minifer.distributed.parallel.generat
 `run_batch` with its own sampler, and speculative decoding (`minifer.speculative`) gives
 `advance` a step that drafts, verifies and returns several tokens.
 
-Prompts of different lengths share a batch by *left padding*: row b's real tokens start at slot
-``start[b]``, and attention runs row by row over each row's own slots (the call the row makes
-alone), so every row computes what it would compute alone but for the matrix products, which a
-batch runs in other shapes: their sums add up in another order (~1e-6 of the logits in fp32).
-W8A8 int8 sums exactly, so its tokens are the same batched as alone (tested); in fp32 the
-difference stays far below a choice between two tokens; bf16 and int4 can flip a near-tie.
-``batch_invariant=True`` runs every product in a fixed shape too (`minifer.fast.invariant`):
-batched == alone == recomputed in every precision, at a cost (BENCHMARKS.md).
+Prompts of different lengths share a batch by *left padding* (row b's tokens start at slot
+``start[b]``), and attention runs row by row over each row's own slots, so a row computes what
+it computes alone but for the matrix products, whose sums a batch adds in another order: W8A8
+sums exactly (the same tokens batched as alone); bf16 and int4 can flip a near-tie.
+``batch_invariant=True`` runs every product in a fixed shape too (`minifer.fast.invariant`).
 
 Speed-ups plug in at `minifer.hooks`: the thread count around a call, and the decode step (the
 speed-ups' lean step, compiled with ``compile=True``). See `minifer.fast`.

@@ -4,15 +4,11 @@ The core calls the functions below at the few places where a faster way exists: 
 argmax, the decode step, the thread count around a generation call and in the serving engine's
 loop, a W8A8 layer's product, the batch-invariant kernels around a call that asks for them, the
 layout of a new model's weights, the serving engine's paged attention, and the layers of a new
-bf16 model. Here each is the plain reference.
-`minifer.fast.install()`, which ``import minifer`` runs, puts the speed-up package's versions in
-their place; each is tested equal to the one it replaces. To read exactly the code that runs,
-turn them off: ``with minifer.fast.disabled():`` around a call, or ``MINIFER_SPEEDUPS=0`` in the
-environment before ``import minifer``. The results are the same either way (greedy tokens
-identical, tested): only the speed differs.
-
-The arrows run one way: `minifer.fast` imports the core and fills this seam; no core module
-imports `minifer.fast` (tests/test_layout.py checks it).
+bf16 model. Here each is the plain reference; `minifer.fast.install()` (run by ``import
+minifer``) puts the speed-ups there, each tested equal to the one it replaces. To read exactly
+the code that runs, turn them off: ``with minifer.fast.disabled():`` around a call, or
+``MINIFER_SPEEDUPS=0`` before ``import minifer``: the same greedy tokens, only slower.
+`minifer.fast` imports the core and fills this seam; no core module imports `minifer.fast`.
 """
 
 from __future__ import annotations

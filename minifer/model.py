@@ -9,14 +9,11 @@ already holds its position) in place of the learned position table.
 Shapes in comments: B batch, T new tokens, S cached + new tokens, C = n_embd,
 nh query heads, nkv key/value heads, hd head dim.
 
-The only inference-specific idea here is the `cache` argument: with a KV cache (any
-`minifer.cache.KVCache`: the `StaticKVCache`, or the serving engine's paged views), each
-attention layer writes the new tokens' keys and values into it and attends over everything
-cached so far, so a decode step feeds one token per sequence instead of the whole history.
-What the layers need for a call (positions, mask, cache) is built once, as one
-`AttentionInputs`, and handed to every block: ``x = block(x, inputs)``. `GPT.forward` checks
-its input and builds them; the speed-ups' lean decode step (`minifer.fast.decode`) builds its
-own, in a form `torch.compile` can take, and passes them in the cache's place.
+The only inference-specific idea here is the `cache` argument: with a KV cache
+(`minifer.cache.KVCache`), each attention layer writes the new tokens' keys and values into it
+and attends over everything cached so far, so a decode step feeds one token per sequence. What
+the layers need for a call (positions, mask, cache) is built once, an `AttentionInputs` handed
+to every block; the speed-ups' lean decode step builds its own and passes it in the cache's place.
 """
 
 from __future__ import annotations

@@ -29,11 +29,9 @@ Each quantized layer runs one of three paths, tested against each other:
   with the batch; int8 dot-product instructions (VNNI, AMX) do 4× more per instruction. Each
   row's result depends on that row alone, so a request's tokens do not depend on its batch.
 
-The fused kernels changed signatures across torch versions and take only some shapes (int8:
-``in_features`` a multiple of 16, else it reads out of bounds; int4: groups of 32/64/128/256
-and, on the CPU, ``out_features`` a multiple of 16). So `fused_problem` probes each layer shape
-at run time against the reference path; a shape that fails runs on the reference path, with a
-warning: the same quantized model, slower.
+The fused kernels changed across torch versions and take only some shapes, so `fused_problem`
+probes each layer shape at run time against the reference path; a shape that fails runs on the
+reference path, with a warning: the same quantized model, slower.
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def test_http_server_chats_with_the_checkpoint_template(tmp_path):
     `chat` of the same messages (the checkpoint's template, ended at its EOS)."""
     openai = pytest.importorskip("openai")
     from minifer.serve.__main__ import load_model
-    from minifer.serve.api import running_server
+    from minifer_course.server import running_server
 
     write_checkpoint(tmp_path)
     model, tok = load_model(str(tmp_path))

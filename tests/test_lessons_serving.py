@@ -14,9 +14,9 @@ pytest.importorskip("minifer_course.workload")
 pytest.importorskip("minifer.engine.llm_engine")
 metrics = pytest.importorskip("minifer.engine.metrics")
 RequestMetrics = metrics.RequestMetrics
-from minifer.serve.api import running_server  # noqa: E402
 from minifer_course.bench.serve_load import LoadResult  # noqa: E402
 from minifer_course.lessons import serving as S  # noqa: E402
+from minifer_course.server import running_server  # noqa: E402
 from minifer_course.summary import summarize  # noqa: E402
 
 

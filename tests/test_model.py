@@ -277,7 +277,12 @@ def test_the_layout_survives_to_and_deepcopy():
 def test_a_meta_model_has_shapes_and_no_weights():
     """A 70B-shaped model on the meta device: parameters counted, cache sized, nothing allocated
     (built directly there: random weights for 69B parameters would not fit in this machine)."""
-    big = GPT.from_config("llama-2-70b", device="meta", dtype=torch.bfloat16)
+    from minifer.config import LLAMA
+
+    shape = mf.GPTConfig(vocab_size=32000, context_length=4096, n_layer=80, n_head=64,
+                         n_embd=8192, n_kv_head=8, intermediate_size=28672,
+                         **LLAMA)  # Llama-2-70B, GQA 64 → 8
+    big = GPT.from_config(shape, device="meta", dtype=torch.bfloat16)
     assert big.num_params() == 68_976_648_192
     assert all(p.is_meta and p.dtype == torch.bfloat16 for p in big.parameters())
     cache = StaticKVCache.for_model(big, batch_size=1, max_len=16)

@@ -22,8 +22,8 @@ from serve_double import Slow, StandInEngine
 
 import minifer as mf
 from conftest import lively_model, scripted_gpt
-from minifer.serve.api import running_server
 from minifer.serve.protocol import APIError, CompletionBody, Limits, parse_completion_request
+from minifer_course.server import running_server
 
 openai = pytest.importorskip("openai")
 

@@ -19,7 +19,7 @@ import minifer as mf
 from conftest import lively_model, scripted_gpt
 from minifer.engine.llm_engine import LLMEngine
 from minifer.play_chat import ASSISTANT, END_OF_TURN, USER, render_chat, speech
-from minifer.serve.api import running_server
+from minifer_course.server import running_server
 
 openai = pytest.importorskip("openai")
 

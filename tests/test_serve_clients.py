@@ -16,7 +16,7 @@ import torch
 
 import minifer as mf
 from minifer.pretrained import data_dir
-from minifer.serve.api import running_server
+from minifer_course.server import running_server
 
 EOS = "<|endoftext|>"
 

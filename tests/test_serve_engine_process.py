@@ -19,7 +19,8 @@ from minifer.distributed.engine_process import EngineProcess
 from minifer.engine.errors import APIError
 from minifer.engine.llm_engine import LLMEngine
 from minifer.sampling import SamplingParams
-from minifer.serve.api import create_app, running_server
+from minifer.serve.api import create_app
+from minifer_course.server import running_server
 
 PROMPTS = ["Hello", "To be, or not", "a", "The quick brown fox", "0123456789", "zz top"]
 

@@ -22,7 +22,7 @@ from serve_double import Slow
 import minifer as mf
 from conftest import lively_model
 from minifer.engine.llm_engine import LLMEngine
-from minifer.serve.api import running_server
+from minifer_course.server import running_server
 
 openai = pytest.importorskip("openai")
 

@@ -261,7 +261,7 @@ def test_over_http_the_bad_request_gets_an_error_naming_it(small):
 
     import httpx
 
-    from minifer.serve.api import running_server
+    from minifer_course.server import running_server
 
     bad = {"model": "small", "prompt": HOSTILE_PROMPT, "max_tokens": 4, "temperature": 0,
            "logit_bias": {str(i): -100 for i in range(V)}, "repetition_penalty": 1e38}

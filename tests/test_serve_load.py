@@ -14,7 +14,7 @@ import pytest
 
 import minifer as mf
 from conftest import lively_model
-from minifer.serve.api import running_server
+from minifer_course.server import running_server
 
 pytest.importorskip("minifer_course.workload")
 pytest.importorskip("minifer.engine.llm_engine")

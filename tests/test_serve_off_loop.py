@@ -9,8 +9,8 @@ import threading
 import httpx
 
 from conftest import lively_model
-from minifer.serve.api import running_server
 from minifer.tokenizer import ByteTokenizer
+from minifer_course.server import running_server
 
 
 class SlowTokenizer(ByteTokenizer):

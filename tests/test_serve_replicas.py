@@ -19,7 +19,7 @@ from conftest import engine_reading, lively_model
 from minifer.distributed.replicas import EngineReplicas, replica_options, split
 from minifer.engine.errors import APIError
 from minifer.engine.llm_engine import LLMEngine
-from minifer.serve.api import running_server
+from minifer_course.server import running_server
 
 PROMPTS = ["Hello", "To be, or not", "a", "The quick brown fox", "0123456789", "zz top",
            "One more", "and the last"]

@@ -19,7 +19,7 @@ import minifer as mf
 from conftest import lively_model
 from minifer.engine.llm_engine import LLMEngine
 from minifer.serve import schema as S
-from minifer.serve.api import running_server
+from minifer_course.server import running_server
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402

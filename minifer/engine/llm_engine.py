@@ -11,11 +11,9 @@ tokens — decode rows and prompt chunks together — into **one forward call** 
 appended, requests finished (`postprocess`). All K/V live in a paged pool (`kv_pool`), shared
 between requests block by block when prefix caching is on.
 
-Greedy outputs are token-identical to `minifer.generate` of each prompt alone (tested): every
-row attends over exactly its own tokens at its own positions, whatever else is in the batch.
-Seeded sampling uses one generator per request, so it does not depend on the batch either.
-What fails for one request inside a step (sampling, detokenizing) ends that request alone, with
-finish reason "error" (`RequestOutput.error` says why); every other request goes on unchanged.
+Greedy outputs are token-identical to `minifer.generate` of each prompt alone (tested), and
+seeded sampling has one generator per request. What fails for one request inside a step ends
+that request alone, with finish reason "error" (`RequestOutput.error`); the others go on.
 """
 
 from __future__ import annotations

@@ -20,19 +20,12 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 
 With the speed-ups off (``with minifer.fast.disabled():``, or ``MINIFER_SPEEDUPS=0`` in the
 environment before ``import minifer``) everything works the same way, with the same greedy
-tokens (tests/test_fast.py), only slower. The defaults are measured choices: BENCHMARKS.md.
+tokens, only slower: the code that runs is then the code you read.
 
-A bf16 model (``quantize(model, "bf16")``, ``load_pretrained(..., dtype=torch.bfloat16)``) gets
-prepacked layers by default (`hooks.prepare_bf16`) where oneDNN packs bf16 on the CPU
-(`prepack.prepack_problem`: AVX-512 BW/VL/DQ or AVX-NE-CONVERT): oneDNN's packed product for
-several rows, minifer's AVX512-BF16 kernel for one. Why: plain bf16 decodes slower than fp32 at
-batch 1 on such a CPU, packed faster. The cost is memory: the pack is a second copy of the
-linear weights, so a bf16 GPT-2 holds about what its fp32 model does (`model_bytes` counts the
-bytes a step reads, without it). Weights stay ordinary parameters: `state_dict`,
-`load_state_dict`, training and in-place changes work (a changed weight is packed again). On
-CUDA, on other CPUs, and with the speed-ups off (``with minifer.fast.disabled():`` around
-`quantize`: the way to keep bf16's halved memory) a bf16 model keeps plain `nn.Linear` layers;
-the two agree to bf16 rounding, with the same greedy tokens (tests/test_bf16_default.py).
+A bf16 model gets prepacked layers by default (`hooks.prepare_bf16`) where oneDNN packs bf16 on
+the CPU (`prepack.prepack_problem`), since plain bf16 decodes slower than fp32 at batch 1 there.
+The cost is memory, a second copy of the linear weights; quantize inside ``fast.disabled()`` to
+keep bf16's halved memory (plain `nn.Linear` layers, the same greedy tokens).
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """The lean decode step: one new token per row, with less work per step than the forward pass,
 and in a form that `torch.compile` and CUDA graphs can take.
 
-Reference: the checked forward pass ``model(tokens, cache=cache)``, which `minifer.decode_step`
-runs with the speed-ups off. Each call of it checks its input (a reduction over the token ids),
-builds position ids from the Python int ``cache.pos`` and writes the new K/V at that int.
-The lean step checks nothing (the caller checked the request once) and has every layer write
-its new K/V at a slot held in a one-element tensor (`SlotWriter`), so the step's inputs are
-tensors whose values change while their shapes do not. It comes in two forms:
+Reference: the checked forward pass ``model(tokens, cache=cache)`` (`minifer.decode_step` with
+the speed-ups off), which checks its input and writes at the Python int ``cache.pos``. The lean
+step checks nothing (the request was checked once) and writes at a slot held in a one-element
+tensor (`SlotWriter`): inputs whose values change while their shapes do not. Two forms:
 
 - eager (`LeanStep()`, what ``generate`` runs by default): attention reads the filled slots
   ``0..pos`` only, with no mask unless some row is left padded;
 - fixed-shape (``LeanStep(fixed_shape=True)``): attention reads every slot of the preallocated
   cache through a mask built from the slot tensor, so every tensor has the same shape at every
   step and the step can be compiled (`minifer.fast.compiled`) or captured as a CUDA graph.
-
-Both give the forward pass's greedy tokens (tests/test_fast_decode.py).
 """
 
 from __future__ import annotations

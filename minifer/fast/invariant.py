@@ -1,31 +1,20 @@
 """Batch-invariant kernels: each token computed as it is alone, cached or recomputed.
 
-References: the model's own layers (`minifer.model`): `F.linear`, the norms, the MLP, SDPA.
-Each kernel here calls exactly those, only in shapes that never depend on the batch, so a
-row's numbers are bit for bit the same alone, in any batch, at every step of the KV cache and
-in the recomputed pass (`generate(..., batch_invariant=True)`, tests/test_batch_invariant.py).
-They agree with the plain layers to float rounding; what they buy is that the rounding no
-longer depends on what else is in the batch. Why it can: a matrix product of M rows adds up
-each row's products in an order the kernel picks *by M* (a one-row product is a matrix-vector
-kernel, several rows a blocked one), and a softmax over a longer, padded row adds in another
-order too. bf16 and W8A8's per-token rounding turn such last-bit differences into other tokens.
+Reference: the model's own layers (`F.linear`, the norms, the MLP, SDPA), called here only in
+shapes that never depend on the batch, so a row's numbers are bit for bit the same alone, in
+any batch, at every step of the KV cache and recomputed (`generate(..., batch_invariant=True)`).
+Why it is needed: a product of M rows sums each row in an order the kernel picks *by M*, and a
+softmax over a padded row sums in another order too; bf16 and W8A8's per-token rounding turn
+such last-bit differences into other tokens.
 
-- `in_rows`: every token-wise layer (norms, the QKV and output projections, the MLP, the
-  output head) runs on blocks of exactly `ROWS` tokens (the last block padded with zeros), so
-  every product has the same shape whatever the batch. A row's result does not depend on its
-  place in the block (checked in the tests for float32, bf16, W8A8 and int4 layers).
-- `attend_per_query`: attention one query at a time, over exactly the keys it sees: the call
-  a one-token decode step makes. A prompt's token in the prefill, the same token recomputed
-  and a decode step then run the same SDPA call on the same keys; the serving engine's packed
-  steps too (`paged_per_query`, over the paged pool: ``LLMEngine(..., batch_invariant=True)``).
-- rotary angles are read from one table of every position (`rotary_table`), not computed per
-  call over a tensor whose shape depends on the batch (vector and scalar cos differ).
-- the thread count is fixed for the call (the run's sums change with it: `generate` pins it).
+- `in_rows`: every token-wise layer runs on blocks of exactly `ROWS` tokens (the last padded);
+- `attend_per_query`: attention one query at a time over exactly the keys it sees, the call a
+  decode step makes (`paged_per_query` over the serving engine's pool);
+- rotary angles from one table of every position (`rotary_table`);
+- the thread count fixed for the call (`generate` pins it).
 
-Cost (BENCHMARKS.md, "Batched == alone"): one row at a time still makes `ROWS`-row products,
-and the prefill one attention call per token. CPU and CUDA alike: only the shapes change.
-`batch_invariant` (the `hooks.batch_invariant` of the speed-up package) puts these kernels
-into one model for one call, and takes them out again after it.
+`batch_invariant` (`hooks.batch_invariant`) puts these kernels into one model for one call and
+takes them out after it. They cost speed: one row still makes `ROWS`-row products.
 """
 
 from __future__ import annotations

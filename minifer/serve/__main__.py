@@ -111,20 +111,14 @@ def _limit_options(lim) -> None:
 
 
 def memory_size(text: str) -> int | float:
-    """``--kv-cache-memory``: ``8GiB``, ``512MB``, ``1e9`` (bytes) or ``0.25`` (a fraction)."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    lowered = text.strip().lower()
-    unit = next((u for u in units if lowered.endswith(u)), None)
+    """``--kv-cache-memory``: bytes (``4GiB``, ``512MiB``, ``4e9``) or a fraction (``0.25``)."""
+    scale = {"gib": 2**30, "mib": 2**20}.get(text.strip().lower()[-3:], 1)
     try:
-        value = float(lowered[:-len(unit)] if unit else lowered)
+        value = float(text.strip()[:-3] if scale > 1 else text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bytes (8GiB, 512MB, 1e9) or a fraction "
+        raise argparse.ArgumentTypeError(f"expected bytes (4GiB, 512MiB, 4e9) or a fraction "
                                          f"(0.25), got {text!r}") from None
-    if unit is None and 0 < value <= 1:
-        return value
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
-    return int(value * (units[unit] if unit else 1))
+    return value if scale == 1 and 0 < value <= 1 else int(value * scale)
 
 
 def api_key(flag: str | None) -> str | None:

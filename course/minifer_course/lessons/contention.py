@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import httpx
 import plotly.graph_objects as go
 
-from minifer.serve.api import running_server
+from minifer_course.server import running_server
 
 from .common import reference_line, sig_or_none, style
 from .http_client import MODEL_NAME, poisson_workload, run_coroutine, warm_up

@@ -19,7 +19,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from minifer.serve.api import running_server
+from minifer_course.server import running_server
 
 from ..bench.serve_load import LoadResult, run_load
 from .common import REFERENCE, control, log_axis, panel, reference_line, sig_or_none, style
