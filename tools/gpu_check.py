@@ -45,6 +45,7 @@ GPU_TESTS = (
     "tests/test_serve_engine.py",
     "tests/test_quantize.py",
     "tests/test_families.py",
+    "tests/test_batch_invariant.py",
 )
 
 
