@@ -19,6 +19,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from minifer.cache import StaticKVCache
+from minifer.config import LLAMA, GPTConfig
 from minifer.generation import prefill
 
 from .. import roofline as rl
@@ -34,6 +35,10 @@ from .common import (
     table,
 )
 from .common import panel as _panel
+
+LLAMA_2_70B = GPTConfig(vocab_size=32000, context_length=4096, n_layer=80, n_head=64, n_embd=8192,
+                        n_kv_head=8, intermediate_size=28672, **LLAMA)
+"""Llama-2-70B's shape (GQA, 64 query heads over 8 K/V heads): build it on the meta device."""
 
 MODEL_CHOICES = ["llama-3-8b", "llama-7b", "llama-2-70b", "llama-2-70b-mha", "80L-8kv",
                  "reference"]
