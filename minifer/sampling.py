@@ -179,12 +179,13 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
     bias = params.logit_bias
     if bias:
         logits = _add_bias(logits, bias)
+    biased = logits
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if logits.device.type == "cpu" or any(math.isinf(b) for b in bias.values()):
         top = logits.amax(dim=-1).tolist()  # per row: NaN, +inf (forced) or -inf (empty)?
         if any(math.isnan(t) or t == -INF for t in top):
-            _refuse_rows(top, bias)
+            _refuse_rows(top, biased, params)
         if INF in top:
             logits = apply_forced(logits)
     else:
@@ -231,17 +232,20 @@ def _add_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
     return logits
 
 
-def _refuse_rows(top: list[float], bias: dict[int, float]) -> None:
+def _refuse_rows(top: list[float], biased: torch.Tensor, params: SamplingParams) -> None:
     """The ValueError for the first row with NaN logits or nothing left to draw (row maxima
-    `top`)."""
+    `top`), blaming what did it: `biased` is the logits before the repetition penalty."""
     for row, t in enumerate(top):
         if math.isnan(t):
             raise ValueError(f"logits of row {row} contain NaN: the model's output is broken "
                              f"(an overflow in a low-precision dtype?)")
         if t == -INF:
-            why = ("logit_bias bans (-inf) every token the model may sample"
-                   if any(b == -INF for b in bias.values())
-                   else "every logit is -inf (after logit_bias and repetition_penalty)")
+            bans = any(b == -INF for b in params.logit_bias.values())
+            why = ("logit_bias bans (-inf) every token the model may sample" if bans
+                   else "the model gives every token a logit of -inf")
+            if biased[row].amax() > -INF:  # the penalty did it
+                why = (f"repetition_penalty={params.repetition_penalty:g} drives every logit "
+                       f"{'logit_bias does not ban ' if bans else ''}to -inf; lower it")
             raise ValueError(f"no token left to sample in row {row}: {why}")
 
 

@@ -362,6 +362,22 @@ def test_minus_inf_bias_on_every_usable_token_of_a_padded_vocabulary(tiny):
         generate(model, "hi", params, ByteTokenizer())
 
 
+def test_an_empty_row_made_by_repetition_penalty_blames_it_not_logit_bias():
+    """A -inf bias bans one token and the penalty sends every other (seen, negative) logit to
+    -inf: the error names repetition_penalty, not logit_bias, which left tokens to draw."""
+    logits = torch.tensor([[-5.0, -6.0, -7.0, -8.0]])
+    seen = torch.ones_like(logits, dtype=torch.bool)
+    for bias in ({0: -INF}, {}):
+        params = SamplingParams(temperature=0, repetition_penalty=1e38, logit_bias=bias)
+        with pytest.raises(ValueError, match="repetition_penalty=1e\\+38 drives every") as err:
+            sample(logits, params, seen)
+        assert "bans (-inf) every token" not in str(err.value)
+        assert ("logit_bias does not ban" in str(err.value)) == bool(bias)
+    with pytest.raises(ValueError, match="logit_bias bans \\(-inf\\) every token"):
+        sample(logits, SamplingParams(repetition_penalty=1e38,
+                                      logit_bias=dict.fromkeys(range(4), -INF)), seen)
+
+
 @pytest.mark.parametrize("temperature", [1e-45, 1e-300, 1e-38])
 def test_tiny_temperature_is_the_argmax_limit(temperature):
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(1)) * 10
