@@ -204,3 +204,43 @@ def test_a_server_whose_engine_process_cannot_start_steps_in_a_thread(model, cap
     with running_server(engine=LLMEngine(model, mf.ByteTokenizer()), model_name="tiny",
                         engine_in="thread") as url:
         assert _stream(url, "Hello")[0] == text
+
+
+def test_a_killed_engine_process_is_restarted_like_a_replica(model, tmp_path):
+    """kill -9 of the server's one engine process: the request in flight ends with a 503 naming
+    it, /health answers 503 while it restarts (not 200 over a dead engine) and new requests get
+    a 503 saying to retry, and within seconds completions succeed again."""
+    import multiprocessing
+    import os
+    import signal
+
+    gate = tmp_path / "gate"
+    steered = FileSteeredGPT.like(model, str(gate), str(tmp_path / "never"))
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    with running_server(steered, mf.ByteTokenizer(), model_name="tiny", max_num_seqs=2,
+                        engine_in="process") as url:
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        [proc] = [p for p in multiprocessing.active_children() if p.name == "minifer-engine"]
+
+        async def killed_in_flight():
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                gate.touch()  # the engine's step waits: the request stays in flight
+                task = asyncio.create_task(http.post("/v1/completions", json=body))
+                await asyncio.sleep(0.5)
+                os.kill(proc.pid, signal.SIGKILL)
+                return await task
+
+        r = asyncio.run(killed_in_flight())
+        gate.unlink()
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+        assert "engine process" in r.json()["error"]["message"]
+        assert httpx.get(f"{url}/health").status_code == 503  # before the restart (seconds)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and "restarted within seconds" in r.json()["error"]["message"]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and httpx.get(f"{url}/health").status_code != 200:
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/health").json()["status"] == "ok"
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert _metric(url, "minifer_engine_replica_restarts") == 1

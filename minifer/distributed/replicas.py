@@ -1,4 +1,4 @@
-"""`EngineReplicas`: several engine processes behind one server, each with a share of the seats.
+"""`EngineReplicas`: engine processes behind one server, each with a share of the seats.
 
 A step goes at the pace of its slowest thread, so a core partly taken by another program holds
 up every step. Replicas split the work the other way: each is a whole `LLMEngine` in its own
@@ -8,7 +8,8 @@ for another (vLLM's data parallelism, ``--data-parallel-size``).
 A new request goes to the live replica with the fewest requests in flight. A replica that dies
 leaves the routing at once: its requests end with a 503, ``/health`` says "degraded", and it is
 restarted in the background (at most `MAX_RESTARTS` times). The weights are shared (one copy);
-prefix caching works per replica.
+prefix caching works per replica. The server's one engine process is a single replica: it is
+restarted the same way (``/health`` answers 503 until it is back).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class EngineReplicas:
     from `engine`'s model and options. `threads` applies in each; ``"auto"`` gives each its
     share of the cores (following the idle cores, replicas would each take them all).
     `fallback`: where a replica cannot start, one `EngineProcess` with every seat, with a
-    warning. `restart`: start a replica again when it dies."""
+    warning (one replica that cannot start steps in a thread). `restart`: start a replica again
+    when it dies."""
 
     def __init__(self, engine: Any, replicas: int, *, max_waiting: int = DEFAULT_MAX_WAITING,
                  on_finish=None, on_step=None, threads: int | str | None = None,
@@ -72,7 +74,7 @@ class EngineReplicas:
                             f"{type(engine).__name__} has none (an LLMEngine has)")
         # as given: what a fallback to one engine process uses
         self.engine, self.max_waiting, self.threads = engine, max_waiting, threads
-        if threads == "auto":
+        if threads == "auto" and replicas > 1:  # one replica follows the idle cores
             threads = max(1, (os.cpu_count() or 1) // replicas)
         self.replica_threads = threads
         self.fallback, self.restart = fallback, restart
@@ -88,9 +90,11 @@ class EngineReplicas:
 
     def _child(self, i: int, generation: int) -> EngineProcess:
         """Replica `i`'s engine process, its `generation`-th start (with request ids of its own)."""
-        shard = self._shards[i]
+        one = len(self._shards) == 1  # the engine itself: with `fallback`, a thread steps it
+        shard = self.engine if one else self._shards[i]
         child = EngineProcess(shard, max_waiting=self.max_waiting, on_finish=self._on_finish,
-                              on_step=self._on_step, threads=self.replica_threads)
+                              on_step=self._on_step, threads=self.replica_threads,
+                              fallback=self.fallback and one)
         child.id_prefix = f"srv-r{i}-" if not generation else f"srv-r{i}.{generation}-"
         # its gauges until the replica reports: the given engine's (never stepped, so empty),
         # with this replica's share of the blocks
@@ -200,8 +204,10 @@ class EngineReplicas:
             raise queue_full(waiting, self.max_waiting)
         live = [c for c in self.children if c.alive]  # a dead replica takes nothing
         if not live:
-            raise APIError(503, "no engine replica is running", type="server_error",
-                           code="engine_stopped")
+            again = self.restart and min(self.restarts) < MAX_RESTARTS
+            raise APIError(503, "no engine process is running" + (
+                "; a dead one is restarted within seconds: retry" if again else ""),
+                type="server_error", code="engine_stopped")
         child = min(live, key=lambda c: c.num_in_flight)
         return await child.add(prompt, params, priority, **options)
 

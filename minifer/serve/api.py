@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..checks import check_int, check_number
-from ..distributed.engine_process import ENGINES, EngineProcess
+from ..distributed.engine_process import ENGINES
 from ..distributed.replicas import EngineReplicas
 from ..engine.async_engine import DEFAULT_MAX_WAITING, AsyncEngine, engine_max_model_len
 from .guard import (
@@ -57,9 +57,9 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     `read_timeout_s`, `max_body_bytes`, `max_header_bytes`. `scheduling_policy`: ``"fcfs"``
     refuses a non-zero ``priority``. `model_root`: the model's source in ``/v1/models``.
     `threads`: torch's CPU threads for the steps (None, a number or ``"auto"``). `engine_in`:
-    where the engine steps, ``"thread"`` (`AsyncEngine`) or ``"process"`` (`EngineProcess`; a
-    thread, after a warning, where it cannot start), for the app's lifespan. `replicas`: that
-    many engine processes sharing ``max_num_seqs`` and the KV pool (`EngineReplicas`)."""
+    where the engine steps, ``"thread"`` (`AsyncEngine`) or ``"process"`` (`EngineReplicas`:
+    restarted when it dies; a thread, after a warning, where it cannot start), for the app's
+    lifespan. `replicas`: that many engine processes sharing ``max_num_seqs`` and the KV pool."""
     from fastapi import FastAPI
 
     from . import routes
@@ -155,13 +155,12 @@ def _hosts(allowed_hosts: Sequence[str] | str | None) -> frozenset[str] | None:
 
 def _engine_loop(engine: Any, *, engine_in: str, replicas: int, max_waiting: int, threads,
                  max_model_len: int):
-    """Where the engine steps: a thread, a process, or several replica processes."""
-    if replicas > 1:
-        bm = engine.block_manager
-        return EngineReplicas(engine, replicas, max_waiting=max_waiting, threads=threads,
-                              blocks_needed=-(-max_model_len // bm.block_size), fallback=True)
+    """Where the engine steps: a thread, or engine processes (one or more replicas), each
+    restarted when it dies (`EngineReplicas`)."""
     if engine_in == "process":
-        return EngineProcess(engine, max_waiting=max_waiting, threads=threads, fallback=True)
+        return EngineReplicas(engine, replicas, max_waiting=max_waiting, threads=threads,
+                              blocks_needed=-(-max_model_len // engine.block_manager.block_size),
+                              fallback=True)
     return AsyncEngine(engine, max_waiting=max_waiting, threads=threads)
 
 
