@@ -36,7 +36,8 @@ def _free_socket(host: str, port: int) -> socket.socket:
 
 _APP_OPTIONS = ("model_root", "max_model_len", "max_tokens", "request_timeout_s", "max_waiting",
                 "api_key", "allowed_hosts", "scheduling_policy", "read_timeout_s",
-                "max_body_bytes", "max_header_bytes", "threads", "engine_in", "replicas")
+                "max_body_bytes", "max_header_bytes", "threads", "engine_in", "replicas",
+                "chat_template_timeout_s", "chat_template_max_chars")
 
 
 @contextlib.contextmanager

@@ -88,6 +88,7 @@ def _engine_options(e) -> None:
 
 
 def _limit_options(lim) -> None:
+    from ..chat_template import MAX_TEMPLATE_CHARS, TEMPLATE_TIMEOUT_S
     from ..engine.async_engine import DEFAULT_MAX_WAITING
     from .api import MAX_CONNECTIONS, MAX_HEADER_BYTES, READ_TIMEOUT_S, SHUTDOWN_GRACE_S
 
@@ -105,6 +106,11 @@ def _limit_options(lim) -> None:
                      help="connections at once; more get 503")
     lim.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES,
                      help="largest request headers (431 past it)")
+    lim.add_argument("--chat-template-timeout", type=float, default=TEMPLATE_TIMEOUT_S,
+                     help="seconds a chat's template may take to render (in a process of its "
+                          "own, killed past it); past it the request gets a 400")
+    lim.add_argument("--chat-template-max-chars", type=int, default=MAX_TEMPLATE_CHARS,
+                     help="most characters (or list items) a chat template may build or render")
     lim.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
                      help="on SIGTERM or Ctrl-C, seconds the requests in flight have to "
                           "finish; then each open stream gets an error event and [DONE]")
@@ -146,7 +152,9 @@ def server_options(args: argparse.Namespace) -> dict:
                 api_key=api_key(args.api_key),
                 allowed_hosts=hosts, scheduling_policy=args.scheduling_policy,
                 read_timeout_s=args.read_timeout, max_header_bytes=args.max_header_bytes,
-                threads=args.threads, engine_in=args.engine_in, replicas=args.engine_replicas)
+                threads=args.threads, engine_in=args.engine_in, replicas=args.engine_replicas,
+                chat_template_timeout_s=args.chat_template_timeout,
+                chat_template_max_chars=args.chat_template_max_chars)
 
 
 def load_model(name: str, device=None, dtype=None):

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..chat_template import MAX_TEMPLATE_CHARS, TEMPLATE_TIMEOUT_S, TemplateSandbox
 from ..checks import check_int, check_number
 from ..distributed.engine_process import ENGINES
 from ..distributed.replicas import EngineReplicas
@@ -47,7 +48,9 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                api_key: str | None = None, allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
                scheduling_policy: str = "fcfs", read_timeout_s: float = READ_TIMEOUT_S,
                max_body_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES,
-               threads: int | str | None = None, engine_in: str = "thread", replicas: int = 1):
+               threads: int | str | None = None, engine_in: str = "thread", replicas: int = 1,
+               chat_template_timeout_s: float = TEMPLATE_TIMEOUT_S,
+               chat_template_max_chars: int = MAX_TEMPLATE_CHARS):
     """A FastAPI app serving `engine` (an `LLMEngine`) as model `model_name`.
 
     Limits (claim MET-5): `max_model_len` (prompt + max_tokens - 1; default: what the engine can
@@ -59,7 +62,9 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     `threads`: torch's CPU threads for the steps (None, a number or ``"auto"``). `engine_in`:
     where the engine steps, ``"thread"`` (`AsyncEngine`) or ``"process"`` (`EngineReplicas`:
     restarted when it dies; a thread, after a warning, where it cannot start), for the app's
-    lifespan. `replicas`: that many engine processes sharing ``max_num_seqs`` and the KV pool."""
+    lifespan. `replicas`: that many engine processes sharing ``max_num_seqs`` and the KV pool.
+    A chat template renders in `TemplateSandbox` processes within `chat_template_timeout_s` of
+    the request's arrival, building at most `chat_template_max_chars` characters."""
     from fastapi import FastAPI
 
     from . import routes
@@ -77,17 +82,19 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     vocab_size = engine.model.config.vocab_size
     if tokenizer is not None:
         vocab_size = min(vocab_size, tokenizer.vocab_size)
+    templates = TemplateSandbox(timeout_s=chat_template_timeout_s,
+                                max_chars=chat_template_max_chars)
     aengine = _engine_loop(engine, engine_in=engine_in, replicas=replicas,
                            max_waiting=max_waiting, threads=threads, max_model_len=max_model_len)
     metrics = ServerMetrics(aengine)
     aengine.on_finish = metrics.on_finish
-    app = FastAPI(title="minifer", version="0.1.0", lifespan=_running(aengine),
+    app = FastAPI(title="minifer", version="0.1.0", lifespan=_running(aengine, templates),
                   summary="OpenAI-compatible completions and chat on minifer's serving engine")
     priorities = scheduling_policy == "priority"
     app.state.server = routes.ServerState(
         engine=engine, async_engine=aengine, metrics=metrics, limits=limits,
         model_name=model_name, card=_model_card(model_name, model_root, max_model_len),
-        tokenizer=tokenizer, vocab_size=vocab_size, priorities=priorities)
+        tokenizer=tokenizer, vocab_size=vocab_size, priorities=priorities, templates=templates)
     app.state.read_timeout_s, app.state.max_header_bytes = float(read_timeout_s), max_header_bytes
     app.add_middleware(Guard, metrics=metrics, api_key=api_key, allowed_hosts=_hosts(allowed_hosts),
                        max_body_bytes=int(max_body_bytes), max_header_bytes=int(max_header_bytes),
@@ -98,8 +105,8 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     return app
 
 
-def _running(aengine):
-    """The app's lifespan: the engine loop runs while the app does."""
+def _running(aengine, templates):
+    """The app's lifespan: the engine loop (and the template sandbox) runs while the app does."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -108,6 +115,7 @@ def _running(aengine):
             yield
         finally:
             aengine.stop()
+            templates.close()
 
     return lifespan
 

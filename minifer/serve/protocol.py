@@ -16,13 +16,13 @@ import inspect
 import time
 import typing
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from ..chat_template import chat_prompt
+from ..chat_template import chat_prompt, render_template
 from ..checks import check_int, check_number
 from ..engine.errors import APIError, error_body
 from ..engine.logprobs import MAX_TOP_LOGPROBS
@@ -470,15 +470,18 @@ def _message_text(m: ChatMessage) -> str:
 
 
 def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
-                       vocab_size: int, priorities: bool = False) -> CompletionRequest:
-    """Check a ``/v1/chat/completions`` body and render its messages (`chat_prompt`)."""
+                       vocab_size: int, priorities: bool = False,
+                       render: Callable[..., str] = render_template) -> CompletionRequest:
+    """Check a ``/v1/chat/completions`` body and render its messages (`chat_prompt`; a server's
+    `render` is its `TemplateSandbox`'s, within its limits)."""
     b = _validate(ChatCompletionBody, body)
     _check_model(b.model, model_name)
     if tokenizer is None:
         raise _bad("messages", "this server has no tokenizer, and chat needs one")
     try:  # a template that fails to render, or a checkpoint without one, is the request's
         prompt, turn_stops = chat_prompt([{"role": m.role, "content": _message_text(m),
-                                           "name": m.name} for m in b.messages], tokenizer)
+                                           "name": m.name} for m in b.messages], tokenizer,
+                                         render=render)
     except ValueError as err:
         raise _bad("messages", str(err)) from None
     ids = _encode(prompt, tokenizer, vocab_size, "messages", limits, bos=False)  # the template's own

@@ -10,7 +10,9 @@ annotations), so this module is imported only when a server is built.
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -40,6 +42,7 @@ class ServerState:
     tokenizer: Any
     vocab_size: int
     priorities: bool  # whether ``priority`` is honoured (``--scheduling-policy priority``)
+    templates: Any  # `TemplateSandbox`: renders chat templates within their limits
 
     draining_until: float | None = None  # shutting down: answers end by then (monotonic)
 
@@ -139,7 +142,9 @@ async def prometheus(request: Request):
 
 
 # ---- POST: completions and chat ------------------------------------------------------------
-# Checking a body tokenizes its prompt, long enough to stall every stream: in a worker thread.
+# Checking a body tokenizes its prompt, long enough to stall every stream: in a worker thread;
+# a chat's in threads of its own, which its template's render (up to its time limit) holds.
+CHAT_THREADS = ThreadPoolExecutor(32, thread_name_prefix="minifer-chat")
 @router.post("/v1/completions", response_model=S.CompletionResponse, responses=POST_ERRORS,
              summary="OpenAI's completions API")
 async def completions(body: P.CompletionBody, request: Request):
@@ -152,7 +157,10 @@ async def completions(body: P.CompletionBody, request: Request):
              responses=POST_ERRORS, summary="OpenAI's chat completions API (minifer.play_chat)")
 async def chat_completions(body: P.ChatCompletionBody, request: Request):
     s = state(request)
-    req = await asyncio.to_thread(P.parse_chat_request, body, **s.parse_options())
+    arrival = request.scope.get("minifer.arrival", time.monotonic())
+    render = partial(s.templates.render, deadline=arrival + s.templates.timeout_s)
+    req = await asyncio.get_running_loop().run_in_executor(CHAT_THREADS, partial(
+        P.parse_chat_request, body, render=render, **s.parse_options()))
     return await generate([req], request)
 
 
