@@ -58,15 +58,10 @@ def render_template(template: str, messages: Sequence[Mapping], *,
         intercepted_binops = frozenset({"*", "+", "**"})
 
         def call_binop(self, context, operator: str, left, right):
-            seq = [isinstance(x, (str, list, tuple)) for x in (left, right)]
-            size = 0
-            if operator == "+" and all(seq):
-                size = len(left) + len(right)
-            elif operator == "*" and seq[0] != seq[1]:
-                items, count = (left, right) if seq[0] else (right, left)
-                size = len(items) * count if isinstance(count, int) else 0
-            elif operator == "**" and isinstance(left, int) and isinstance(right, int):
-                size = abs(left).bit_length() * right  # the result's bits
+            n = [len(x) if isinstance(x, (str, list, tuple)) else 0 for x in (left, right)]
+            k = [x if type(x) is int else 0 for x in (left, right)]
+            size = (n[0] + n[1] if operator == "+" else n[0] * k[1] + k[0] * n[1]
+                    if operator == "*" else abs(k[0]).bit_length() * k[1])  # "**": its bits
             if size > max_chars:
                 raise too_big(f"'{operator}' would build {size:,} characters or items")
             return super().call_binop(context, operator, left, right)
@@ -89,6 +84,7 @@ def render_template(template: str, messages: Sequence[Mapping], *,
 _WORKER = ("import importlib.util as u, sys; sys.path[:] = [p for p in sys.path if p]; "
            "s = u.spec_from_file_location('minifer_template_worker', sys.argv[1]); "
            "m = u.module_from_spec(s); s.loader.exec_module(m); m.render_worker()")
+_DIED = b'{"error": "process died"}'
 
 
 def render_worker() -> None:
@@ -108,8 +104,7 @@ def render_worker() -> None:
             reply = {"error": f"needs more than the {TEMPLATE_MEMORY >> 20} MiB a render may use"}
         except Exception as err:  # noqa: BLE001 - the client's 400
             reply = {"error": f"failed: {type(err).__name__}: {err}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+        print(json.dumps(reply), flush=True)
 
 
 class TemplateSandbox:
@@ -142,37 +137,33 @@ class TemplateSandbox:
             raise late from None  # every render process was busy until then
         job = dict(template=template, messages=[dict(m) for m in messages],
                    max_chars=self.max_chars, **variables)
-        ready, line = True, b""
+        line = b""
         try:
-            if proc is None or proc.poll() is not None:
+            if proc is None or proc.poll() is not None:  # not started yet, or killed
                 proc = subprocess.Popen([sys.executable, "-c", _WORKER, __file__],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             proc.stdin.write(json.dumps(job).encode() + b"\n")
             proc.stdin.flush()
-            ready = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]
-            line = proc.stdout.readline() if ready else b""
-        except OSError:  # it died (or could not start)
-            pass
+            if select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
+                line = proc.stdout.readline() or _DIED
+        except OSError:  # it died, or could not start
+            line = _DIED
         finally:
-            if not line and proc is not None:  # too late, or broken: never used again
+            if not line:  # too late: killed (a new one starts at the next render)
                 proc.kill()
                 proc.wait()
-            self._idle.put(proc if line else None)
+            self._idle.put(proc)
         if not line:
-            raise late if not ready else ValueError("the chat template's render process died")
+            raise late
         reply = json.loads(line)
         if "error" in reply:
             raise ValueError(f"the chat template {reply['error']}")
         return reply["text"]
 
     def close(self) -> None:
-        """Stop the render processes (a render in flight ends with its error)."""
-        while True:
-            try:
-                proc = self._idle.get_nowait()
-            except queue.Empty:
-                return
-            if proc is not None:
+        """Stop the idle render processes (one rendering now is left to finish)."""
+        while not self._idle.empty():
+            if (proc := self._idle.get()) is not None:
                 proc.kill()
                 proc.wait()
 
