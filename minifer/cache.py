@@ -34,11 +34,8 @@ SCALE_DTYPE = torch.float16  # the int8 cache's per-head-per-token scales
 
 @runtime_checkable
 class KVCache(Protocol):
-    """What `GPT.forward` needs of a KV cache: the contract every cache here keeps.
-
-    `StaticKVCache` (one preallocated buffer per layer) implements it; the serving engine's
-    paged pool keeps the packed contract below (`PackedKVCache`). The model never asks which
-    cache it has.
+    """What `GPT.forward` needs of a KV cache (`StaticKVCache` keeps it; the model never asks
+    which cache it has):
 
     - `batch_size` rows, all writing their new tokens at the same slot `pos` (a Python int);
       row b's real tokens start at slot ``start[b]`` (a ``[batch]`` long tensor: left padding);
@@ -65,20 +62,17 @@ class KVCache(Protocol):
 
 @runtime_checkable
 class PackedKVCache(Protocol):
-    """A cache for one forward call over rows of any lengths packed into one sequence.
-
-    A serving step feeds some rows one token (decode) and others many (prompt chunks); padding
-    them to one length would waste compute in every layer, so `GPT.forward_packed` runs all
-    ``num_tokens`` new tokens as one ``(1, N)`` sequence and leaves attention to the cache:
+    """A cache for one forward call over rows of any lengths (decode rows, prompt chunks)
+    packed into one sequence, not padded: `GPT.forward_packed` runs all ``num_tokens`` new
+    tokens as one ``(1, N)`` sequence and leaves attention to the cache:
 
     - `packed` is True (how `GPT.forward` tells this cache from a `KVCache`);
     - `positions` ``(1, N)``: each new token's position in its own row;
     - ``attend(layer, q, k, v)``: store the new tokens' ``k, v`` ``(1, kv_heads, N, head_dim)``
       and return the attention output ``(1, heads, N, head_dim)`` of queries `q`, each row's
       tokens attending only to that row's cached and new tokens, causally;
-    - `logits_index`: the packed indices whose next-token logits the caller wants.
-
-    `minifer.engine.kv_pool.PackedBatch` implements it over the paged pool.
+    - `logits_index`: the packed indices whose next-token logits the caller wants
+      (`minifer.engine.kv_pool.PackedBatch` implements it over the paged pool).
     """
 
     packed: bool
@@ -99,13 +93,10 @@ class AttentionInputs:
     - `mask`: boolean or additive, broadcastable to ``(B, heads, T, S)``; None when `is_causal`
       (a fresh unpadded prefill) or when every cached slot may be seen (an unpadded decode);
     - `cache`: the `KVCache` the layers write to and read from (None: recompute, no cache);
-    - `packed`: the call packs rows of any lengths (`PackedKVCache`); `cache.attend` does it.
-    - `rotation`: with rotary positions, the cos and sin of every new token's angles, which
-      `GPT.blocks` computes once for all layers.
-    - `rows`: in a left-padded batch, each row's first real slot: attention then runs row by
-      row over the row's own slots, exactly the arithmetic of the row alone (a padded row's
-      softmax and product add the same numbers in another order, which W8A8 can turn into
-      another token).
+    - `packed`, `rotation`: see their comments below;
+    - `rows`: attention runs row by row over each row's own slots, exactly the arithmetic of the
+      row alone (a padded row's softmax adds the same numbers in another order, which W8A8 can
+      turn into another token).
     """
 
     positions: torch.Tensor

@@ -7,19 +7,13 @@ prompt; `stream` yields each token the moment it exists (claim REQ-1). Per-reque
 (tokens, text, stop strings, finish reason, timings) lives in `sequence.Sequence`.
 
 `advance` is the loop itself, the one place a batch of Sequences takes new tokens: it asks a
-*step* for each row's next tokens until every row has finished. `run_batch` gives it the plain
-step (decode, sample); tensor parallelism (`minifer.distributed.parallel.generate_tp`) runs the same
-`run_batch` with its own sampler, and speculative decoding (`minifer.speculative`) gives
-`advance` a step that drafts, verifies and returns several tokens.
+*step* (plain decode and sample from `run_batch`; tensor parallelism's sampler; speculative
+decoding's draft-and-verify) for each row's next tokens until every row has finished.
 
-Prompts of different lengths share a batch by *left padding* (row b's tokens start at slot
-``start[b]``), and attention runs row by row over each row's own slots, so a row computes what
-it computes alone but for the matrix products, whose sums a batch adds in another order: W8A8
-sums exactly (the same tokens batched as alone); bf16 and int4 can flip a near-tie.
-``batch_invariant=True`` runs every product in a fixed shape too (`minifer.fast.invariant`).
-
-Speed-ups plug in at `minifer.hooks`: the thread count around a call, and the decode step (the
-speed-ups' lean step, compiled with ``compile=True``). See `minifer.fast`.
+Prompts of different lengths share a batch by left padding (`minifer.cache`): a row computes
+what it computes alone but for the matrix products, whose sums a batch adds in another order
+(W8A8 sums exactly; bf16 and int4 can flip a near-tie; ``batch_invariant=True`` fixes them).
+Speed-ups plug in at `minifer.hooks` (the thread count, the decode step): see `minifer.fast`.
 """
 
 from __future__ import annotations

@@ -9,11 +9,10 @@ already holds its position) in place of the learned position table.
 Shapes in comments: B batch, T new tokens, S cached + new tokens, C = n_embd,
 nh query heads, nkv key/value heads, hd head dim.
 
-The only inference-specific idea here is the `cache` argument: with a KV cache
-(`minifer.cache.KVCache`), each attention layer writes the new tokens' keys and values into it
-and attends over everything cached so far, so a decode step feeds one token per sequence. What
-the layers need for a call (positions, mask, cache) is built once, an `AttentionInputs` handed
-to every block; the speed-ups' lean decode step builds its own and passes it in the cache's place.
+The only inference-specific idea here is the `cache` argument (`minifer.cache.KVCache`): each
+attention layer writes the new tokens' keys and values into it and attends over everything
+cached so far, so a decode step feeds one token per sequence. What the layers need for a call is
+built once, an `AttentionInputs` (the lean decode step passes its own in the cache's place).
 """
 
 from __future__ import annotations

@@ -10,11 +10,10 @@ weights; storing them in fewer bits moves fewer bytes.
   inputs of a row: ``w ≈ (q - 8) * scale + zero``, ``q`` in [0, 15], packed two per byte
   (the convention of torch's int4 kernels and gpt-fast).
 
-Only the linear layers are quantized: they hold almost all the bytes a step reads. Embeddings
-(a step reads B rows) and LayerNorms (tiny) stay in float. A head tied to the token embedding
-(GPT-2) is quantized as a *copy*: the embedding keeps the float matrix for its lookup, and the
-output projection, which reads every row at every step, reads the integer copy. The model then
-stores both, but the head would otherwise be most of the bytes an int8 step reads.
+Only the linear layers are quantized: they hold almost all the bytes a step reads (a step
+reads B rows of the embedding). A head tied to the token embedding (GPT-2) is quantized as a
+*copy*: the lookup keeps the float matrix, the output projection (every row, every step) reads
+the integer copy.
 
 Each quantized layer runs one of three paths, tested against each other:
 
@@ -24,10 +23,9 @@ Each quantized layer runs one of three paths, tested against each other:
 * ``"reference"``: dequantize the weight to the activation dtype, then an ordinary matmul:
   readable, and slower (it rebuilds a float weight at every call).
 * ``"integer"`` (int8 only, CPU, W8A8): each activation row quantized to int8 with its own
-  scale, products summed exactly in int32, so the only rounding is the activations'
-  (`w8a8_reference`). Weight-only kernels widen every weight to float, so their cost grows
-  with the batch; int8 dot-product instructions (VNNI, AMX) do 4× more per instruction. Each
-  row's result depends on that row alone, so a request's tokens do not depend on its batch.
+  scale, products summed exactly in int32 (`w8a8_reference`): int8 dot-product instructions
+  (VNNI, AMX) do 4× more per instruction than widening weights to float, and a row's result
+  depends on that row alone, so a request's tokens do not depend on its batch.
 
 The fused kernels changed across torch versions and take only some shapes, so `fused_problem`
 probes each layer shape at run time against the reference path; a shape that fails runs on the
@@ -308,12 +306,8 @@ def int8_choice(out_features: int, in_features: int, device: str = "cpu",
 def quantization_summary(model: nn.Module) -> str:
     """Which kernel each quantized layer of ``model`` runs: a count per kernel, then, after
     ``quantize(model, "int8")``, each layer shape's `int8_choice`."""
-    counts: dict[str, int] = {}
-    bits = set()
-    for m in model.modules():
-        if isinstance(m, QuantizedLinear):
-            counts[m.impl] = counts.get(m.impl, 0) + 1
-            bits.add(m.bits)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    counts, bits = Counter(m.impl for m in layers), {m.bits for m in layers}
     if not counts:
         return "no quantized layers"
     head = ", ".join(f"{n} {IMPL_NAMES[impl]}" for impl, n in sorted(counts.items()))
@@ -500,10 +494,9 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
     """A new model in ``precision`` (``"fp32" | "bf16" | "fp16" | "int8" | "int4"``); the
     input model is deep-copied, not changed.
 
-    * float precisions cast the whole copy; a bf16 copy is then handed to `hooks.prepare_bf16`
-      (the speed-ups' prepacked bf16 layers, where the CPU has them);
-    * ``"int8"``/``"int4"`` replace every `nn.Linear` by a `QuantizedLinear`. ``group_size``
-      (int4) must divide every layer's ``in_features``; None picks `default_group_size`.
+    * float precisions cast the whole copy (bf16: then `hooks.prepare_bf16`'s prepacked layers);
+    * ``"int8"``/``"int4"`` replace every `nn.Linear` by a `QuantizedLinear`; ``group_size``
+      (int4; None: `default_group_size`) must divide every layer's ``in_features``.
 
     ``impl``: ``"fused"`` (an error if torch's kernels do not work here at all),
     ``"reference"``, ``"integer"`` (int8 W8A8, CPU only; larger error: activations rounded to

@@ -7,12 +7,10 @@ K/V); :func:`add_prefilled` writes it into the *decode* engine's pool to continu
 On the wire (:func:`send_handoff` / :func:`recv_handoff`, point-to-point, gloo or NCCL) a
 handoff is three messages, few because each is a round trip:
 
-1. a header of four int64: kind (1 = a request, 0 = no more, 2 = a keep-alive, so an idle
-   receiver never runs into the process group's timeout), the metadata's length, the number of
-   prompt tokens whose K/V follow, the generator state's length (0 if none);
+1. four int64: kind (1 = a request, 0 = no more, 2 = a keep-alive: an idle receiver never
+   meets the group's timeout), the metadata's length, prompt tokens with K/V, generator bytes;
 2. the metadata (UTF-8 JSON) followed by the generator's state, one uint8 tensor;
-3. the K/V, one tensor ``(n_layer, 2, prompt tokens, kv_heads, head_dim)``, if any (the
-   receiver knows the model, hence its shape and dtype).
+3. the K/V ``(n_layer, 2, prompt tokens, kv_heads, head_dim)``, if any (shape from the model).
 """
 
 from __future__ import annotations

@@ -60,9 +60,8 @@ class EngineReplicas:
     """`AsyncEngine`'s interface and admission control over `replicas` engine processes built
     from `engine`'s model and options. `threads` applies in each; ``"auto"`` gives each its
     share of the cores (following the idle cores, replicas would each take them all).
-    `fallback`: where a replica cannot start, one `EngineProcess` with every seat, with a
-    warning (one replica that cannot start steps in a thread). `restart`: start a replica again
-    when it dies."""
+    `fallback`: where a replica cannot start, one with every seat, with a warning (where that
+    one cannot start, a thread steps it). `restart`: start a replica again when it dies."""
 
     def __init__(self, engine: Any, replicas: int, *, max_waiting: int = DEFAULT_MAX_WAITING,
                  on_finish=None, on_step=None, threads: int | str | None = None,
@@ -78,7 +77,7 @@ class EngineReplicas:
             threads = max(1, (os.cpu_count() or 1) // replicas)
         self.replica_threads = threads
         self.fallback, self.restart = fallback, restart
-        self._on_finish, self._on_step = on_finish, on_step
+        self.on_finish, self.on_step = on_finish, on_step
         self._shards = [SimpleNamespace(model=engine.model, tokenizer=engine.tokenizer,
                                         options=opts)
                         for opts in replica_options(options, replicas, blocks_needed)]
@@ -92,8 +91,8 @@ class EngineReplicas:
         """Replica `i`'s engine process, its `generation`-th start (with request ids of its own)."""
         one = len(self._shards) == 1  # the engine itself: with `fallback`, a thread steps it
         shard = self.engine if one else self._shards[i]
-        child = EngineProcess(shard, max_waiting=self.max_waiting, on_finish=self._on_finish,
-                              on_step=self._on_step, threads=self.replica_threads,
+        child = EngineProcess(shard, max_waiting=self.max_waiting, on_finish=self.on_finish,
+                              on_step=self.on_step, threads=self.replica_threads,
                               fallback=self.fallback and one)
         child.id_prefix = f"srv-r{i}-" if not generation else f"srv-r{i}.{generation}-"
         # its gauges until the replica reports: the given engine's (never stepped, so empty),
@@ -101,26 +100,12 @@ class EngineReplicas:
         child.stats = dict(engine_stats(self.engine), blocks_total=shard.options["num_blocks"])
         return child
 
-    # ---- callbacks, set on every replica ---------------------------------------------------
-    @property
-    def on_finish(self):
-        return self._on_finish
-
-    @on_finish.setter
-    def on_finish(self, fn) -> None:
-        self._on_finish = fn
-        for c in self.children:
-            c.on_finish = fn
-
-    @property
-    def on_step(self):
-        return self._on_step
-
-    @on_step.setter
-    def on_step(self, fn) -> None:
-        self._on_step = fn
-        for c in self.children:
-            c.on_step = fn
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``on_finish`` and ``on_step`` are set on every replica too."""
+        super().__setattr__(name, value)
+        if name in ("on_finish", "on_step"):
+            for c in getattr(self, "children", ()):
+                setattr(c, name, value)
 
     # ---- life ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,12 +121,9 @@ class EngineReplicas:
                 raise
             log.warning("%s; serving with one engine process instead of %d replicas", err,
                         len(self.children))
-            one = EngineProcess(self.engine, max_waiting=self.max_waiting,
-                                on_finish=self._on_finish, on_step=self._on_step,
-                                threads=self.threads, fallback=True)
-            self.children = [one]
-            one.start()
-            return
+            self._shards, self.restarts, self.replica_threads = [self.engine], [0], self.threads
+            self.children = [self._child(0, 0)]  # every seat (a thread where it cannot start)
+            self.children[0].start()
         self._watcher = threading.Thread(target=self._watch, name="minifer-replicas",
                                          daemon=True)
         self._watcher.start()
@@ -223,9 +205,8 @@ class EngineReplicas:
         """The live replicas' gauges added up (the KV usage and prefix hit rate over their
         blocks; a dead replica's last values are left out), and how many are live."""
         parts = [dict(c.stats) for c in self.children if c.alive]
-        total: dict[str, float] = {}
-        total["replicas"], total["replicas_alive"] = len(self.children), len(parts)
-        total["replica_restarts"] = sum(self.restarts)
+        total: dict[str, float] = {"replicas": len(self.children), "replicas_alive": len(parts),
+                                   "replica_restarts": sum(self.restarts)}
         for key in ("running", "waiting", "preemptions", "blocks_total", "blocks_used"):
             if all(key in p for p in parts):
                 total[key] = sum(p[key] for p in parts)

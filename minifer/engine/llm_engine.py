@@ -4,12 +4,11 @@ The interface is that of serving engines (vLLM's names): `add_request` queues a 
 `step()` runs one iteration and returns a `RequestOutput` for each request that moved, `abort`
 drops one, and `generate` is the offline convenience: add everything, step until done.
 
-A step has three parts, in three places (nano-vllm's split): the `Scheduler` picks which
-requests run and how many tokens each feeds (`schedule`), the `ModelRunner` packs all those
-tokens — decode rows and prompt chunks together — into **one forward call** and samples
-(`execute`), and the scheduler records the results: tokens computed, blocks named, tokens
-appended, requests finished (`postprocess`). All K/V live in a paged pool (`kv_pool`), shared
-between requests block by block when prefix caching is on.
+A step has three parts (nano-vllm's split): the `Scheduler` picks which requests run and how
+many tokens each feeds (`schedule`), the `ModelRunner` packs all those tokens, decode rows and
+prompt chunks together, into **one forward call** and samples (`execute`), and the scheduler
+records the results (`postprocess`). All K/V live in a paged pool (`kv_pool`), shared between
+requests block by block when prefix caching is on.
 
 Greedy outputs are token-identical to `minifer.generate` of each prompt alone (tested), and
 seeded sampling has one generator per request. What fails for one request inside a step ends

@@ -21,11 +21,8 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 With the speed-ups off (``with minifer.fast.disabled():``, or ``MINIFER_SPEEDUPS=0`` in the
 environment before ``import minifer``) everything works the same way, with the same greedy
 tokens, only slower: the code that runs is then the code you read.
-
-A bf16 model gets prepacked layers by default (`hooks.prepare_bf16`) where oneDNN packs bf16 on
-the CPU (`prepack.prepack_problem`), since plain bf16 decodes slower than fp32 at batch 1 there.
-The cost is memory, a second copy of the linear weights; quantize inside ``fast.disabled()`` to
-keep bf16's halved memory (plain `nn.Linear` layers, the same greedy tokens).
+A bf16 model gets prepacked layers by default where oneDNN packs bf16 (plain bf16 decodes
+slower than fp32 at batch 1), at the cost of a second copy of the weights (`minifer.fast.prepack`).
 """
 
 from __future__ import annotations

@@ -6,14 +6,11 @@ The fixed-shape lean step attends over the whole preallocated cache through a ma
 compiles one graph per batch size and cache length (``fullgraph=True``: a graph break is an
 error, not a silent slow path). On CUDA the default mode is ``"reduce-overhead"`` (CUDA graphs).
 
-On a CPU the default also **freezes** the weights (inductor's ``freezing``): they become
-constants of the graph, prepacked into oneDNN's or MKL's blocked layout, with fused C++ kernels
-between the matmuls. Frozen weights are a copy, so the step is compiled again when a model's
-weights have changed (`unfreeze_if_changed`).
-
-torch compiles again for every thread count it meets, which takes seconds; so at a count the
-thread governor moves to, a shape's steps run eager until they have taken as long as its first
-compile did, and only then is it compiled for that count (`ShapeThreads`).
+On a CPU the default also **freezes** the weights (inductor's ``freezing``): prepacked
+constants of the graph, a copy, so the step is compiled again when a model's weights have
+changed (`unfreeze_if_changed`). torch compiles again for every thread count it meets (seconds),
+so at a count the thread governor moves to, a shape's steps run eager until they have taken as
+long as its first compile did (`ShapeThreads`).
 """
 
 from __future__ import annotations

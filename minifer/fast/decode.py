@@ -6,11 +6,11 @@ the speed-ups off), which checks its input and writes at the Python int ``cache.
 step checks nothing (the request was checked once) and writes at a slot held in a one-element
 tensor (`SlotWriter`): inputs whose values change while their shapes do not. Two forms:
 
-- eager (`LeanStep()`, what ``generate`` runs by default): attention reads the filled slots
-  ``0..pos`` only, with no mask unless some row is left padded;
-- fixed-shape (``LeanStep(fixed_shape=True)``): attention reads every slot of the preallocated
-  cache through a mask built from the slot tensor, so every tensor has the same shape at every
-  step and the step can be compiled (`minifer.fast.compiled`) or captured as a CUDA graph.
+- eager (`LeanStep()`, ``generate``'s default): attention reads the filled slots ``0..pos``,
+  with no mask unless some row is left padded;
+- fixed-shape (``LeanStep(fixed_shape=True)``): attention reads every slot through a mask built
+  from the slot tensor, so every shape holds at every step and the step can be compiled
+  (`minifer.fast.compiled`) or captured as a CUDA graph.
 """
 
 from __future__ import annotations

@@ -4,11 +4,10 @@ Reference: `minifer.quantization.w8a8_reference`: quantize each row of ``x`` to 
 own scale, multiply-add in integers (exact sums), scale back. Both kernels here compute exactly
 that, bit for bit, so a W8A8 layer gives the same numbers at every batch size.
 
-- One row (a decode step at batch 1): ``csrc/int8_gemv.cpp``, a matrix-vector kernel for
-  AVX-512 VNNI (``vpdpbusd``), four weight rows per pass over ``x``, the rows split over
-  torch's threads. `Int8Gemv` builds it when first needed (`minifer.fast.native`), only on
-  CPUs with AVX-512 VNNI and not where ``ATEN_CPU_CAPABILITY`` asks torch for AVX2 or less.
-  Elsewhere, or where the build fails (it warns once), one row goes the way of many.
+- One row (batch 1): ``csrc/int8_gemv.cpp``, an AVX-512 VNNI (``vpdpbusd``) matrix-vector
+  kernel over torch's threads, built by `Int8Gemv` when first needed (`minifer.fast.native`)
+  on CPUs with VNNI, unless ``ATEN_CPU_CAPABILITY`` asks for AVX2 or less. Elsewhere, or where
+  the build fails (it warns once), one row goes the way of many.
 - More rows: `w8a8_int_mm`, the integer product in ``torch._int_mm`` (oneDNN's int8 GEMM),
   where its sums are exact here (`INT_MM_EXACT`); else the reference itself.
 """

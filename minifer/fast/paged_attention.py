@@ -5,14 +5,12 @@ sit in the blocks ``block_table[b]`` of the pool. Reference: `paged_decode_atten
 in tensor math: look the row's blocks up, score every cached key against the query, mask the
 unused tail of the last block, softmax, and sum the values.
 
-Run eagerly, ``k_pool[block_table]`` *copies* every row's K/V into a new tensor first: as many
-bytes written as attention then reads. A paged-attention kernel (vLLM's, on GPUs) follows the
-block table inside its loops instead, so each cached key and value is read once, in place.
-`PagedDecodeKernel` runs one on the CPU in float32, ``csrc/paged_decode.cpp``: the reference's
-math in C++, rows split over torch's threads, the next tokens' K/V prefetched; built by
-`torch.utils.cpp_extension` when first needed and cached on disk. Where it cannot be built (no
-C++ compiler, no ninja) it warns once, says why, and the serving step reads whole blocks
-instead (`minifer.fast.paged`): slower, never wrong.
+Run eagerly, ``k_pool[block_table]`` *copies* every row's K/V first: as many bytes written as
+attention then reads. A paged-attention kernel (vLLM's, on GPUs) follows the block table in its
+loops instead, reading each key and value once, in place. `PagedDecodeKernel` is one for the CPU
+in float32 (``csrc/paged_decode.cpp``: the reference's math, rows over torch's threads, built by
+`torch.utils.cpp_extension` when first needed). Where it cannot be built it warns once, and the
+serving step reads whole blocks instead (`minifer.fast.paged`): slower, never wrong.
 """
 
 from __future__ import annotations

@@ -143,23 +143,18 @@ CONTENDED = 0.35
 class ThreadGovernor:
     """Keeps torch's thread count at the number of cores other programs leave free.
 
-    Call `maybe_adjust()` between steps of work. At most every `sample_s` it reads the kernel's
-    CPU counters, this process's CPU time and how long its threads waited for a core (else it
-    only reads the clock). Two signals decide the count:
+    Call `maybe_adjust()` between steps of work; at most every `sample_s` it reads the kernel's
+    CPU counters, this process's CPU time and its threads' wait for a core. Two signals decide:
 
-    - *Our threads wait for a core* (`run_queue_wait`): a `sample_s` of readings in which
-      they waited `CONTENDED` of the time or more takes one thread away at once: a load that
-      starts must be met within a fraction of a second, and this wait shows it first.
+    - *Our threads wait for a core* (`run_queue_wait`) `CONTENDED` of a `sample_s` or more: one
+      thread fewer at once (a load that starts must be met within a fraction of a second).
     - *The cores the others used* (all busy time less our own): once the readings cover
-      `period_s` of work, `auto_threads` of what they left, at most `ceiling`. This is what
-      gives a thread back when a core comes free (after a period at the lower count), and
-      lowers the count where the wait cannot be read; a `quick_s` that already shows the others
-      clearly on a core we use (by a quarter core over the rounding) decides at once too.
+      `period_s` of work, `auto_threads` of what they left, at most `ceiling`: a thread back
+      when a core comes free, fewer where the wait cannot be read; a `quick_s` already showing
+      the others clearly on a core we use (a quarter core over the rounding) decides at once.
 
-    A decision holds, and is applied at every call, until the next one. Call `pause()` when
-    work stops and `resume()` when it starts again: the pause says little about now, so it is
-    left out and the last decision stands. Where the counters cannot be read it never changes
-    anything."""
+    A decision holds until the next one. `pause()` when work stops and `resume()` when it starts
+    again leave the pause out. Where the counters cannot be read it never changes anything."""
 
     def __init__(self, cpus: int | None = None, period_s: float = 1.0, *,
                  counters=cpu_times, own_cpu_s=time.process_time, waited_s=run_queue_wait,

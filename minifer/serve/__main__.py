@@ -107,8 +107,7 @@ def _limit_options(lim) -> None:
     lim.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES,
                      help="largest request headers (431 past it)")
     lim.add_argument("--chat-template-timeout", type=float, default=TEMPLATE_TIMEOUT_S,
-                     help="seconds a chat's template may take to render (in a process of its "
-                          "own, killed past it); past it the request gets a 400")
+                     help="seconds a chat template may take to render (past it: killed, a 400)")
     lim.add_argument("--chat-template-max-chars", type=int, default=MAX_TEMPLATE_CHARS,
                      help="most characters (or list items) a chat template may build or render")
     lim.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,

@@ -1,12 +1,11 @@
 """An OpenAI-compatible HTTP server on the serving engine (FastAPI + uvicorn, as vLLM uses).
 
 The routes (`minifer.serve.routes`): completions and chat, whole or streamed as server-sent
-events, models, health and Prometheus metrics (the fields at ``/openapi.json``). A request's
-path (claim REQ-1): the body is checked (400 naming the parameter), the `AsyncEngine` thread
-adds it and steps, each step's output leaves at once, and the KV blocks are freed at the end or
-when the client leaves (REQ-3). Limits (MET-5) and guards (`minifer.serve.guard`) come before
-any route; shutdown (`make_server`) drains. FastAPI and uvicorn are imported only when a
-server is built (`minifer_course.server.running_server` runs one in a thread of a notebook).
+events, models, health and Prometheus metrics (``/openapi.json``). A request's path (claim
+REQ-1): the body is checked (400 naming the parameter), the engine adds it and steps, each
+step's output leaves at once, and the KV blocks are freed at the end or when the client leaves
+(REQ-3). Limits (MET-5) and guards (`minifer.serve.guard`) come before any route; shutdown
+(`make_server`) drains. FastAPI and uvicorn are imported only when a server is built.
 """
 
 from __future__ import annotations
@@ -63,8 +62,7 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     where the engine steps, ``"thread"`` (`AsyncEngine`) or ``"process"`` (`EngineReplicas`:
     restarted when it dies; a thread, after a warning, where it cannot start), for the app's
     lifespan. `replicas`: that many engine processes sharing ``max_num_seqs`` and the KV pool.
-    A chat template renders in `TemplateSandbox` processes within `chat_template_timeout_s` of
-    the request's arrival, building at most `chat_template_max_chars` characters."""
+    Chat templates render in a `TemplateSandbox` (`chat_template_timeout_s`, `_max_chars`)."""
     from fastapi import FastAPI
 
     from . import routes
@@ -82,19 +80,18 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     vocab_size = engine.model.config.vocab_size
     if tokenizer is not None:
         vocab_size = min(vocab_size, tokenizer.vocab_size)
-    templates = TemplateSandbox(timeout_s=chat_template_timeout_s,
-                                max_chars=chat_template_max_chars)
     aengine = _engine_loop(engine, engine_in=engine_in, replicas=replicas,
                            max_waiting=max_waiting, threads=threads, max_model_len=max_model_len)
     metrics = ServerMetrics(aengine)
     aengine.on_finish = metrics.on_finish
-    app = FastAPI(title="minifer", version="0.1.0", lifespan=_running(aengine, templates),
+    app = FastAPI(title="minifer", version="0.1.0", lifespan=_running(aengine),
                   summary="OpenAI-compatible completions and chat on minifer's serving engine")
     priorities = scheduling_policy == "priority"
     app.state.server = routes.ServerState(
         engine=engine, async_engine=aengine, metrics=metrics, limits=limits,
         model_name=model_name, card=_model_card(model_name, model_root, max_model_len),
-        tokenizer=tokenizer, vocab_size=vocab_size, priorities=priorities, templates=templates)
+        tokenizer=tokenizer, vocab_size=vocab_size, priorities=priorities, templates=TemplateSandbox(
+            timeout_s=chat_template_timeout_s, max_chars=chat_template_max_chars))
     app.state.read_timeout_s, app.state.max_header_bytes = float(read_timeout_s), max_header_bytes
     app.add_middleware(Guard, metrics=metrics, api_key=api_key, allowed_hosts=_hosts(allowed_hosts),
                        max_body_bytes=int(max_body_bytes), max_header_bytes=int(max_header_bytes),
@@ -105,7 +102,7 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     return app
 
 
-def _running(aengine, templates):
+def _running(aengine):
     """The app's lifespan: the engine loop (and the template sandbox) runs while the app does."""
 
     @contextlib.asynccontextmanager
@@ -115,7 +112,7 @@ def _running(aengine, templates):
             yield
         finally:
             aengine.stop()
-            templates.close()
+            app.state.server.templates.close()
 
     return lifespan
 

@@ -79,14 +79,12 @@ class DisaggregatedEngine:
     """Prefill on one process, decode on another, one `LLMEngine`-like front.
 
     - `model`: a `GPT` in memory (saved for the workers) or a shipped model's name.
-    - `block_size`: both pools' block size. `prefill_tokens`, `prefill_max_seqs`: rank 0's token
-      budget per step and prompts in flight.
-    - `decode_blocks`, `decode_max_seqs`, `decode_tokens`: rank 1's pool, batch and step budget
-      (a small pool preempts; a preempted request recomputes on rank 1).
-    - `threads`: torch threads per worker; `timeout_s`: how long any wait may take.
-    - `prefill_nice`: lower the prefill worker's CPU priority (``os.nice``).
-    - `keepalive_s`: how often an idle prefill worker says it is alive (default: a quarter of
-      `timeout_s`, at most 10 s).
+    - `block_size`: both pools'; `prefill_tokens`, `prefill_max_seqs`: rank 0's step budget and
+      prompts in flight; `decode_blocks`, `decode_max_seqs`, `decode_tokens`: rank 1's pool,
+      batch and step budget (a small pool preempts: the request recomputes on rank 1).
+    - `threads`: torch threads per worker; `timeout_s`: how long any wait may take;
+      `prefill_nice`: the prefill worker's ``os.nice``; `keepalive_s`: how often an idle prefill
+      worker says it is alive (default: a quarter of `timeout_s`, at most 10 s).
     - `fault`: tests only — ``"prefill:N"`` / ``"decode:N"`` makes that worker fail at step N.
 
     Use it as a context manager (or call :meth:`close`; garbage collection ends the workers

@@ -3,14 +3,13 @@
 Both are `LLMEngine`s over paged pools of their own, in processes joined by `torch.distributed`:
 
 - **prefill** (rank 0) takes requests (JSON lines on stdin, or prompts on the command line),
-  runs their prompts with chunked prefill, samples each first token and sends the request to
-  rank 1 (`export_prefilled`, `send_handoff`). It never decodes.
-- **decode** (rank 1) receives handoffs on a thread (`dist.recv` blocks), inserts each when it
-  fits (`add_prefilled`) and decodes with continuous batching; a request preempted here
-  recomputes here. Finished requests leave as JSON lines on stdout.
+  prefills them in chunks, samples each first token and sends the request to rank 1
+  (`export_prefilled`, `send_handoff`). It never decodes.
+- **decode** (rank 1) receives handoffs on a thread, inserts each when it fits
+  (`add_prefilled`) and decodes with continuous batching (a preempted request recomputes here);
+  finished requests leave as JSON lines on stdout, with each rank's final report line.
 
-Each rank records a timeline and writes a final report line. Only the protocol lines go to
-stdout (the rest to stderr); a failure raises in the rank, which exits non-zero.
+Only the protocol lines go to stdout; a failure raises in the rank, which exits non-zero.
 """
 
 from __future__ import annotations
