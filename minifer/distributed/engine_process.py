@@ -48,16 +48,14 @@ START_TIMEOUT_S = 300.0  # the engine process must be ready by then (imports, a 
 
 class EngineProcess(AsyncEngine):
     """`AsyncEngine`'s interface and admission control with `engine.step()` in a child process.
-    `threads` applies there; `on_finish` and `on_step` run here, in the reader thread.
-    `fallback`: where the process cannot start, step in a thread instead (see `start`)."""
+    `threads` applies there; `on_finish` and `on_step` run here, in the reader thread."""
 
     def __init__(self, engine: Any, *, max_waiting: int = DEFAULT_MAX_WAITING,
                  on_finish=None, on_step=None, threads: int | str | None = None,
-                 start_timeout_s: float = START_TIMEOUT_S, fallback: bool = False) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         super().__init__(engine, max_waiting=max_waiting, on_finish=on_finish, on_step=on_step,
                          threads=threads)
-        self.start_timeout_s, self.fallback = start_timeout_s, fallback
-        self.in_process = True  # False once it fell back to stepping in a thread
+        self.start_timeout_s = start_timeout_s
         self._pending: dict[str, tuple] = {}  # sent to the engine, not yet accepted
         self._lock = threading.Lock()  # _pending and _handles: forwarder and reader share them
         self._process = None
@@ -66,20 +64,11 @@ class EngineProcess(AsyncEngine):
 
     # ---- life ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the engine process and, once its engine is built, the two threads; where it
-        cannot (a RuntimeError naming why), with `fallback`, step in a thread here instead."""
+        """Start the engine process and, once its engine is built, the two threads (where it
+        cannot, a RuntimeError naming why: `EngineReplicas` then steps in a thread)."""
         if self._thread is not None:
             raise RuntimeError("EngineProcess already started")
-        try:
-            self._start_process()
-        except RuntimeError as err:
-            if not self.fallback:
-                raise
-            log.warning("%s; the engine steps in a thread of the server's process instead",
-                        err)
-            self.in_process = False
-            super().start()
-            return
+        self._start_process()
         self._reader = threading.Thread(target=self._read, name="minifer-engine-reader",
                                         daemon=True)
         self._reader.start()
@@ -131,15 +120,11 @@ class EngineProcess(AsyncEngine):
 
     @property
     def alive(self) -> bool:
-        if not self.in_process:
-            return super().alive
         return (super().alive and self._process is not None and self._process.is_alive()
                 and self._reader is not None and self._reader.is_alive())
 
     # ---- the forwarder thread: the inbox goes down the pipe ---------------------------------
     def _run(self) -> None:
-        if not self.in_process:  # the fallback: step here, as AsyncEngine does
-            return super()._run()
         while True:
             with self._cv:
                 while not self._inbox and not self._stopping:

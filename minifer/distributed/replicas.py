@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..checks import check_int
+from ..engine import async_engine
 from ..engine.async_engine import DEFAULT_MAX_WAITING, check_loop_options, engine_stats, queue_full
 from ..engine.errors import APIError
 from .engine_process import EngineProcess
@@ -89,11 +90,9 @@ class EngineReplicas:
 
     def _child(self, i: int, generation: int) -> EngineProcess:
         """Replica `i`'s engine process, its `generation`-th start (with request ids of its own)."""
-        one = len(self._shards) == 1  # the engine itself: with `fallback`, a thread steps it
-        shard = self.engine if one else self._shards[i]
+        shard = self.engine if len(self._shards) == 1 else self._shards[i]
         child = EngineProcess(shard, max_waiting=self.max_waiting, on_finish=self.on_finish,
-                              on_step=self.on_step, threads=self.replica_threads,
-                              fallback=self.fallback and one)
+                              on_step=self.on_step, threads=self.replica_threads)
         child.id_prefix = f"srv-r{i}-" if not generation else f"srv-r{i}.{generation}-"
         # its gauges until the replica reports: the given engine's (never stepped, so empty),
         # with this replica's share of the blocks
@@ -119,11 +118,17 @@ class EngineReplicas:
                 c.stop()
             if not self.fallback:
                 raise
-            log.warning("%s; serving with one engine process instead of %d replicas", err,
-                        len(self.children))
-            self._shards, self.restarts, self.replica_threads = [self.engine], [0], self.threads
-            self.children = [self._child(0, 0)]  # every seat (a thread where it cannot start)
-            self.children[0].start()
+            if len(self._shards) > 1:  # one engine process with every seat
+                log.warning("%s; serving with one engine process instead of %d replicas", err,
+                            len(self.children))
+                self._shards, self.restarts, self.replica_threads = [self.engine], [0], self.threads
+                self.children = [self._child(0, 0)]
+                return self.start()
+            log.warning("%s; the engine steps in a thread of the server's process instead", err)
+            self.children = [async_engine.AsyncEngine(
+                self.engine, max_waiting=self.max_waiting, on_finish=self.on_finish,
+                on_step=self.on_step, threads=self.threads)]
+            return self.children[0].start()
         self._watcher = threading.Thread(target=self._watch, name="minifer-replicas",
                                          daemon=True)
         self._watcher.start()
