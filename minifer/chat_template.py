@@ -8,7 +8,7 @@ checkpoint without a template (a base model) gets none: `require_chat_template` 
 
 A template is code from the checkpoint, run on what clients send: Jinja's sandbox keeps it from
 Python's internals, its operators and output are held to `MAX_TEMPLATE_CHARS`, and a server
-renders in `TemplateSandbox`'s processes, killed when a render runs past its time limit.
+renders in `TemplateSandbox` processes, killed at its time limit.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ def render_template(template: str, messages: Sequence[Mapping], *,
                     **variables) -> str:
     """`template` (a Hugging Face chat template) rendered for `messages`, as transformers'
     ``apply_chat_template(..., tokenize=False)`` renders it. `variables`: what else the template
-    reads (``bos_token``, ``eos_token``, ``tools``, ``enable_thinking``, ...). A template that
-    builds (``*``, ``+``, ``**``) or renders more than `max_chars` characters (or list items)
-    is a `jinja2.exceptions.SecurityError` before it does; its other errors are `jinja2.TemplateError`."""
+    reads (``bos_token``, ``eos_token``, ``tools``, ...). A template that builds (``*``, ``+``,
+    ``**``) or renders more than `max_chars` characters (or items) is a `jinja2` SecurityError
+    before it does; its other errors are `jinja2.TemplateError`."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -109,10 +109,10 @@ def render_worker() -> None:
 
 class TemplateSandbox:
     """Renders chat templates in `workers` processes of their own, each render within
-    `timeout_s` of its start (or of a given `deadline`: the request's arrival, counting the wait
-    for a free process). A render past it has its process killed (replaced at the next render):
-    a template that loops holds no thread, core or memory of the server beyond its limit, and
-    the other requests go on. Errors are ValueErrors naming the chat template and the limit."""
+    `timeout_s` (or by a `deadline`: the request's arrival + `timeout_s`, the wait for a free
+    process counted). Past it its process is killed (replaced at the next render): a template
+    that loops holds no thread, core or memory of the server beyond its limit. Errors are
+    ValueErrors naming the chat template and the limit it hit."""
 
     def __init__(self, workers: int = 2, timeout_s: float = TEMPLATE_TIMEOUT_S,
                  max_chars: int = MAX_TEMPLATE_CHARS) -> None:

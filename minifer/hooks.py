@@ -1,13 +1,11 @@
 """The one seam where speed-ups plug into the core.
 
-The core calls the functions below at the few places where a faster way exists: the greedy
-argmax, the decode step, the thread count around a generation call and in the serving engine's
-loop, a W8A8 layer's product, the batch-invariant kernels around a call that asks for them, the
-layout of a new model's weights, the serving engine's paged attention, and the layers of a new
-bf16 model. Here each is the plain reference; `minifer.fast.install()` (run by ``import
-minifer``) puts the speed-ups there, each tested equal to the one it replaces. To read exactly
-the code that runs, turn them off: ``with minifer.fast.disabled():`` around a call, or
-``MINIFER_SPEEDUPS=0`` before ``import minifer``: the same greedy tokens, only slower.
+The core calls the functions below where a faster way exists (argmax, the decode step, thread
+counts, W8A8 products, batch-invariant kernels, weight layout, paged attention, new bf16
+layers). Here each is the plain reference; `minifer.fast.install()` (run by ``import minifer``)
+puts the speed-ups there, each tested equal to what it replaces. ``with
+minifer.fast.disabled():`` or ``MINIFER_SPEEDUPS=0`` runs the code you read: the same greedy
+tokens, only slower.
 `minifer.fast` imports the core and fills this seam; no core module imports `minifer.fast`.
 """
 

@@ -53,13 +53,10 @@ def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
 
 class RotaryEmbedding(nn.Module):
     """Rotary positions (RoPE, Su et al. 2021): the pair of dims (i, i + hd/2) of every query and
-    key head is rotated by the angle ``position × inv_freq[i]``. A query·key product then depends
-    only on the two tokens' distance. Keys are rotated before they are cached, so the cache holds
-    rotated keys: a cached entry is tied to its position (the K/V of a prefix can be reused only
-    at the same positions, which is what prefix caching does).
-
-    The frequencies stay fp32 whatever the model's dtype (bf16 angles would be off by whole
-    turns at long positions), a plain attribute moved to the positions' device on first use.
+    key head is rotated by the angle ``position × inv_freq[i]``, so a query·key product depends
+    only on the two tokens' distance. Keys are cached rotated: a cached entry is tied to its
+    position (prefix caching reuses a prefix's K/V at the same positions). The frequencies stay
+    fp32 whatever the model's dtype (bf16 angles would be off by whole turns far out).
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -211,13 +208,10 @@ class GPT(nn.Module):
     """GPT-2-family decoder. ``model(ids)`` → logits ``(B, T, vocab)``.
 
     With ``cache=...`` the new tokens' K/V are written into the cache and attention reads all
-    cached tokens (prefill: many new tokens; decode: one). Without a cache the whole sequence
-    is recomputed, which is the reference path the KV-cache lesson compares against.
-
-    The cached, recomputed, chunked and left-padded paths compute the same function: in fp32
-    their logits agree to float rounding (within 1e-5), which keeps greedy tokens identical;
-    in bf16/fp16 only to that dtype's precision (~1% of the logits' scale), so greedy tokens
-    can diverge after a near-tie (tests/test_exactness.py).
+    cached tokens (prefill: many new tokens; decode: one); without, the whole sequence is
+    recomputed (the KV-cache lesson's reference). The cached, recomputed, chunked and left-padded
+    paths agree to float rounding in fp32 (1e-5: the same greedy tokens), in bf16/fp16 to that
+    dtype's precision (a near-tie can flip; tests/test_exactness.py).
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -267,12 +261,10 @@ class GPT(nn.Module):
         """Import a `transformers` model already in memory (no download here): a
         `GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`.
 
-        Q/K/V (and Llama's gate/up) projections are fused into our layers, GPT-2's `Conv1D`
-        weights transposed (`minifer.hf_checkpoint` does both, and reads the same models from a
-        checkpoint folder without transformers). Config options this engine does not compute
-        (another activation, sliding windows, RoPE scalings other than Llama 3's,
-        mixture-of-experts, GPT-2's attention scaled other than by 1/√head_dim, ...) are a
-        ValueError naming the option, never a silent conversion.
+        Q/K/V (and Llama's gate/up) projections are fused, GPT-2's `Conv1D` weights transposed
+        (as `minifer.hf_checkpoint` does from a folder). Config options this engine does not
+        compute (another activation, sliding windows, other RoPE scalings than Llama 3's,
+        mixture-of-experts, ...) are a ValueError naming the option, never a silent conversion.
         """
         from .hf_convert import FAMILIES
 

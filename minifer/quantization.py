@@ -332,16 +332,11 @@ def _linear_from(w: torch.Tensor) -> nn.Linear:
 class QuantizedLinear(nn.Module):
     """A linear layer with int8 or int4 weights: ``y = x Wᵀ + b`` with W rebuilt from integers.
 
-    Buffers (what is stored, and what `nbytes` counts):
-
-    * int8: ``qweight`` int8 [N, K], ``scales`` [N];
-    * int4: ``qweight`` uint8 [N, K/2] (two values per byte; in the kernel's own layout on the
-      fused path), and ``scales`` and ``zeros`` [N, K/group] (fused path: one
-      ``scales_zeros`` tensor [K/group, N, 2], as the kernel wants them);
-    * ``bias`` in float, when the layer has one.
-
-    The integer path also keeps each weight row's sum for the one-row kernel (not a buffer:
-    rebuilt when missing, e.g. after loading a state dict)."""
+    Buffers (what is stored, and what `nbytes` counts): int8: ``qweight`` int8 [N, K], ``scales``
+    [N]; int4: ``qweight`` uint8 [N, K/2] (two values per byte; the kernel's layout on the fused
+    path), ``scales`` and ``zeros`` [N, K/group] (fused: one ``scales_zeros`` [K/group, N, 2]);
+    ``bias`` in float, if any. The integer path also keeps each weight row's sum for the one-row
+    kernel (not a buffer: rebuilt when missing, e.g. after loading a state dict)."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, *,
                  group_size: int | None = None,

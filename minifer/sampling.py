@@ -3,21 +3,19 @@
 The model outputs one logit per vocabulary entry (claim SAMP-1). A decoding strategy turns them
 into one token, in this order (the order Hugging Face and vLLM use):
 
-0. logit bias (OpenAI/vLLM `logit_bias`): a fixed number added to chosen tokens' logits:
-   -inf bans a token, +inf forces it (only +inf tokens can then be drawn, evenly; greedy takes
-   the lowest such id);
-1. repetition penalty (CTRL): logits of tokens already seen are divided by the penalty when
-   positive and multiplied by it when negative, so they become less likely either way;
+0. logit bias (OpenAI/vLLM `logit_bias`) added to chosen tokens' logits: -inf bans a token,
+   +inf forces it (+inf tokens are drawn evenly; greedy takes the lowest such id);
+1. repetition penalty (CTRL): seen tokens' logits divided by it when positive, multiplied when
+   negative, so they become less likely either way;
 2. temperature: logits / T — T < 1 sharpens, T > 1 flattens; T = 0 means greedy (argmax);
    T = inf is uniform over the tokens not banned;
 3. top-k: keep the k largest logits (and every token tied with the k-th);
 4. top-p (nucleus): keep the smallest set of most likely tokens whose probabilities reach p
    (and every token tied with the last one it needs).
 
-Edge values never turn into NaN: a tiny temperature (1e-45) whose division would overflow float32
-is applied in the shift-invariant form (logits - max) / T, which is its limit — all mass on the
-argmax, split evenly between tied maxima. A row with nothing left to draw (every token banned) or
-with NaN logits is a ValueError from `sample`.
+Edge values never turn into NaN: a temperature so tiny (1e-45) that the division overflows is
+applied as (logits - max) / T, its limit (all mass on the argmax, split between ties). A row
+with nothing left to draw, or with NaN logits, is a ValueError from `sample`.
 """
 
 from __future__ import annotations
@@ -60,8 +58,7 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
         put("stop", _as_stop(self.stop))
-        put("temperature", check_number("temperature", self.temperature, ge=0,
-                                        why=" (0: greedy)"))
+        put("temperature", check_number("temperature", self.temperature, ge=0, why=" (0: greedy)"))
         put("top_p", check_number("top_p", self.top_p, gt=0, le=1, why=" (1 = off)"))
         put("repetition_penalty", check_number("repetition_penalty", self.repetition_penalty,
                                                gt=0, why=" (1 = off)"))

@@ -6,9 +6,8 @@ with stop strings held back), why it finished, and when each token came. Every l
 `generation.stream`, speculative decoding, the serving engine — advances a request the same way:
 ``event = seq.append(token, now)``.
 
-`prepare` turns user input (text or ids, `SamplingParams`, a tokenizer) into Sequences and raises a
-clear `ValueError`/`TypeError` naming the parameter for anything the model cannot take, so nothing
-fails later deep inside torch.
+`prepare` turns user input into Sequences, with a clear `ValueError`/`TypeError` naming the
+parameter for anything the model cannot take (nothing fails later deep inside torch).
 """
 
 from __future__ import annotations
@@ -128,10 +127,9 @@ class Sequence:
     """One request: its prompt, the tokens and text generated so far, and when it finished.
 
     `append` records a sampled token and decides whether the request is finished: on the
-    end-of-sequence token, a stop string (matched on the detokenized text) or the
-    `max_new_tokens` limit. The `Completion` it fills (`result`) is what users get back.
-    `min_tokens` (set by the serving engine, which also keeps the end-of-sequence token from
-    being sampled before then): stop strings count only in the text after that many tokens."""
+    end-of-sequence token, a stop string (matched on the text) or `max_new_tokens`; it fills
+    the `Completion` users get back (`result`). `min_tokens` (the serving engine's, which also
+    bans the end-of-sequence token until then): stop strings count only after that many."""
 
     min_tokens = 0
 

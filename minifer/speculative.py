@@ -7,12 +7,10 @@ keeps the drafted prefix it agrees with plus one token of its own.
 - **Greedy**: a draft token is kept when it equals the target's argmax, so the output is the
   target's own greedy output (SPEC-2; token for token in fp32).
 - **Sampling**: draft token d ~ q is accepted with probability min(1, p(d)/q(d)); at the first
-  rejection a token is drawn from normalise(max(0, p − q)), after k acceptances from p. The
-  output follows p exactly (Leviathan et al. 2023; Chen et al. 2023), p and q being the same
-  logits processing as `minifer.generate`'s, the drafts before a position counting as seen.
-
-`ModelDrafter` runs a small model with its own KV cache; `PromptLookupDrafter` needs no model (a
-deterministic proposal is a valid q). Batch 1: prompts run one after another.
+  rejection a token is drawn from normalise(max(0, p − q)), after k acceptances from p: the
+  output follows p exactly (Leviathan et al. 2023; Chen et al. 2023; p, q: `minifer.generate`'s
+  logits processing). `ModelDrafter` runs a small model with its own KV cache;
+  `PromptLookupDrafter` needs no model (a deterministic proposal is a valid q). Batch 1.
 """
 
 from __future__ import annotations
@@ -293,11 +291,9 @@ def speculative_generate(target: torch.nn.Module, draft, prompts,
     """Generate with speculative decoding: one `SpecCompletion` (with `.stats`) per prompt.
 
     `draft`: a small GPT sharing the target's vocabulary, or any `Drafter`. `k`: tokens drafted
-    per target pass (fewer near `max_new_tokens`). Stops like `minifer.generate`. In bf16/fp16
-    the k + 1-position verification rounds differently from one-token decoding, so a greedy
-    near-tie can flip. `draft_tokenizer`: checked against `tokenizer`. `target_cache`: a batch-1
-    `StaticKVCache` to use (and leave filled) instead of allocating one. `accept(p_d, q_d, u)`:
-    the acceptance rule when sampling. `threads`: as for `minifer.generate`."""
+    per target pass. Stops like `minifer.generate` (in bf16/fp16 a greedy near-tie can flip).
+    `draft_tokenizer`: checked against `tokenizer`. `target_cache`: a batch-1 `StaticKVCache`
+    to use (and leave filled). `accept(p_d, q_d, u)`: the acceptance rule when sampling."""
     check_int("k (draft tokens per target pass)", k, 1)
     if not callable(accept):
         raise TypeError(f"accept must be a function (p_d, q_d, u) -> bool tensor, got {accept!r}")

@@ -1,12 +1,10 @@
 """Text ⇄ token ids, and streaming detokenization that never emits half a character.
 
-`ByteTokenizer` (one token per UTF-8 byte plus end-of-text: no files, for tests) and
-`Tokenizer` (a trained byte-level BPE from a Hugging Face `tokenizer.json`) share one interface.
-By default text that merely looks like a special token stays text (tiktoken's default);
-``encode(text, special_tokens=True)`` reads it as the id, as the server does (like vLLM).
-`max_token_chars`: the most characters one token stands for, so a server can refuse a text too
-long before tokenizing it. The detokenizers hold back the bytes of a character a token ends
-inside of (an emoji is 4 bytes) instead of printing replacement characters.
+`ByteTokenizer` (a token per UTF-8 byte plus end-of-text: no files, for tests) and `Tokenizer`
+(a byte-level BPE from a Hugging Face `tokenizer.json`) share one interface. Text that looks like
+a special token stays text unless ``encode(text, special_tokens=True)`` (the server's, as vLLM).
+`max_token_chars`: the most characters one token stands for (a server refuses a text too long
+before tokenizing it). The detokenizers hold back a character's bytes until it is whole.
 """
 
 from __future__ import annotations
@@ -48,8 +46,7 @@ class ByteTokenizer:
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         if not special_tokens or not any(sp in text for sp in self.specials):
             return list(text.encode("utf-8"))
-        pattern = re.compile("|".join(map(re.escape, sorted(self.specials, key=len,
-                                                            reverse=True))))
+        pattern = re.compile("|".join(map(re.escape, sorted(self.specials, key=len, reverse=True))))
         ids: list[int] = []
         start = 0
         for m in pattern.finditer(text):

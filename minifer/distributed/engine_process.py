@@ -1,18 +1,17 @@
 """`EngineProcess`: the engine steps in a process of its own; the server's handlers stay here.
 
-In `AsyncEngine` the step's Python (scheduling, sampling, detokenizing) takes turns for the
-interpreter lock with the event loop that parses requests and writes streams. In a process of
-its own the two never wait for each other, at the price of sending each step's outputs through
-a pipe. The split, as in vLLM's engine-core process:
+In `AsyncEngine` the step's Python (scheduling, sampling, detokenizing) and the event loop take
+turns for the interpreter lock; in a process of its own they never wait for each other, at the
+price of sending each step's outputs through a pipe. The split, as vLLM's engine core:
 
     server process                                 engine process
     handlers -> add / abort (AsyncEngine's API)    LLMEngine(model, tokenizer, **options)
     forwarder thread: inbox -> pipe  ───────────>  `drive`: take commands; step; send outputs
     reader thread: pipe -> each handle's queue <──  ("accepted", ...), ("outputs", ...), ...
 
-The weights go over in shared memory and the engine there is built with the given one's
-options; the given engine is never stepped. The process is spawned (a fork after OpenMP threads
-can hang) and exits when the server's end of the pipe closes.
+The weights go over in shared memory, the engine there is built with the given one's options
+(which is never stepped); the process is spawned (a fork after OpenMP threads can hang) and
+exits when the server's end of the pipe closes; `EngineReplicas` restarts it when it dies.
 """
 
 from __future__ import annotations

@@ -128,8 +128,7 @@ def add_prefilled(engine, handoff: Handoff) -> bool:
                          f"needs {expect}")
     if not engine.scheduler.can_admit([*h.prompt_ids, h.first_token]):
         return False  # checked first: a request waiting for room is not prepared again
-    req = engine.new_request(list(h.prompt_ids), h.params, h.request_id, h.priority,
-                             h.arrival_time)
+    req = engine.new_request(list(h.prompt_ids), h.params, h.request_id, h.priority, h.arrival_time)
     if req.generator is not None and h.generator_state is not None:
         req.generator.set_state(h.generator_state)
     if req.seen is not None:

@@ -1,15 +1,13 @@
 """`EngineReplicas`: engine processes behind one server, each with a share of the seats.
 
-A step goes at the pace of its slowest thread, so a core partly taken by another program holds
-up every step. Replicas split the work the other way: each is a whole `LLMEngine` in its own
-process (`EngineProcess`) with a share of `max_num_seqs` and of the KV pool, and no replica waits
-for another (vLLM's data parallelism, ``--data-parallel-size``).
+A step goes at the pace of its slowest thread (a core partly taken by another program holds up
+every step); replicas split the work the other way: each a whole `LLMEngine` in its own process
+(`EngineProcess`) with a share of `max_num_seqs` and of the KV pool (vLLM's data parallelism).
 
-A new request goes to the live replica with the fewest requests in flight. A replica that dies
-leaves the routing at once: its requests end with a 503, ``/health`` says "degraded", and it is
-restarted in the background (at most `MAX_RESTARTS` times). The weights are shared (one copy);
-prefix caching works per replica. The server's one engine process is a single replica: it is
-restarted the same way (``/health`` answers 503 until it is back).
+A new request goes to the live replica with the fewest in flight. A replica that dies leaves the
+routing at once: its requests end with a 503, ``/health`` says "degraded" (503 when none is
+left: the server's one engine process is a single replica), and it is restarted in the
+background (at most `MAX_RESTARTS` times). The weights are shared; prefix caching is per replica.
 """
 
 from __future__ import annotations
@@ -129,8 +127,7 @@ class EngineReplicas:
                 self.engine, max_waiting=self.max_waiting, on_finish=self.on_finish,
                 on_step=self.on_step, threads=self.threads)]
             return self.children[0].start()
-        self._watcher = threading.Thread(target=self._watch, name="minifer-replicas",
-                                         daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="minifer-replicas", daemon=True)
         self._watcher.start()
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -1,10 +1,9 @@
 """`AsyncEngine`: one thread owns the engine; asyncio handlers talk to it through queues.
 
 An `LLMEngine` is not thread-safe and its `step()` blocks, so one background thread runs the
-engine loop (`drive`); each handler's `RequestHandle` receives its outputs from there
-(``loop.call_soon_threadsafe``). Past `max_waiting` requests waiting for their first step, `add`
-refuses with 429 (claim MET-5). A step that raises fails the requests in flight with a 500; the
-thread serves on. The model only ever runs in this thread (prompt logprobs too).
+engine loop (`drive`, the model's only thread); each handler's `RequestHandle` receives its
+outputs from there. Past `max_waiting` requests waiting for their first step, `add` refuses
+with 429 (claim MET-5); a step that raises fails the requests in flight with a 500.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The paged KV cache's bookkeeping: a pool of fixed-size blocks and one block table per sequence.
 
-Reserving the maximum length for every request wastes most of it (claim KV-12). Paging cuts
-the cache into blocks of `block_size` slots; token ``i`` of a sequence lives in slot
-``i % block_size`` of block ``table[i // block_size]`` of its *block table*, and a new block is
-taken only when the last is full.
+Reserving the maximum length for every request wastes most of it (claim KV-12). Paging cuts the
+cache into blocks of `block_size` slots: token ``i`` lives in slot ``i % block_size`` of block
+``table[i // block_size]`` of its sequence's *block table*, a new block taken when one fills.
 
 **Prefix caching.** A full block is named by ``hash(parent_hash, tokens)``, so a sequence that
 starts with the same tokens shares those blocks (reference counted). A freed block keeps its

@@ -25,21 +25,18 @@ class EngineConfig:
     - `policy`: ``"continuous"`` (requests join and leave at every step) or ``"static"``
       (fixed groups run to completion: the baseline).
     - `block_size`, `num_blocks`: the KV pool. Default: room for `max_num_seqs` requests of
-      `max_model_len` tokens, within `kv_cache_memory`: bytes, or a fraction of the memory
-      available on the pool's device now (default `KV_CACHE_FRACTION`), so that a checkpoint
-      whose context is 128k tokens still starts on a laptop. A pool that cannot hold one request
-      of `max_model_len` tokens is an error when `max_model_len` was given; by default requests
-      are then bounded by the pool instead.
-    - `max_model_len`: most tokens (prompt + output) one request may hold (default and most:
-      the model's context).
+      `max_model_len` tokens, within `kv_cache_memory` (bytes, or a fraction of the memory
+      available on the pool's device now; default `KV_CACHE_FRACTION`: a 128k-context checkpoint
+      still starts on a laptop). A pool too small for one request of a given `max_model_len` is
+      an error; by default requests are bounded by the pool instead.
+    - `max_model_len`: most tokens (prompt + output) of a request (default, most: the context).
     - `max_num_seqs`: most requests running at once; `max_num_batched_tokens`: most tokens fed
       in one step (default: the context length, or 256 with chunked prefill).
     - `enable_chunked_prefill`: split long prompts across steps, beside other requests' decode.
     - `enable_prefix_caching`: share full blocks with equal contents (a common system prompt).
-    - `device`: where the pool lives (default: the model's device).
-    - `aging`: priority points a waiting request gains per step (0 = strict priority).
+    - `device`: the pool's (default: the model's); `aging`: priority per step waited (0: none).
     - `sample_vocab`: sample only among the first `sample_vocab` token ids (default: the
-      tokenizer's vocabulary, else the model's); a worker without the tokenizer gets its size.
+      tokenizer's vocabulary, else the model's).
     - `batch_invariant`: each request's tokens exactly as `generate` gives them alone, whatever
       else shares its steps (`minifer.fast.invariant`: slower; keep torch's thread count fixed).
     """

@@ -1,13 +1,10 @@
 """The paged KV cache's storage, and attention over it for one packed forward call.
 
-`PagedKVPool` holds, per layer, one K and one V tensor of shape
-``(num_blocks, block_size, kv_heads, head_dim)``; which slot a token uses is the
-`BlockManager`'s decision. A serving step feeds every scheduled token — one per decode row,
-many per prompt chunk — through the model as one sequence: `PackedBatch` is that call's cache
-(a `minifer.cache.PackedKVCache`). It writes each new token's K/V once, into its slot, and
-lets each row attend only to its own tokens, gathered from their slots: the readable
-reference, which `minifer.fast.paged` replaces (at `hooks.packed_attention`) with faster
-reads giving each row the same attention.
+`PagedKVPool` holds, per layer, one K and one V tensor ``(num_blocks, block_size, kv_heads,
+head_dim)``; which slot a token uses is the `BlockManager`'s decision. `PackedBatch` is the
+cache of a serving step's one packed forward call: it writes each new token's K/V into its slot
+and lets each row attend only to its own tokens, gathered from their slots: the readable
+reference, which `minifer.fast.paged` replaces (`hooks.packed_attention`) with faster reads.
 """
 
 from __future__ import annotations
@@ -113,12 +110,11 @@ class PackedBatch:
     """One forward call over rows of any lengths, packed end to end (a `minifer.cache.PackedKVCache`).
 
     Row ``b`` has ``context[b]`` tokens cached in the blocks ``tables[b]`` and feeds
-    ``num_new[b]`` new ones: a decode row one, a prompt chunk many. All new tokens go through
-    the model as one ``(1, N)`` sequence, so the token-wise layers run once for the whole step
-    (vLLM's and nano-vllm's packing). Attention alone keeps rows apart: `attend` writes the new
-    K/V at their slots (`slot_mapping`) and lets each row attend to its own tokens only, at its
-    own positions (`positions`). `logits_index`: the packed index of the last token of each
-    row in `logits_rows` (default: all), the only positions whose logits are needed.
+    ``num_new[b]`` new ones (a decode row one, a prompt chunk many), all as one ``(1, N)``
+    sequence: the token-wise layers run once for the step (vLLM's packing), and `attend` keeps
+    rows apart: new K/V at their slots (`slot_mapping`), each row attending to its own tokens at
+    its own `positions`. `logits_index`: the last token of each row in `logits_rows` (default:
+    all), the only positions whose logits are needed.
 
     The rows are checked (ValueErrors): each feeds a token and fits its blocks."""
 

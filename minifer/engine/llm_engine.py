@@ -10,9 +10,8 @@ prompt chunks together, into **one forward call** and samples (`execute`), and t
 records the results (`postprocess`). All K/V live in a paged pool (`kv_pool`), shared between
 requests block by block when prefix caching is on.
 
-Greedy outputs are token-identical to `minifer.generate` of each prompt alone (tested), and
-seeded sampling has one generator per request. What fails for one request inside a step ends
-that request alone, with finish reason "error" (`RequestOutput.error`); the others go on.
+Greedy outputs are token-identical to `minifer.generate` of each prompt alone (tested); seeded
+sampling has a generator per request. What fails for one request in a step ends it alone.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """`ModelRunner`: turn one scheduled step into tensors, run the model once, sample.
 
-The scheduler decides *what* runs (which requests, how many of their tokens, in which
-blocks); the runner does the tensor work: it packs every scheduled token — the decode rows'
-single tokens and the prompt chunks' many — into one sequence, with each token's position and
-pool slot (`kv_pool.PackedBatch`), makes **one forward call** for the whole step, and samples
-one token for every request whose tokens are all fed. nano-vllm's `model_runner` has the same
-job (it adds CUDA graphs and tensor parallelism).
+The scheduler decides *what* runs; the runner packs every scheduled token (decode rows' one,
+prompt chunks' many) into one sequence with each token's position and pool slot
+(`kv_pool.PackedBatch`), makes **one forward call** for the step, and samples a token for every
+request whose tokens are all fed (nano-vllm's `model_runner`, without CUDA graphs).
 
 Greedy rows are token-identical to `minifer.generate` of each prompt alone (tests): packing
-changes which tokens share a matrix multiply, never what any row attends to. Seeded sampling
-uses each request's own generator, so it does not depend on the batch either.
+changes which tokens share a matrix multiply, never what a row attends to; seeded sampling uses
+each request's own generator.
 """
 
 from __future__ import annotations
@@ -32,11 +30,9 @@ class ModelRunner:
     """Runs the scheduled chunks of one step through `model` over the paged `pool`.
 
     `batch_invariant`: each step runs `minifer.hooks.batch_invariant`'s kernels (`EngineConfig`).
-    Counters (for
-    benchmarks and lessons): `num_forward_calls` and `forward_time_s` (the time spent inside
-    the forward calls), `num_prefill_tokens` (prompt and recomputed tokens fed),
-    `num_decode_tokens` (sampled tokens fed back) and `num_decode_calls` (calls with at least
-    one decode row: decode tokens / calls is the mean decode batch).
+    Counters (benchmarks, lessons): `num_forward_calls`, `forward_time_s` (inside the forward
+    calls), `num_prefill_tokens` (prompt and recomputed tokens fed), `num_decode_tokens` (sampled
+    tokens fed back), `num_decode_calls` (calls with a decode row: the mean decode batch).
     """
 
     def __init__(self, model: torch.nn.Module, pool: PagedKVPool, device: torch.device,

@@ -1,8 +1,7 @@
 """What `LLMEngine.add_request` takes beyond a prompt and `SamplingParams`, checked, and the two
 things those options do inside a step.
 
-- ``priority``: at most ``PRIORITY_LIMIT`` = 2**53 either way (the scheduler's float arithmetic
-  stays exact);
+- ``priority``: at most ``PRIORITY_LIMIT`` = 2**53 either way (the scheduler's floats exact);
 - ``logprobs``: each sampled token's logprob and that many alternatives (`record_logprobs`);
 - ``min_tokens``: no end-of-sequence token before that many tokens (`ban_early_eos`).
 

@@ -1,12 +1,11 @@
 """Which requests run in the next engine step, and how many of their tokens.
 
 Every step has a token budget (`max_num_batched_tokens`, prompt chunks and decode tokens
-together) and a sequence limit (`max_num_seqs`). Requests wait in `waiting` until admitted into
+together) and a sequence limit (`max_num_seqs`); requests wait in `waiting` until admitted into
 `running`, which holds their KV blocks.
 
-- ``"continuous"`` (BATCH-4, BATCH-5): a finished request leaves at once and waiting ones join
-  at every step. ``"static"``, the baseline: a group is formed when nothing runs, and no one
-  joins until the whole group has finished.
+- ``"continuous"`` (BATCH-4, BATCH-5): finished requests leave and waiting ones join at every
+  step. ``"static"``, the baseline: a group runs to completion before the next is formed.
 - **Chunked prefill** (BATCH-8): a prompt longer than the budget left is fed over several steps
   while the running requests keep decoding.
 - **Preemption**: when no block is free, the least important running request gives up its

@@ -1,10 +1,8 @@
 """The greedy argmax in chunks: the same answer as ``logits.argmax(dim=-1)``, faster on a CPU.
 
-Reference: `minifer.hooks.argmax` (torch's argmax), which on the CPU keeps an index beside
-every comparison and runs slower than a plain maximum. So a row is cut into chunks: each chunk's
-maximum, the first chunk holding the row's maximum, then the first maximum inside that chunk:
-argmax's answer exactly, NaN included (a chunk's max is NaN where it holds one, and argmax takes
-NaN as the largest).
+Reference: `minifer.hooks.argmax` (torch's, which on the CPU keeps an index beside every
+comparison). Here: each chunk's maximum, the first chunk holding the row's maximum, then the
+first maximum inside it: argmax's answer exactly, NaN included (argmax takes NaN as largest).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """bf16 at batch 1: a matrix-vector kernel for the CPU's AVX512-BF16 instructions.
 
-A decode step at batch 1 multiplies one row by every weight matrix, so its time is the time to
-read the weights, half of fp32's bytes in bf16; oneDNN's bf16 product (`minifer.fast.prepack`) can
-read them slower than it reads fp32.
+A decode step at batch 1 is the time to read the weights, half of fp32's bytes in bf16, which
+oneDNN's bf16 product (`minifer.fast.prepack`) can read slower than fp32.
 
 Reference: `bf16_reference`, float32 products and sums of the bf16 numbers, rounded once to
-bf16. ``csrc/bf16_gemv.cpp`` computes that with AVX512-BF16's ``vdpbf16ps``, four weight rows
-per pass over ``x``, the rows split over torch's threads; its sums run in another order, so the
-two agree to float32 rounding before the last bf16 rounding. `Bf16Gemv` builds it when first
-needed, only on CPUs with AVX512-BF16; elsewhere, or where the build fails (it warns once), a
-prepacked layer keeps to oneDNN.
+bf16. ``csrc/bf16_gemv.cpp`` computes that with ``vdpbf16ps`` over torch's threads (its sums in
+another order: equal to float32 rounding). `Bf16Gemv` builds it when first needed, on CPUs with
+AVX512-BF16; elsewhere, or where the build fails (it warns once), the layer keeps to oneDNN.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Batch-invariant kernels: each token computed as it is alone, cached or recomputed.
 
-Reference: the model's own layers (`F.linear`, the norms, the MLP, SDPA), called here only in
-shapes that never depend on the batch, so a row's numbers are bit for bit the same alone, in
-any batch, at every step of the KV cache and recomputed (`generate(..., batch_invariant=True)`).
-Why it is needed: a product of M rows sums each row in an order the kernel picks *by M*, and a
-softmax over a padded row sums in another order too; bf16 and W8A8's per-token rounding turn
-such last-bit differences into other tokens.
+Reference: the model's own layers, called here only in shapes that never depend on the batch,
+so a row's numbers are bit for bit the same alone, in any batch, cached or recomputed. Why: a
+product of M rows sums each row in an order the kernel picks *by M* (a padded softmax too), and
+bf16 and W8A8's per-token rounding turn such last-bit differences into other tokens.
 
 - `in_rows`: every token-wise layer runs on blocks of exactly `ROWS` tokens (the last padded);
 - `attend_per_query`: attention one query at a time over exactly the keys it sees, the call a

@@ -1,13 +1,11 @@
 """Column-major linear weights: the same model, a layout torch's CPU GEMM is faster at.
 
 Reference: torch's default layout, which `minifer.hooks.lay_out_weights` leaves in place.
-`F.linear` multiplies by the weight's transpose; stored column-major (still shaped
-``(out, in)``, laid out as its transpose ``(in, out)`` row-major) that transpose is a plain
-row-major matrix, the case torch's CPU GEMM is fastest at. Only the order of the sums inside
-the GEMM changes, so fp32 logits agree to rounding and greedy tokens are identical. A tied
-output layer is the token embedding too: a lookup then reads a strided column. Parameters keep
-their layout through `load_state_dict`, `.to()` and `deepcopy`; checkpoints are saved
-contiguous.
+`F.linear` multiplies by the weight's transpose; stored column-major (still ``(out, in)``) that
+transpose is a plain row-major matrix, the case torch's CPU GEMM is fastest at. Only the order
+of the sums changes (fp32 logits agree to rounding, greedy tokens are identical); a tied
+embedding's lookup then reads a strided column. Parameters keep their layout through
+`load_state_dict`, `.to()` and `deepcopy`; checkpoints are saved contiguous.
 """
 
 from __future__ import annotations

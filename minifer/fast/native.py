@@ -1,12 +1,10 @@
 """Building minifer's C++ kernels: what the CPU offers, and one cached build per kernel and CPU.
 
-minifer ships small kernels as C++ sources (``serve/csrc/paged_decode.cpp``,
-``csrc/int8_gemv.cpp``, ``csrc/bf16_gemv.cpp``). `torch.utils.cpp_extension` compiles each the
-first time a process needs it and caches the build on disk. The build's name holds the torch
-version and the vector instructions it was built for, so a cache shared by different CPUs never
-loads another's build. Every caller keeps a pure-torch path for where no build is possible.
-`NativeKernel` is what the matrix-vector kernels share: the CPU check, one build per process,
-a warning when it fails.
+`torch.utils.cpp_extension` compiles each of minifer's C++ kernels (``csrc/*.cpp``) the first
+time a process needs it and caches the build on disk, named by the torch version and vector
+instructions (a cache shared by different CPUs never loads another's build). Every caller keeps
+a pure-torch path. `NativeKernel` is what the matrix-vector kernels share: the CPU check, one
+build per process, a warning when it fails.
 """
 
 from __future__ import annotations
@@ -76,12 +74,10 @@ class NativeKernel:
     """A C++ operator built the first time it is needed, only where this CPU has the instructions
     it is written for; `available()` says whether it runs here, `error` why not.
 
-    A subclass names its source, the CPU flags it needs, its compiler flags and the instruction
-    set they target (part of the cached build's name), the operator
-    (``namespace::op``), what runs instead (for the warning when a build fails) and the shape
+    A subclass names its source, the CPU flags it needs, its compiler flags and instruction set
+    (part of the build's name), the operator (``namespace::op``), what runs instead and the shape
     function `torch.compile` traces through it with. `problem` also refuses where
-    ``ATEN_CPU_CAPABILITY`` asks torch itself for AVX2 or less (``make test-kernels`` runs the
-    notebooks as an older CPU would)."""
+    ``ATEN_CPU_CAPABILITY`` asks torch for AVX2 or less (``make test-kernels``: an older CPU)."""
 
     kernel: ClassVar[str]
     source: ClassVar[Path]

@@ -1,9 +1,7 @@
 """Paged attention for a packed serving step, planned for speed.
 
-Reference: `PackedBatch.attend_rows`, equal to float rounding.
-
-The reference makes one attention call per row and gathers every token's K/V slot by slot.
-Here a step's plan is built once and serves every layer:
+Reference: `PackedBatch.attend_rows` (equal to float rounding): one attention call per row,
+every token's K/V gathered slot by slot. Here a step's plan is built once for every layer:
 
 - decode rows (one new token each; the engine puts them first) share attention calls over
   right-padded batches, their padding masked. Rows are split by length into a few calls when
@@ -13,8 +11,7 @@ Here a step's plan is built once and serves every layer:
 - or (``"kernel"``, the default where it runs: a CPU, fp32) decode rows go through
   `paged_attention.KERNEL`, minifer's C++ kernel, which reads the blocks in place.
 
-How the pool is read is this package's choice, not the engine's: `read` chooses
-(``"slots"`` is the reference, as with the speed-ups off), for a block of code or for good.
+How the pool is read is this package's choice (`read`; ``"slots"``: the reference).
 """
 
 from __future__ import annotations

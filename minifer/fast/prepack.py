@@ -5,14 +5,11 @@ and the kernel re-blocks it for its vector registers on every call: at decode, a
 the step. Prepacking is what `torch.compile`'s CPU "freezing" does to a graph's weights;
 `prepack` does it in eager mode, layer by layer, with oneDNN's own ops (``torch.ops.mkldnn``).
 
-Reference: `F.linear`. The packed weight is a second copy of each linear weight, in oneDNN's
-blocked layout, kept beside the ordinary ``weight`` parameter (so `state_dict`, `model_bytes`,
-tied embeddings and `.to()` keep working; the pack is rebuilt after `.to()` or a loaded state
-dict). Results equal `F.linear`'s up to float rounding (the sums run in another order). CPU
-only, float32 and bfloat16; with gradients enabled, and inside `torch.compile`, a layer
-computes with `F.linear` instead; a weight changed in place is packed again at the next call.
-A bf16 layer given one row (batch 1) runs minifer's own AVX512-BF16 kernel where the CPU has
-it (`minifer.fast.bf16_gemv`), which reads the plain row-major weight, so no second copy.
+Reference: `F.linear`, equal to float rounding. The pack is a second copy of each weight beside
+the ``weight`` parameter (`state_dict`, `model_bytes`, tied embeddings keep working; rebuilt
+after `.to()`, a loaded state dict or an in-place change). CPU only, float32 and bfloat16; with
+gradients, and inside `torch.compile`, a layer computes with `F.linear`. A bf16 layer given one
+row runs minifer's AVX512-BF16 kernel where the CPU has it (`minifer.fast.bf16_gemv`).
 
 `prepare_bf16` is `minifer.hooks.prepare_bf16`'s speed-up: ``quantize(model, "bf16")`` packs
 the new model's layers by default where oneDNN packs bf16 on this CPU (`minifer.fast` says why).

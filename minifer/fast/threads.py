@@ -5,15 +5,12 @@ the end of every one. When another program holds one of the cores, the thread th
 arrives late at *every* wait, and a 2-thread decode can run several times slower than a 1-thread
 one. Students' laptops are such machines.
 
-`auto_threads` picks the number of cores idle right now (from the kernel's CPU counters over a
-short interval, not the lagging load average) and `apply_threads` sets it. A count set once
-cannot follow a load that starts later, so with ``threads="auto"`` a long-running loop keeps a
-`ThreadGovernor`, which re-sets the count between steps: one thread fewer as soon as its threads
-are seen waiting for a core (`run_queue_wait`), one back after a second of work in which the
-*other* programs left a core free. The server's engine loop (`serving_threads`) and `generate`
-with ``threads="auto"`` (`generation_threads`) run one; by default `generate` leaves torch's
-count as it is and reads no counters. ``OMP_WAIT_POLICY=passive`` (set before torch starts)
-makes waiting threads sleep instead of spinning.
+`auto_threads` picks the cores idle right now (the kernel's CPU counters over a short interval,
+not the lagging load average); `apply_threads` sets it. A count set once cannot follow a load
+that starts later, so with ``threads="auto"`` a long-running loop (`serving_threads`,
+`generation_threads`) keeps a `ThreadGovernor`, which re-sets the count between steps: one
+fewer as soon as its threads wait for a core, one back after a second of work in which the
+*other* programs left a core free. ``OMP_WAIT_POLICY=passive`` makes waiting threads sleep.
 """
 
 from __future__ import annotations

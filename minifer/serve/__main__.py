@@ -1,15 +1,14 @@
 """``python -m minifer.serve --model shakespeare``: the OpenAI-compatible server from a shell.
 
-Serves on http://127.0.0.1:8000 by default (loopback only; ``--host 0.0.0.0`` exposes it to
-your network, deliberately: then give it an ``--api-key``). Try it::
+Serves on http://127.0.0.1:8000 (loopback; ``--host 0.0.0.0``, with an ``--api-key``). Try::
 
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "shakespeare", "prompt": "ROMEO:", "max_tokens": 32, "temperature": 0}'
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
          -d '{"model": "shakespeare", "messages": [{"role": "user", "content": "Art thou well?"}]}'
 
-With ``--api-key KEY`` (or the environment variable ``MINIFER_API_KEY``) every route but
-``/health`` needs ``Authorization: Bearer KEY``, as OpenAI's clients send it.
+With ``--api-key KEY`` (or ``$MINIFER_API_KEY``) every route but ``/health`` needs
+``Authorization: Bearer KEY``, as OpenAI's clients send it.
 """
 
 from __future__ import annotations

@@ -78,8 +78,7 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                     request_timeout_s)
     tokenizer = getattr(engine, "tokenizer", None)
     vocab_size = engine.model.config.vocab_size
-    if tokenizer is not None:
-        vocab_size = min(vocab_size, tokenizer.vocab_size)
+    vocab_size = vocab_size if tokenizer is None else min(vocab_size, tokenizer.vocab_size)
     aengine = _engine_loop(engine, engine_in=engine_in, replicas=replicas,
                            max_waiting=max_waiting, threads=threads, max_model_len=max_model_len)
     metrics = ServerMetrics(aengine)
@@ -90,8 +89,9 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
     app.state.server = routes.ServerState(
         engine=engine, async_engine=aengine, metrics=metrics, limits=limits,
         model_name=model_name, card=_model_card(model_name, model_root, max_model_len),
-        tokenizer=tokenizer, vocab_size=vocab_size, priorities=priorities, templates=TemplateSandbox(
-            timeout_s=chat_template_timeout_s, max_chars=chat_template_max_chars))
+        tokenizer=tokenizer, vocab_size=vocab_size, priorities=priorities,
+        templates=TemplateSandbox(timeout_s=chat_template_timeout_s,
+                                  max_chars=chat_template_max_chars))
     app.state.read_timeout_s, app.state.max_header_bytes = float(read_timeout_s), max_header_bytes
     app.add_middleware(Guard, metrics=metrics, api_key=api_key, allowed_hosts=_hosts(allowed_hosts),
                        max_body_bytes=int(max_body_bytes), max_header_bytes=int(max_header_bytes),

@@ -3,9 +3,8 @@
 `Guard`, ASGI middleware around the whole app, checks the ``Host`` header (stops DNS
 rebinding), the ``Authorization: Bearer`` key (every route but ``/health``), that POST bodies
 are JSON (415: a web page cannot post without a CORS preflight), at most `MAX_BODY_BYTES` (413)
-within `READ_TIMEOUT_S` (408), headers of at most `MAX_HEADER_BYTES` (431). A route's exception
-becomes one JSON 500 (``connection: close`` if part of the body is unread). Every error is
-counted by status. `h11_protocol` keeps slow clients from holding connections.
+within `READ_TIMEOUT_S` (408), headers of at most `MAX_HEADER_BYTES` (431); a route's exception
+becomes one JSON 500; every error is counted. `h11_protocol` stops slow clients.
 """
 
 from __future__ import annotations
@@ -204,10 +203,8 @@ def h11_protocol(header_timeout_s: float, max_header_bytes: int = MAX_HEADER_BYT
     - a deadline for each request's headers (`header_timeout_s`, 408; uvicorn's own timer
       restarts with each byte), and one of twice that for the whole request, body included;
     - at the connection limit, a new connection evicts the oldest one still sending headers
-      that never passed the guard: authenticated connections are never crowded out.
-
-    Headers that outgrow h11's buffer (`max_header_bytes`) get the same JSON 431 as `Guard`
-    gives. The methods are `SlowClients`'."""
+      that never passed the guard (authenticated connections are never crowded out);
+    - headers that outgrow `max_header_bytes` get `Guard`'s JSON 431 (`SlowClients`)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 

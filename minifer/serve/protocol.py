@@ -1,13 +1,11 @@
 """The OpenAI protocol's requests: bodies checked into engine requests (no HTTP here).
 
-Each body is a Pydantic model (`CompletionBody`, `ChatCompletionBody`): strict types (``"5"`` is
-not a number, ``1`` not ``true``; ``16.0`` is an integer, as JSON Schema counts), every number
-bounded, unknown fields refused, OpenAI fields not implemented refused at anything but their
-neutral value. The same models make the OpenAPI schema, so it documents exactly what is
-accepted. `parse_completion_request` / `parse_chat_request` then apply what depends on the
-server (model name, context window, ``max_tokens`` limit, tokenizer, priorities) and return a
-`CompletionRequest`. Every refusal is an `APIError` (400) naming the parameter and what is
-allowed. Replies are shaped in `minifer.serve.replies`.
+Each body is a Pydantic model (`CompletionBody`, `ChatCompletionBody`), which the OpenAPI schema
+is made from: strict types (``"5"`` is not a number, ``1`` not ``true``; ``16.0`` is an integer,
+as JSON Schema counts), every number bounded, unknown fields and OpenAI fields not implemented
+refused. `parse_completion_request` / `parse_chat_request` then apply what depends on the server
+and return a `CompletionRequest`. Every refusal is an `APIError` (400) naming the parameter and
+what is allowed. Replies are shaped in `minifer.serve.replies`.
 """
 
 from __future__ import annotations
@@ -94,8 +92,7 @@ def _f(default: Any, allowed: str, doc: str = "", *, unsupported: bool = False) 
     extra: dict[str, Any] = {"x-allowed": allowed}
     if unsupported:
         extra["x-unsupported"] = True
-    return Field(default, description=f"{doc} Allowed: {allowed}.".strip(),
-                 json_schema_extra=extra)
+    return Field(default, description=f"{doc} Allowed: {allowed}.".strip(), json_schema_extra=extra)
 
 
 def _integral(value: Any) -> Any:
@@ -146,8 +143,7 @@ class _Sampling(_Body):
     stream: bool | None = _f(None, "true or false", "Answer as server-sent events.")
     stream_options: StreamOptions | None = _f(
         None, 'an object like {"include_usage": true}, only with stream', "Streaming options.")
-    n: Int(ge=1, le=1) | None = _f(None, "1", "Choices per request.",
-                                                    unsupported=True)
+    n: Int(ge=1, le=1) | None = _f(None, "1", "Choices per request.", unsupported=True)
     presence_penalty: Penalty | None = _f(None, "0", unsupported=True)
     frequency_penalty: Penalty | None = _f(None, "0", unsupported=True)
     logit_bias: Bias | None = _f(None, "an object mapping token ids (strings) to numbers in "
@@ -448,8 +444,7 @@ def parse_completion_requests(body: Any, *, model_name: str, limits: Limits, tok
             if param == "prompt":
                 raise
             message = err.message.replace("prompt", param, 1)  # which of the prompts
-            raise APIError(err.status, message, param=param, type=err.type,
-                           code=err.code) from None
+            raise APIError(err.status, message, param=param, type=err.type, code=err.code) from None
         reqs.append(CompletionRequest(
             ids, params, logprobs=b.logprobs, echo=bool(b.echo), prompt_text=text, index=i,
             score_only=score_only, **shared,

@@ -232,8 +232,7 @@ def reply_body(req: CompletionRequest, out, tokenizer=None,
                prompt_logprobs: Sequence[TokenLogprob | None] | None = None) -> dict:
     """The whole answer for a finished `RequestOutput` (completions or chat)."""
     text = out.text if out.text is not None else ""
-    kw = dict(token_ids=out.token_ids, logprobs=getattr(out, "logprobs", None),
-              tokenizer=tokenizer)
+    kw = dict(token_ids=out.token_ids, logprobs=getattr(out, "logprobs", None), tokenizer=tokenizer)
     if req.kind == "chat":
         return chat_body(req, text, out.finish_reason, len(out.token_ids), **kw)
     return completion_body(req, text, out.finish_reason, len(out.token_ids),

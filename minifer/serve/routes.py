@@ -1,9 +1,8 @@
 """The server's routes, one function per endpoint, and how each error becomes a JSON reply.
 
-Each route reads `ServerState` from ``app.state`` (`create_app` puts it there). A POST body is
-checked in a worker thread (`protocol`), then `generate` answers whole (`collect`) or as
-server-sent events (`stream_events`). FastAPI is imported at the top (it reads the handlers'
-annotations), so this module is imported only when a server is built.
+Each route reads `ServerState` from ``app.state``. A POST body is checked in a worker thread
+(`protocol`), then `generate` answers whole (`collect`) or as server-sent events
+(`stream_events`). FastAPI is imported at the top: this module only when a server is built.
 """
 
 # no `from __future__ import annotations`: FastAPI resolves the handlers' annotations itself
@@ -79,8 +78,7 @@ ERRORS = {status: {"model": S.ErrorResponse, "description": what} for status, wh
     (429, "Too many requests waiting; retry after Retry-After seconds"),
     (500, "A server error (the server keeps serving)"),
     (503, "The engine is not running"))}
-ERRORS[429]["headers"] = {"Retry-After": {"schema": {"type": "integer"},
-                                          "description": "seconds"}}
+ERRORS[429]["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
 ERRORS[401]["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
 COMMON = {s: ERRORS[s] for s in (400, 401, 431, 500)}
 SSE = {"text/event-stream": {"schema": {  # one event (Open API before 3.2: `schema`)
@@ -142,8 +140,7 @@ async def prometheus(request: Request):
 
 
 # ---- POST: completions and chat ------------------------------------------------------------
-# Checking a body tokenizes its prompt, long enough to stall every stream: in a worker thread;
-# a chat's in threads of its own, which its template's render (up to its time limit) holds.
+# Checking a body would stall every stream: in worker threads (a chat's render: its own threads).
 CHAT_THREADS = ThreadPoolExecutor(32, thread_name_prefix="minifer-chat")
 @router.post("/v1/completions", response_model=S.CompletionResponse, responses=POST_ERRORS,
              summary="OpenAI's completions API")

@@ -87,8 +87,7 @@ class DisaggregatedEngine:
       worker says it is alive (default: a quarter of `timeout_s`, at most 10 s).
     - `fault`: tests only — ``"prefill:N"`` / ``"decode:N"`` makes that worker fail at step N.
 
-    Use it as a context manager (or call :meth:`close`; garbage collection ends the workers
-    too). Sampling options are supported, not stop strings (the workers have no tokenizer)."""
+    A context manager (or :meth:`close`); no stop strings (the workers have no tokenizer)."""
 
     def __init__(self, model: torch.nn.Module | str, tokenizer=None, *, block_size: int = 16,
                  prefill_tokens: int = 128, prefill_max_seqs: int = 8,

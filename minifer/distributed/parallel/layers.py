@@ -7,11 +7,10 @@ Each block's two pairs of matrices are split the same way (Shoeybi et al. 2019, 
 - **row-parallel** second: the output and down projections are cut by *input* columns; each
   rank's product is a partial sum, and one **all-reduce** completes it (the bias added after).
 
-So a block costs two all-reduces of a ``(B, T, n_embd)`` activation and every rank reads 1/N of
-its weights and keeps 1/N of the KV cache (whole heads are split; with grouped-query attention,
-a K/V head with its query heads). Rotary positions and Q/K norms act per head; the gate|up
-matrix is cut so a rank keeps the gate and up rows of the same hidden units. Embeddings, norms
-and the output head are replicated.
+So a block costs two all-reduces of a ``(B, T, n_embd)`` activation, and every rank reads 1/N of
+the weights and keeps 1/N of the KV cache (whole heads; a K/V head with its query heads). The
+gate|up matrix is cut so a rank keeps both rows of its hidden units; embeddings, norms and the
+output head are replicated.
 """
 
 from __future__ import annotations
