@@ -34,6 +34,11 @@ def fp32_layers_plain():
         yield
 
 
+@pytest.fixture(scope="module")
+def tiny(fp32_layers_plain):
+    return mf.GPT.from_config("tiny", seed=0).eval()
+
+
 def _packed(model: nn.Module) -> int:
     return sum(isinstance(m, PackedLinear) for m in model.modules())
 
