@@ -8,13 +8,14 @@ import torch
 import minifer as mf
 from conftest import engine_reading, packed_batch
 from minifer import fast, hooks
+from minifer.fast import layout
 from minifer.fast.argmax import first_argmax
-from minifer.fast.layout import column_major_linears
+from minifer.fast.prepack import PackedLinear
 
 
 def test_import_minifer_plugs_the_speed_ups_in_and_disabled_takes_them_out():
     assert fast.installed()
-    assert hooks.argmax is first_argmax and hooks.lay_out_weights is column_major_linears
+    assert hooks.argmax is first_argmax and hooks.lay_out_weights is layout.lay_out_weights
     with fast.disabled():
         assert not fast.installed()
         assert hooks.argmax is not first_argmax
@@ -48,15 +49,46 @@ def test_the_plain_seam_runs_everything_generate_takes():
             assert len(c.token_ids) == 4
 
 
-def test_column_major_weights_compute_the_same_function():
+@pytest.fixture(params=["intel", "mkl_generic"])
+def cpu_kind(request, monkeypatch):
+    """`fast.layout`'s choice as on an Intel CPU and as where MKL runs its generic code."""
+    monkeypatch.setattr(layout, "mkl_generic", lambda: request.param == "mkl_generic")
+    return request.param
+
+
+def test_the_layout_computes_the_same_function(cpu_kind):
     model = mf.GPT.from_config("tiny")
     with fast.disabled():
         plain = mf.GPT.from_config("tiny")
+    fc = model.transformer.h[0].mlp.c_fc
     assert not plain.transformer.h[0].mlp.c_fc.weight.t().is_contiguous()
-    assert model.transformer.h[0].mlp.c_fc.weight.t().is_contiguous()
+    if cpu_kind == "intel" or fast.prepack.prepack_problem() is not None:
+        assert type(fc) is torch.nn.Linear and fc.weight.t().is_contiguous()
+    else:  # packed at the first call; the weight stays in torch's own layout
+        assert isinstance(fc, PackedLinear) and fc._packed is None
+        assert model.lm_head.weight.is_contiguous()
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), plain(ids), rtol=1e-5, atol=1e-5)
+    params = mf.SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    with fast.disabled():
+        want = [c.token_ids for c in mf.generate(plain, [[1, 2, 3], [4, 5]], params)]
+    assert [c.token_ids for c in mf.generate(model, [[1, 2, 3], [4, 5]], params)] == want
+
+
+def test_a_packed_layout_loads_a_checkpoint_and_moves_dtype(monkeypatch, tmp_path):
+    monkeypatch.setattr(layout, "mkl_generic", lambda: True)
+    if fast.prepack.prepack_problem() is not None:
+        pytest.skip(fast.prepack.prepack_problem())
+    with fast.disabled():
+        plain = mf.GPT.from_config("tiny", seed=3)
+    model = mf.GPT.from_config("tiny")
+    model.load_state_dict(plain.state_dict())  # a loaded state dict is packed again
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), plain(ids), rtol=1e-5, atol=1e-5)
+        bf16 = mf.quantize(model, "bf16")  # packed in bf16 at its first call, or plain F.linear
+        assert (bf16(ids).float() - plain(ids)).abs().max() <= 0.05 * plain(ids).abs().max()
 
 
 def test_the_chunked_argmax_is_the_reference_argmax():

@@ -10,6 +10,7 @@ import torch
 import minifer as mf
 from conftest import logits_atol, on_device
 from minifer import GPT, StaticKVCache, decode_step, prefill
+from minifer.fast import layout
 
 ATOL = 1e-5
 
@@ -242,8 +243,15 @@ def _linears(model):
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
+@pytest.fixture
+def column_major(monkeypatch):
+    """`fast.layout` as on an Intel CPU: column-major weights (it packs them for oneDNN where
+    MKL runs its generic code, `tests/test_fast.py`)."""
+    monkeypatch.setattr(layout, "mkl_generic", lambda: False)
+
+
 @pytest.mark.parametrize("tie", [False, True])
-def test_linear_weights_are_column_major_and_compute_what_row_major_does(tie):
+def test_linear_weights_are_column_major_and_compute_what_row_major_does(tie, column_major):
     """GPT keeps each linear weight (out, in) column-major, the layout CPU GEMMs are fastest
     at: the same function as the row-major weights, to float rounding, the same greedy tokens,
     and the same int8 weights when quantized."""
@@ -269,7 +277,7 @@ def test_linear_weights_are_column_major_and_compute_what_row_major_does(tie):
         assert torch.equal(a, b)
 
 
-def test_the_layout_survives_to_and_deepcopy():
+def test_the_layout_survives_to_and_deepcopy(column_major):
     model = GPT.from_config("tiny").to(dtype=torch.bfloat16)
     assert all(m.weight.t().is_contiguous() for m in _linears(copy.deepcopy(model)))
 

@@ -10,7 +10,7 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 | `decode`: the lean decode step (no per-step checks, the write slot in a tensor; fixed-shape for compiling) | the forward pass ``model(tokens, cache=cache)`` | `hooks.decode_function` |
 | `compiled`: the decode step compiled by `torch.compile` (frozen weights on a CPU) | the eager lean step | `hooks.decode_function` (``compile=True``) |
 | `argmax`: the greedy argmax in chunks | ``logits.argmax(-1)`` | `hooks.argmax` |
-| `layout`: column-major linear weights | torch's row-major layout | `hooks.lay_out_weights` |
+| `layout`: column-major linear weights, or prepacked for oneDNN where MKL runs its generic code (a non-Intel CPU) | torch's row-major layout, `F.linear` | `hooks.lay_out_weights` |
 | `prepack`: linear weights prepacked for oneDNN | `F.linear` | `minifer.prepack(model)`; bf16: `hooks.prepare_bf16` |
 | `paged`: the serving step's attention planned once per step, decode rows batched | `PackedBatch.attend_rows` | `hooks.packed_attention` |
 | `int8_gemv`: minifer's AVX512-VNNI kernel for one int8 row | `int8_gemv.w8a8_reference` | `hooks.int8_matmul` (W8A8 layers) |
@@ -36,7 +36,7 @@ from .argmax import first_argmax
 from .compiled import decode_function
 from .int8_gemv import int8_matmul
 from .invariant import batch_invariant
-from .layout import column_major_linears
+from .layout import lay_out_weights
 from .paged import packed_attention
 from .prepack import prepare_bf16
 from .threads import generation_threads, serving_threads
@@ -49,7 +49,7 @@ _PLAIN = {name: getattr(hooks, name) for name in SEAM}
 _FAST = {"argmax": first_argmax, "batch_invariant": batch_invariant,
          "decode_function": decode_function,
          "generation_threads": generation_threads, "int8_matmul": int8_matmul,
-         "lay_out_weights": column_major_linears, "packed_attention": packed_attention,
+         "lay_out_weights": lay_out_weights, "packed_attention": packed_attention,
          "prepare_bf16": prepare_bf16, "serving_threads": serving_threads}
 
 

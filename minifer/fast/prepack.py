@@ -41,7 +41,7 @@ def prepack_problem(dtype: torch.dtype = torch.float32) -> str | None:
     if dtype not in DTYPES:
         return f"prepacked linears run in float32 or bfloat16, not {dtype}"
     try:
-        w, x = torch.randn(8, 16).to(dtype), torch.randn(2, 16).to(dtype)
+        w, x = (torch.randn(n, 16, device="cpu").to(dtype) for n in (8, 2))  # not on meta
         y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 2),
                                                None, "none", [], "")
         if not torch.allclose(y.float(), (x @ w.T).float(), atol=1e-4 if dtype == torch.float32
@@ -81,14 +81,17 @@ class PackedLinear(nn.Linear):
         self._stamp: tuple[int, int] | None = None  # `_stamp` of the weight packed
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, batch_size: int = 1) -> PackedLinear:
-        """A packed layer sharing `linear`'s parameters (a tied weight stays tied)."""
-        if (problem := _layer_problem(linear.weight)) is not None:
+    def from_linear(cls, linear: nn.Linear, batch_size: int = 1, *,
+                    pack: bool = True) -> PackedLinear:
+        """A packed layer sharing `linear`'s parameters (a tied weight stays tied); packed now,
+        or with ``pack=False`` at its first call (a layer whose weights are still to come)."""
+        if pack and (problem := _layer_problem(linear.weight)) is not None:
             raise ValueError(problem)
         self = cls(linear.in_features, linear.out_features, linear.bias is not None,
                    batch_size=batch_size, device="meta")
         self.weight, self.bias = linear.weight, linear.bias
-        self.pack()
+        if pack:
+            self.pack()
         return self
 
     def pack(self) -> None:
@@ -112,7 +115,8 @@ class PackedLinear(nn.Linear):
         w = self.weight
         if (w.device.type != "cpu" or w.dtype not in DTYPES or x.dtype != w.dtype
                 or (torch.is_grad_enabled() and w.requires_grad)
-                or torch.compiler.is_compiling()):  # inductor's freezing packs weights itself
+                or torch.compiler.is_compiling()  # inductor's freezing packs weights itself
+                or prepack_problem(w.dtype) is not None):
             return F.linear(x, w, self.bias)
         if self._packed is None or _stamp(w) != self._stamp:  # new, moved or changed in place
             self.pack()
@@ -134,7 +138,7 @@ def _pack_linears(model: nn.Module, batch_size: int) -> None:
                 m.weight.data = m.weight.data.contiguous()  # a tied embedding's lookups too
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if isinstance(child, nn.Linear):  # a PackedLinear already (`fast.layout`): repacked
                 setattr(parent, name, PackedLinear.from_linear(child, batch_size))
 
 
@@ -147,10 +151,9 @@ def prepack(model: nn.Module, *, batch_size: int = 1) -> nn.Module:
     problem = prepack_problem()  # oneDNN at all; each layer's dtype is checked below
     if problem is not None:
         raise RuntimeError(f"prepack: {problem}")
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if not linears:
-        raise ValueError("prepack: the model has no nn.Linear layers (already packed, as "
-                         "quantize(model, 'bf16') is by default, or quantized to int8/int4, "
+        raise ValueError("prepack: the model has no nn.Linear layers (quantized to int8/int4, "
                          "whose layers have their own kernels)")
     for m in linears:  # every layer checked before anything is copied
         if (problem := _layer_problem(m.weight)) is not None:

@@ -266,6 +266,8 @@ def prefill_peak_bytes(model: torch.nn.Module, tokens: int, impl: str = "sdpa", 
     ids = random_ids(batch, tokens, model.config.vocab_size, seed,
                      next(model.parameters()).device)
     cache = StaticKVCache.for_model(model, batch, tokens)
+    with torch.inference_mode():  # weights packed at their first call (`minifer.fast`) are
+        model(ids[:, :1])  # the weights' memory, not the pass's: packed before measuring
     model.set_attention(impl)
     try:
         with torch.inference_mode(), _quiet_fd(2), \
