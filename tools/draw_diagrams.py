@@ -546,6 +546,35 @@ def fast_seam() -> Canvas:
     return c
 
 
+def your_engine() -> Canvas:
+    c = Canvas(760, 330, "Your engine: the pieces written in lessons 01 to 11, one request's path "
+               "through them from the HTTP endpoint to the streamed tokens")
+    c.text(380, 24, "Your engine, assembled (lesson 14)", size=15, bold=True)
+    c.box(20, 60, 130, 56, "client, load loop\nTTFT, ITL (11)", GREY, size=12)
+    c.box(200, 60, 150, 56, "HTTP endpoint\nserver-sent events (11)", BLUE, size=12)
+    c.box(400, 60, 150, 56, "scheduler: admit,\ndecode, preempt (08)", ORANGE, size=12)
+    c.box(600, 60, 140, 56, "blocks and block\ntables (08)", ORANGE, size=12)
+    c.arrow(150, 80, 200, 80, "JSON")
+    c.arrow(350, 80, 400, 80)
+    c.arrow(550, 88, 600, 88)
+    c.box(200, 160, 540, 70, "", GREEN)
+    c.text(470, 180, "one forward pass for every running request (02, 03, 07)", size=13, bold=True)
+    c.box(212, 192, 160, 30, "Int8Linear layers (09)", GREEN, size=11, fill="#ffffff")
+    c.box(386, 192, 170, 30, "attention over own blocks", GREEN, size=11, fill="#ffffff")
+    c.box(570, 192, 160, 30, "KV cache in the pool", GREEN, size=11, fill="#ffffff")
+    c.arrow(475, 116, 475, 160)
+    c.box(200, 262, 250, 50, "sampler: temperature, top-k,\ntop-p, a seeded draw (06)", PURPLE, size=12)
+    c.box(490, 262, 250, 50, "draft proposes, target verifies,\ncaches roll back (10)", PURPLE, size=12)
+    c.arrow(330, 230, 330, 262)
+    c.arrow(610, 230, 610, 262)
+    c.path("M200,287 L90,287 L90,116")
+    c.text(145, 278, "tokens, streamed", size=11)
+    c.text(20, 150, "the loop of 01:", size=12, anchor="start")
+    c.text(20, 166, "one step per token,", size=12, anchor="start")
+    c.text(20, 182, "every request at once", size=12, anchor="start")
+    return c
+
+
 DIAGRAMS = {
     "01_generation_loop.svg": generation_loop,
     "02_prefill_vs_decode.svg": prefill_decode,
@@ -561,6 +590,7 @@ DIAGRAMS = {
     "11_server.svg": server,
     "12_tensor_parallel.svg": tensor_parallel,
     "13_fast_seam.svg": fast_seam,
+    "14_your_engine.svg": your_engine,
 }
 
 
