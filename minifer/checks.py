@@ -26,9 +26,10 @@ def int_range_text(lo: int | None = 1, hi: int | None = None) -> str:
     return "a positive integer (>= 1)" if lo == 1 else f"an integer >= {lo}"
 
 
-def _is_int(value: Any) -> bool:
-    """A Python or NumPy integer, not a bool (nor NumPy's bool)."""
-    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def _is_number(value: Any, kind: type = numbers.Real) -> bool:
+    """A Python or NumPy number of `kind` (``numbers.Integral``: an integer), not a bool (nor
+    NumPy's bool)."""
+    return (isinstance(value, kind) and not isinstance(value, bool)
             and type(value).__name__ != "bool_")
 
 
@@ -36,7 +37,7 @@ def check_int(name: str, value: Any, lo: int | None = 1, hi: int | None = None, 
               why: str = "", allowed: str | None = None) -> int:
     """`value` as an int if it is one (Python or NumPy, not a bool) in [lo, hi] (None: no
     bound), else ``ValueError("{name} must {allowed}{why}, got {value!r}")``."""
-    ok = _is_int(value)
+    ok = _is_number(value, numbers.Integral)
     if ok:
         v = operator.index(value)
         ok = (lo is None or v >= lo) and (hi is None or v <= hi)
@@ -52,7 +53,7 @@ def check_number(name: str, value: Any, *, gt: float | None = None, ge: float | 
     """`value` (a NumPy scalar as a float) if it is a real number, not a bool or NaN, within
     the bounds (`finite`: not ±inf), else a ValueError naming `name`, the bounds and the value."""
     try:
-        ok = _is_real(value) and not math.isnan(float(value))
+        ok = _is_number(value) and not math.isnan(float(value))
     except OverflowError:  # an int too large for a float
         ok = False
     if ok:
@@ -73,15 +74,7 @@ def number_range_text(gt: float | None = None, ge: float | None = None, lt: floa
               if b is not None and not (op == ">" and b == 0)]
     what = ("a positive " if gt == 0 else "a ") + ("finite number" if finite else "number")
     what += " (> 0)" if gt == 0 else ""
-    if not bounds:
-        return what
-    return what + (" and " if gt == 0 else " ") + " and ".join(bounds)
-
-
-def _is_real(value: Any) -> bool:
-    """A Python or NumPy real number, not a bool (nor NumPy's bool)."""
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and type(value).__name__ != "bool_")
+    return what + (" and " if gt == 0 else " ") + " and ".join(bounds) if bounds else what
 
 
 def max_threads() -> int:

@@ -158,8 +158,7 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, d: dict) -> GPTConfig:
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
+        if unknown := sorted(set(d) - known):
             raise ValueError(f"unknown GPTConfig field(s) {unknown}; known: {sorted(known)}")
         if isinstance(d.get("rope_scaling"), dict):  # as JSON stores it
             d = {**d, "rope_scaling": RopeScaling(**d["rope_scaling"])}
@@ -178,10 +177,8 @@ PRESETS: dict[str, GPTConfig] = {
     # the course's reference model, with random weights for timing lessons
     "reference": GPTConfig(vocab_size=1024, context_length=1024, n_layer=8, n_head=8, n_embd=512),
     # GPT-2 small: tied embeddings
-    "gpt2": GPTConfig(
-        vocab_size=50257, context_length=1024, n_layer=12, n_head=12, n_embd=768,
-        tie_embeddings=True, eos_token_id=50256,
-    ),
+    "gpt2": GPTConfig(vocab_size=50257, context_length=1024, n_layer=12, n_head=12, n_embd=768,
+                      tie_embeddings=True, eos_token_id=50256),
     # fast tests (the vocabulary fits ByteTokenizer)
     "tiny": GPTConfig(vocab_size=257, context_length=128, n_layer=2, n_head=4, n_embd=32,
                       eos_token_id=256),

@@ -17,17 +17,16 @@ import torch
 def as_device(device: str | torch.device | int) -> torch.device:
     """`device` as a `torch.device`, checked to exist here: a name torch does not know, or an
     accelerator this machine (or this torch) lacks, is a ValueError naming `device`."""
+    bad = f"device must be a torch device such as 'cpu', 'cuda', 'cuda:0' or 'mps', got {device!r}"
     if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
-        raise ValueError(f"device must be a torch device such as 'cpu', 'cuda', 'cuda:0' or "
-                         f"'mps', got {device!r}")
+        raise ValueError(bad)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         if isinstance(device, int):
             raise ValueError(f"device={device!r} is not available: an integer names an "
                              f"accelerator, and this machine has none; use 'cpu'") from None
-        raise ValueError(f"device must be a torch device such as 'cpu', 'cuda', 'cuda:0' or "
-                         f"'mps', got {device!r}") from None
+        raise ValueError(bad) from None
     if dev.type not in ("cpu", "meta"):
         _check_available(dev, device)
     return dev

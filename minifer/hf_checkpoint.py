@@ -202,8 +202,7 @@ def _check_weights(hc: dict, headers: dict, dtype: torch.dtype | None) -> None:
             check_hf_tensor(ours, shape, kind, expected, str(path))
             present.add(ours)
     optional = {"lm_head.weight"} if config.tie_embeddings else set()
-    missing = sorted(set(expected) - present - optional)
-    if missing:
+    if missing := sorted(set(expected) - present - optional):
         raise ValueError(f"Hugging Face checkpoint: tensor(s) config.json implies but no "
                          f"safetensors file holds: {missing[:8]}{' ...' * (len(missing) > 8)}")
 

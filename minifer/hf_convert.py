@@ -213,8 +213,7 @@ def _check_llama_options(hc: Mapping) -> None:
 def _rope(hc: Mapping) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` from ``rope_scaling`` or ``rope_parameters``."""
     params = _rope_params(hc)
-    theta = params.get("rope_theta")
-    theta = _check_float("config.json: rope_theta", 10000.0 if theta is None else theta)
+    theta = _check_float("config.json: rope_theta", params.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", hc.get("partial_rotary_factor", 1.0)) != 1.0:
         raise _unsupported("partial_rotary_factor", params.get("partial_rotary_factor"),
@@ -377,8 +376,7 @@ def state_from_hf(tensors: Mapping[str, torch.Tensor], config: GPTConfig, model_
     head = src.pop("lm_head.weight", None)
     if not config.tie_embeddings:
         out["lm_head.weight"] = head if head is not None else take("lm_head.weight")
-    left = sorted(src)
-    if left:
+    if left := sorted(src):
         raise ValueError(f"Hugging Face checkpoint: tensor(s) this model has no place for: "
                          f"{left[:8]}{' ...' if len(left) > 8 else ''}")
     return out

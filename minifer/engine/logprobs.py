@@ -42,15 +42,10 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], num_top: Sequenc
     idx = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)
     chosen = lp.gather(1, idx[:, None])[:, 0].tolist()
     k = min(max(num_top, default=0), lp.shape[-1])
-    top_v = top_i = None
-    if k > 0:
-        vals, ids = lp.topk(k, dim=-1)
-        top_v, top_i = vals.tolist(), ids.tolist()
-    out = []
-    for row, (tok, lpv, n) in enumerate(zip(tokens, chosen, num_top)):
-        top = tuple(zip(top_i[row][:n], top_v[row][:n])) if n and top_i is not None else ()
-        out.append(TokenLogprob(int(tok), lpv, top))
-    return out
+    top_v, top_i = (t.tolist() for t in lp.topk(k, dim=-1)) if k > 0 else (None, None)
+    return [TokenLogprob(int(tok), lpv,
+                         tuple(zip(top_i[row][:n], top_v[row][:n])) if n and k > 0 else ())
+            for row, (tok, lpv, n) in enumerate(zip(tokens, chosen, num_top))]
 
 
 def prompt_logprobs(model: torch.nn.Module, prompt_ids: Sequence[int], num_top: int,
@@ -60,8 +55,7 @@ def prompt_logprobs(model: torch.nn.Module, prompt_ids: Sequence[int], num_top: 
     ids = list(prompt_ids)
     if not ids:
         return []
-    if device is None:
-        device = next(model.parameters()).device
+    device = next(model.parameters()).device if device is None else device
     with torch.inference_mode():
         x = torch.tensor([ids], dtype=torch.long, device=device)
         logits = model(x)[0, :-1]  # position p predicts token p + 1

@@ -24,9 +24,8 @@ class ServerMetrics:
     def __init__(self, async_engine: Any) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
-        self.registry = CollectorRegistry()
+        self.registry = r = CollectorRegistry()
         self.async_engine = async_engine
-        r = self.registry
         self.ttft = Histogram("minifer_time_to_first_token_seconds", "Time to first token "
                               "(arrival to first token, queueing included)", buckets=TTFT_BUCKETS,
                               registry=r)

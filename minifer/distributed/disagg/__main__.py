@@ -8,6 +8,7 @@ stdin, results on rank 1's stdout).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..parallel.__main__ import DTYPES, add_model_options
@@ -93,8 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         vocab = args.vocab if args.vocab is not None else (tok.vocab_size if tok else None)
         if rank == PREFILL:
             if args.prefill_nice:
-                import os
-
                 os.nice(args.prefill_nice)
             engine = LLMEngine(model, enable_chunked_prefill=True, block_size=args.block_size,
                                max_num_batched_tokens=args.prefill_tokens,

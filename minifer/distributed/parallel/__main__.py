@@ -113,8 +113,7 @@ def run_rank(args: argparse.Namespace) -> dict:
                              vocab=tok.vocab_size if tok is not None else None,
                              keep_logits=args.keep_logits).to_dict()
         if args.report:
-            path = Path(args.report.replace("{rank}", str(rank)))
-            path.write_text(json.dumps(report))
+            Path(args.report.replace("{rank}", str(rank))).write_text(json.dumps(report))
         everyone = [None] * world
         dist.all_gather_object(everyone, {k: v for k, v in report.items() if k != "logits"})
         if rank == 0:

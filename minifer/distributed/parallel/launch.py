@@ -103,11 +103,10 @@ class Workers:
                            **(extra_env or {}))
                 log = open(Path(logdir) / f"rank{rank}.log", "w+b")  # noqa: SIM115 (closed in end)
                 self.logs.append(log)
-                pipe = subprocess.PIPE if pipes else None
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", module, *args], env=env,
-                    stdout=pipe if pipes else log, stderr=log,
-                    stdin=pipe if pipes else subprocess.DEVNULL))
+                    [sys.executable, "-m", module, *args], env=env, stderr=log,
+                    stdout=subprocess.PIPE if pipes else log,
+                    stdin=subprocess.PIPE if pipes else subprocess.DEVNULL))
         except BaseException:
             self.end()
             raise
@@ -164,8 +163,7 @@ class Workers:
                     with contextlib.suppress(OSError):
                         f.close()
         for log in self.logs:
-            if not log.closed:
-                log.close()
+            log.close()  # (a no-op once closed)
 
 
 def launch(args_per_rank: list[list[str]], *, threads: int = 1, timeout_s: float = 120.0,
@@ -247,11 +245,8 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
         (tmp / "request.json").write_text(json.dumps(request))
         args = ["--model", name, "--request", str(tmp / "request.json"),
                 "--report", str(tmp / "rank{rank}.json"), "--timeout", str(timeout_s),
-                "--dtype", dtype]
-        if allow_uneven:
-            args.append("--allow-uneven")
-        if keep_logits:
-            args.append("--keep-logits")
+                "--dtype", dtype, *(["--allow-uneven"] if allow_uneven else []),
+                *(["--keep-logits"] if keep_logits else [])]
         pids = launch([args] * world_size, threads=threads, timeout_s=timeout_s, workdir=tmp)
         reports = [RankReport.from_dict(json.loads((tmp / f"rank{r}.json").read_text()))
                    for r in range(world_size)]

@@ -125,10 +125,7 @@ class RankReport:
 
     @classmethod
     def from_dict(cls, d: dict) -> RankReport:
-        d = dict(d)
-        for k in ("q_heads", "kv_heads", "mlp_units"):
-            d[k] = tuple(d[k])
-        return cls(**d)
+        return cls(**{**d, **{k: tuple(d[k]) for k in ("q_heads", "kv_heads", "mlp_units")}})
 
 
 def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
@@ -144,12 +141,12 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
     device = next(model.parameters()).device
     seqs, max_len = _rows(prompts, params, eos_token_id, model.config.context_length)
     cache = rank_cache(model, plan, len(seqs), max_len, device=device)
+    kept: list[list[float]] | None = [] if keep_logits else None  # row 0's logits, per step
     report = RankReport(rank=plan.rank, world_size=plan.world_size, device=str(device),
                         q_heads=plan.q_heads, kv_heads=plan.kv_heads, mlp_units=plan.mlp,
                         weight_bytes=rank_weight_bytes(model), kv_bytes=cache.nbytes,
-                        token_ids=[s.output_ids for s in seqs], finish_reasons=[])
+                        token_ids=[s.output_ids for s in seqs], finish_reasons=[], logits=kept)
     token = torch.zeros(len(seqs), dtype=torch.long, device=device)
-    kept: list[list[float]] | None = [] if keep_logits else None  # row 0's logits, per step
     sampler = _rank0_samples(plan.rank, comm, token, kept)
     with _timed_forwards(model, comm, report):
         req = Prepared(seqs, vocab if vocab is not None else model.config.vocab_size, device)
@@ -157,7 +154,6 @@ def generate_tp(model, plan: ShardPlan, comm: Comm, prompts: list[list[int]],
             pass
     report.finish_reasons = [s.finish_reason for s in seqs]
     report.broadcast_bytes_per_step = token.numel() * token.element_size() if comm.world_size > 1 else 0
-    report.logits = kept
     return report
 
 
@@ -253,14 +249,12 @@ def shard_for_rank(model, comm: Comm, rank: int, world_size: int, *,
     check_same_config(model.config, plan_args, comm)
     plan = shard_plan(model.config, world_size, rank, allow_uneven=allow_uneven)
     # Slice where the full model was loaded (usually the CPU), then move only this rank's share.
-    model = shard_gpt(model, plan, comm.all_reduce).to(comm.device)
-    return model, plan
+    return shard_gpt(model, plan, comm.all_reduce).to(comm.device), plan
 
 
 def watch_parent() -> None:
     """Exit if the process that launched us dies (a killed notebook kernel leaves no orphans)."""
-    parent = os.environ.get(PARENT_ENV)
-    if not parent:
+    if not (parent := os.environ.get(PARENT_ENV)):
         return
 
     def watch() -> None:
