@@ -39,8 +39,8 @@ from .sampling import (
 from .sequence import Completion, Sequence, prepare
 
 __all__ = ["SpecStats", "SpecCompletion", "Drafter", "DraftContext", "ModelDrafter",
-           "PromptLookupDrafter", "speculative_generate", "accept_with_ratio",
-           "expected_tokens_per_pass", "expected_speedup"]
+           "PromptLookupDrafter", "speculative_generate", "accept_with_ratio", "draft_token",
+           "verify", "check_tokenizers", "expected_tokens_per_pass", "expected_speedup"]
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -195,18 +195,10 @@ class ModelDrafter(Drafter):
         for i in range(k):
             logits = self.model(x, cache=self.cache, last_only=True)[:, -1]  # (1, V)
             self.passes += 1
-            mask_padded_vocab(logits, ctx.vocab)
-            if params.plain_argmax:
-                tokens[i] = logits[0].argmax()
-                x = tokens[i:i + 1].view(1, 1)
-                continue
-            proc = process_logits(logits, params, seen)
-            if params.greedy:
-                tokens[i] = proc[0].argmax()
-            else:
-                probs = proc.softmax(dim=-1)
-                self.q[i] = probs[0]
-                tokens[i] = draw(probs[0], ctx.generator)
+            tokens[i], q = draft_token(mask_padded_vocab(logits, ctx.vocab), params, seen,
+                                       ctx.generator)
+            if q is not None:
+                self.q[i] = q
             x = tokens[i:i + 1].view(1, 1)
             if seen is not None:
                 seen[0, tokens[i]] = True
@@ -268,7 +260,64 @@ def accept_with_ratio(p_d: torch.Tensor, q_d: torch.Tensor, u: torch.Tensor) -> 
     return u * q_d < p_d
 
 
-def _check_tokenizers(tokenizer, draft_tokenizer) -> None:
+def draft_token(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token from ``(1, V)`` logits, processed as the target's will be, and, when
+    sampling, the distribution q ``(V,)`` it was drawn from (None: greedy, deterministic)."""
+    if params.plain_argmax:
+        return logits[0].argmax(), None
+    proc = process_logits(logits, params, seen)
+    if params.greedy:
+        return proc[0].argmax(), None
+    probs = proc.softmax(dim=-1)[0]
+    return draw(probs, generator), probs
+
+
+def seen_per_position(seen: torch.Tensor | None, drafts: torch.Tensor) -> torch.Tensor | None:
+    """The seen-token mask ``(n+1, V)`` at each verified position, from the mask ``(1, V)``
+    before them: the drafts before a position count as seen (repetition penalty)."""
+    if seen is None:
+        return None
+    n = drafts.shape[0]
+    seen_rows = seen.expand(n + 1, seen.shape[-1]).clone()
+    if n:
+        onehot = torch.zeros_like(seen_rows, dtype=torch.long)
+        onehot[torch.arange(1, n + 1, device=drafts.device), drafts] = 1
+        seen_rows |= onehot.cumsum(0) > 0
+    return seen_rows
+
+
+def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
+           params: SamplingParams, seen: torch.Tensor | None, generator: torch.Generator | None,
+           accept: AcceptRule = accept_with_ratio) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's verdict on n drafts from its logits ``(n+1, V)`` at ``[pending, d1..dn]``
+    (`seen` ``(1, V)`` before them): (accepted count, the token after them), on the device.
+    Greedy keeps the drafts equal to the argmax. Sampling accepts by `accept` until the first
+    rejection and draws the next token from normalise(max(0, p − q)) there, from p after a
+    full acceptance (`q` ``(n, V)``; None: a deterministic proposal, one-hot)."""
+    n, rows = drafts.shape[0], torch.arange(drafts.shape[0] + 1, device=drafts.device)
+    seen_rows = seen_per_position(seen, drafts)
+    proc = logits if params.plain_argmax else process_logits(logits, params, seen_rows)
+    if params.greedy:
+        choice = proc.argmax(dim=-1)  # (n+1,)
+        a = (choice[:n] == drafts).long().cumprod(0).sum()
+        return a, choice.index_select(0, a.view(1))[0]
+    p = proc.softmax(dim=-1)  # (n+1, V)
+    if q is None:
+        q = torch.zeros_like(p[:n])
+        q[rows[:n], drafts] = 1.0
+    p_d, q_d = p[rows[:n], drafts], q[rows[:n], drafts]
+    u = torch.rand(n, device=p.device, generator=generator)
+    a = accept(p_d, q_d, u).long().cumprod(0).sum()
+    resid = torch.empty_like(p)
+    resid[:n] = (p[:n] - q).clamp_(min=0)  # where to go after a rejection at i
+    resid[n] = p[n]  # all accepted: the bonus token comes from p
+    row = resid.index_select(0, a.view(1))[0]
+    row = torch.where(row.sum() > 0, row, p.index_select(0, a.view(1))[0])  # p == q: use p
+    return a, draw(row, generator)
+
+
+def check_tokenizers(tokenizer, draft_tokenizer) -> None:
     if tokenizer is None or draft_tokenizer is None or draft_tokenizer is tokenizer:
         return
     same = (type(tokenizer) is type(draft_tokenizer)
@@ -310,7 +359,7 @@ def speculative_generate(target: torch.nn.Module, draft, prompts,
         if next(drafter.model.parameters()).device != device:
             raise ValueError("draft and target must be on the same device")
         windows["draft model"] = dcfg.context_length
-    _check_tokenizers(tokenizer, draft_tokenizer)
+    check_tokenizers(tokenizer, draft_tokenizer)
     req = prepare(target, prompts, params, tokenizer, context_lengths=windows)
     if target_cache is not None:
         need = max(s.max_len for s in req.sequences)
@@ -334,7 +383,6 @@ class _SpecRun:
         self.V = target.config.vocab_size
         self.ids_buf = torch.empty(1, k + 1, dtype=torch.long, device=device)
         self.res_buf = torch.empty(k + 2, dtype=torch.long, device=device)
-        self.rows = torch.arange(k + 1, device=device)
 
     def generate(self, seq: Sequence, cache: StaticKVCache | None) -> SpecCompletion:
         """Prefill, then rounds of draft → verify → accept: `advance` with a multi-token step."""
@@ -404,11 +452,7 @@ class _SpecRun:
         self.ids_buf[0, 1:n + 1] = drafts
         logits = self.target(self.ids_buf[:, :n + 1], cache=cache)[0]  # (n+1, V)
         mask_padded_vocab(logits, self.vocab)
-        seen_rows = self._seen_per_position(drafts)
-        if params.greedy:
-            a, nxt = self._verify_greedy(logits, drafts, params, seen_rows)
-        else:
-            a, nxt = self._verify_sampled(logits, drafts, q, params, seen_rows)
+        a, nxt = verify(logits, drafts, q, params, self.seen, self.gen, self.accept)
         self.res_buf[:n] = drafts
         self.res_buf[n] = a
         self.res_buf[n + 1] = nxt
@@ -426,45 +470,3 @@ class _SpecRun:
         self.drafter.commit(accepted, n)
         stats.draft_time_s += time.perf_counter() - td
         return accepted, host[:n], pending
-
-    def _seen_per_position(self, drafts: torch.Tensor) -> torch.Tensor | None:
-        """The seen-token mask at each verified position: the drafts before it count as seen."""
-        if self.seen is None:
-            return None
-        n = drafts.shape[0]
-        seen_rows = self.seen.expand(n + 1, self.V).clone()
-        if n:
-            onehot = torch.zeros(n + 1, self.V, dtype=torch.long, device=self.device)
-            onehot[self.rows[1:n + 1], drafts] = 1
-            seen_rows |= onehot.cumsum(0) > 0
-        return seen_rows
-
-    @staticmethod
-    def _verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams,
-                       seen_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep the drafts equal to the target's argmax: (accepted, next token), on the device."""
-        n = drafts.shape[0]
-        proc = logits if params.plain_argmax else process_logits(logits, params, seen_rows)
-        choice = proc.argmax(dim=-1)  # (n+1,)
-        a = (choice[:n] == drafts).long().cumprod(0).sum()
-        return a, choice.index_select(0, a.view(1))[0]
-
-    def _verify_sampled(self, logits: torch.Tensor, drafts: torch.Tensor,
-                        q: torch.Tensor | None, params: SamplingParams,
-                        seen_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accept drafts by `self.accept` until the first rejection; the next token from
-        normalise(max(0, p − q)) there, or from p after a full acceptance."""
-        n, rows = drafts.shape[0], self.rows
-        p = process_logits(logits, params, seen_rows).softmax(dim=-1)  # (n+1, V)
-        if q is None:  # deterministic proposal: q is one-hot on each draft token
-            q = torch.zeros(n, self.V, device=self.device)
-            q[rows[:n], drafts] = 1.0
-        p_d, q_d = p[rows[:n], drafts], q[rows[:n], drafts]
-        u = torch.rand(n, device=self.device, generator=self.gen)
-        a = self.accept(p_d, q_d, u).long().cumprod(0).sum()
-        resid = torch.empty_like(p)
-        resid[:n] = (p[:n] - q).clamp_(min=0)  # where to go after a rejection at i
-        resid[n] = p[n]  # all accepted: the bonus token comes from p
-        row = resid.index_select(0, a.view(1))[0]
-        row = torch.where(row.sum() > 0, row, p.index_select(0, a.view(1))[0])  # p == q: use p
-        return a, draw(row, self.gen)
