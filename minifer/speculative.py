@@ -40,7 +40,7 @@ from .sequence import Completion, Sequence, prepare
 
 __all__ = ["SpecStats", "SpecCompletion", "Drafter", "DraftContext", "ModelDrafter",
            "PromptLookupDrafter", "speculative_generate", "accept_with_ratio", "draft_token",
-           "verify", "check_tokenizers", "expected_tokens_per_pass", "expected_speedup"]
+           "verify", "check_tokenizers", "check_draft_vocabulary", "expected_tokens_per_pass", "expected_speedup"]
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -317,6 +317,15 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
     return a, draw(row, generator)
 
 
+def check_draft_vocabulary(draft, target, draft_name: str = "draft",
+                           target_name: str = "target") -> None:
+    """A ValueError unless the configs `draft` and `target` share vocabulary size and eos id."""
+    if draft.vocab_size != target.vocab_size or draft.eos_token_id != target.eos_token_id:
+        raise ValueError(f"{draft_name} and {target_name} must share a vocabulary: {draft_name} "
+                         f"has {draft.vocab_size} tokens (eos {draft.eos_token_id}), "
+                         f"{target_name} {target.vocab_size} (eos {target.eos_token_id})")
+
+
 def check_tokenizers(tokenizer, draft_tokenizer) -> None:
     if tokenizer is None or draft_tokenizer is None or draft_tokenizer is tokenizer:
         return
@@ -352,10 +361,7 @@ def speculative_generate(target: torch.nn.Module, draft, prompts,
     windows = {"target": cfg.context_length}
     if isinstance(drafter, ModelDrafter):
         dcfg = drafter.model.config
-        if dcfg.vocab_size != cfg.vocab_size or dcfg.eos_token_id != cfg.eos_token_id:
-            raise ValueError(f"draft and target must share a vocabulary: draft has "
-                             f"{dcfg.vocab_size} tokens (eos {dcfg.eos_token_id}), target "
-                             f"{cfg.vocab_size} (eos {cfg.eos_token_id})")
+        check_draft_vocabulary(dcfg, cfg)
         if next(drafter.model.parameters()).device != device:
             raise ValueError("draft and target must be on the same device")
         windows["draft model"] = dcfg.context_length

@@ -8,13 +8,15 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_int, check_number
-from ..config import kv_token_bytes
 from ..device import available_memory
+from ..sequence import check_model
+from ..speculative import check_draft_vocabulary
 
-__all__ = ["EngineConfig", "POLICIES", "KV_CACHE_FRACTION"]
+__all__ = ["EngineConfig", "POLICIES", "KV_CACHE_FRACTION", "MAX_SPECULATIVE_TOKENS"]
 
 POLICIES = ("static", "continuous")  # the scheduler's (`engine.scheduler`)
 KV_CACHE_FRACTION = 0.5  # of the memory available when the engine starts: the pool's default
+MAX_SPECULATIVE_TOKENS = 16  # most drafts per request and step (past a few, most are rejected)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class EngineConfig:
       tokenizer's vocabulary, else the model's).
     - `batch_invariant`: each request's tokens exactly as `generate` gives them alone, whatever
       else shares its steps (`minifer.fast.invariant`: slower; keep torch's thread count fixed).
+    - `draft_model`, `num_speculative_tokens`: speculative decoding (`engine.speculative`): a
+      small model sharing the model's vocabulary drafts k tokens (default 4, at most
+      `MAX_SPECULATIVE_TOKENS`) for each decoding request, checked in the step's one forward
+      call; its K/V live in a pool of its own with the same blocks (counted in the budget).
     """
 
     policy: str = "continuous"
@@ -54,6 +60,8 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory: int | float | None = None
     batch_invariant: bool = False
+    draft_model: torch.nn.Module | None = None
+    num_speculative_tokens: int | None = None
 
     def resolved(self, model: torch.nn.Module) -> EngineConfig:
         """Every field checked against `model` and the defaults filled in, before any allocation."""
@@ -67,6 +75,9 @@ class EngineConfig:
         if self.max_model_len is not None:
             ctx = check_int("max_model_len", self.max_model_len, 1, ctx,
                             why=" (tokens one request may hold, at most the model's context)")
+        k = self.num_speculative_tokens
+        if self.draft_model is not None or k is not None:
+            k, ctx = self._speculation(model, model_device, ctx)
         device = model_device if self.device is None else _model_device(self.device, model_device)
         num_blocks = self.num_blocks
         if num_blocks is None:
@@ -83,7 +94,31 @@ class EngineConfig:
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                                   device=str(device), aging=float(self.aging), max_model_len=ctx)
+                                   device=str(device), aging=float(self.aging), max_model_len=ctx,
+                                   num_speculative_tokens=k)
+
+    def _speculation(self, model: torch.nn.Module, device: torch.device, ctx: int
+                     ) -> tuple[int, int]:
+        """(k, max_model_len) for speculative decoding: the draft checked against `model`, k
+        against its range, and requests bounded by the draft's context too."""
+        draft, k = self.draft_model, self.num_speculative_tokens
+        if draft is None:
+            raise ValueError("num_speculative_tokens needs a draft_model to draft them")
+        try:
+            check_model(draft)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"draft_model: {err}") from None
+        check_draft_vocabulary(draft.config, model.config, "draft_model", "the model")
+        if next(draft.parameters()).device != device:
+            raise ValueError(f"draft_model is on {next(draft.parameters()).device} but the model "
+                             f"on {device}: move it there (draft.to(device))")
+        k = check_int("num_speculative_tokens", 4 if k is None else k, 1, MAX_SPECULATIVE_TOKENS,
+                      why=" (tokens drafted per request and step)")
+        window = draft.config.context_length
+        if window < ctx and self.max_model_len is not None:
+            raise ValueError(f"max_model_len={ctx} exceeds the draft_model's context of {window} "
+                             f"tokens: lower max_model_len or use a draft with a longer context")
+        return k, min(ctx, window)
 
     def _pool_blocks(self, model: torch.nn.Module, max_len: int, device) -> tuple[int, int]:
         """Blocks for `max_num_seqs` requests of `max_len` tokens or what the budget holds."""
@@ -91,8 +126,9 @@ class EngineConfig:
         if isinstance(memory, float):  # a fraction of what is free now
             memory = int(check_number("kv_cache_memory", memory, gt=0, le=1) * available_memory(device))
         check_int("kv_cache_memory", memory, 1, why=" (bytes, or a fraction in (0, 1])")
-        cfg, p = model.config, next(t for t in model.parameters() if t.is_floating_point())
-        fits = memory // int(kv_token_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim, p.element_size()) * self.block_size)
+        per_token = sum(m.config.kv_bytes_per_token(next(t for t in m.parameters() if t.is_floating_point()).element_size())
+                        for m in (model, self.draft_model) if m is not None)  # a draft's pool too
+        fits = memory // int(per_token * self.block_size)
         if fits < 1 or (fits * self.block_size < max_len and self.max_model_len is not None):
             raise ValueError(f"kv_cache_memory={memory:,} bytes holds {fits * self.block_size:,} tokens, fewer than "
                              f"one request of max_model_len={max_len:,}: raise --kv-cache-memory or lower --max-model-len")

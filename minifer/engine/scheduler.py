@@ -214,10 +214,10 @@ class Scheduler:
         for c, token in zip(due, tokens):
             req = c.request
             if req.status is Status.RUNNING:
-                outputs.append(self._record(req, token, now))
+                outputs.append(self.record(req, token, now))
         return outputs
 
-    def _record(self, req: Request, token: int | Exception, now: float) -> RequestOutput:
+    def record(self, req: Request, token: int | Exception, now: float) -> RequestOutput:
         """Append `token` to `req`, finishing it if it stops; a token that is an exception
         (sampling raised) or an append that raises ends `req` alone (`_fail`)."""
         if isinstance(token, Exception):
