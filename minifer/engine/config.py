@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_int, check_number
+from ..config import kv_token_bytes
 from ..device import available_memory
 from ..sequence import check_model
 from ..speculative import check_draft_vocabulary
@@ -75,9 +76,8 @@ class EngineConfig:
         if self.max_model_len is not None:
             ctx = check_int("max_model_len", self.max_model_len, 1, ctx,
                             why=" (tokens one request may hold, at most the model's context)")
-        k = self.num_speculative_tokens
-        if self.draft_model is not None or k is not None:
-            k, ctx = self._speculation(model, model_device, ctx)
+        spec = self.draft_model is not None or self.num_speculative_tokens is not None
+        k, ctx = self._speculation(model, model_device, ctx) if spec else (None, ctx)
         device = model_device if self.device is None else _model_device(self.device, model_device)
         num_blocks = self.num_blocks
         if num_blocks is None:
@@ -93,9 +93,8 @@ class EngineConfig:
             check_int("sample_vocab", self.sample_vocab, 1, cfg.vocab_size)
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
-        return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                                   device=str(device), aging=float(self.aging), max_model_len=ctx,
-                                   num_speculative_tokens=k)
+        return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget, device=str(device),
+                                   aging=float(self.aging), max_model_len=ctx, num_speculative_tokens=k)
 
     def _speculation(self, model: torch.nn.Module, device: torch.device, ctx: int
                      ) -> tuple[int, int]:
@@ -126,9 +125,8 @@ class EngineConfig:
         if isinstance(memory, float):  # a fraction of what is free now
             memory = int(check_number("kv_cache_memory", memory, gt=0, le=1) * available_memory(device))
         check_int("kv_cache_memory", memory, 1, why=" (bytes, or a fraction in (0, 1])")
-        per_token = sum(m.config.kv_bytes_per_token(next(t for t in m.parameters() if t.is_floating_point()).element_size())
-                        for m in (model, self.draft_model) if m is not None)  # a draft's pool too
-        fits = memory // int(per_token * self.block_size)
+        cfgs = [(m.config, next(t for t in m.parameters() if t.is_floating_point())) for m in (model, self.draft_model) if m is not None]
+        fits = memory // int(sum(kv_token_bytes(c.n_layer, c.kv_heads, c.head_dim, p.element_size()) for c, p in cfgs) * self.block_size)
         if fits < 1 or (fits * self.block_size < max_len and self.max_model_len is not None):
             raise ValueError(f"kv_cache_memory={memory:,} bytes holds {fits * self.block_size:,} tokens, fewer than "
                              f"one request of max_model_len={max_len:,}: raise --kv-cache-memory or lower --max-model-len")

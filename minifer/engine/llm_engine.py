@@ -83,13 +83,11 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.device = torch.device(c.device)
         self.pool = PagedKVPool.for_model(model, c.num_blocks, c.block_size, device=self.device)
-        self.block_manager = BlockManager(c.num_blocks, c.block_size,
-                                          enable_prefix_caching=c.enable_prefix_caching,
+        self.block_manager = BlockManager(c.num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching,
                                           bytes_per_token=self.pool.bytes_per_token)
         self.scheduler = Scheduler(self.block_manager, c)
         self.runner = ModelRunner(model, self.pool, self.device, batch_invariant=c.batch_invariant)
-        self.speculative = None if c.draft_model is None else SpeculativeStep(
-            c.draft_model, c.num_speculative_tokens, self.runner, self.scheduler)
+        self.speculative = c.draft_model and SpeculativeStep(c, self.runner, self.scheduler)  # or None
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._order = itertools.count()
         self.last_step: StepStats | None = None
@@ -126,9 +124,8 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None, *,
                     logprobs: int | None = None, min_tokens: int = 0) -> Request:
         """A checked `Request` with its id chosen, not yet queued (`add_request`)."""
-        seq, vocab = prepare_request(self.model, self.tokenizer, prompt, params,
-                                     priority=priority, arrival_time=arrival_time,
-                                     request_id=request_id, logprobs=logprobs,
+        seq, vocab = prepare_request(self.model, self.tokenizer, prompt, params, priority=priority,
+                                     arrival_time=arrival_time, request_id=request_id, logprobs=logprobs,
                                      min_tokens=min_tokens, max_model_len=self.config.max_model_len)
         self.scheduler.check_fits(seq)
         if request_id in self.requests:
@@ -140,8 +137,7 @@ class LLMEngine:
             request_id = f"req-{order}"
         seq.index = seq.result.index = order
         now = time.perf_counter() if arrival_time is None else float(arrival_time)
-        if self.config.sample_vocab is not None:
-            vocab = min(vocab, self.config.sample_vocab)
+        vocab = min(vocab, self.config.sample_vocab or vocab)
         req = Request(request_id, seq, vocab, priority, now, order, self.device,
                       vocab_size=self.model.config.vocab_size)
         if logprobs is not None:
@@ -194,10 +190,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for c in plan.chunks:
             c.request.metrics.on_scheduled(t0)
-        if self.speculative is not None:  # a draft model: draft, verify, record (`engine.speculative`)
-            outputs = self.speculative.step(plan)
-        else:
-            outputs = self.scheduler.postprocess(plan, self.runner.execute(plan.chunks))
+        outputs = (self.speculative.step(plan) if self.speculative  # a draft: `engine.speculative`
+                   else self.scheduler.postprocess(plan, self.runner.execute(plan.chunks)))
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]

@@ -29,6 +29,7 @@ import torch
 from .. import hooks
 from ..sampling import mask_padded_vocab
 from ..speculative import SpecStats, draft_token, verify
+from .config import EngineConfig
 from .kv_pool import PackedBatch, PagedKVPool
 from .model_runner import ModelRunner
 from .options import record_logprobs
@@ -44,14 +45,15 @@ class SpeculativeStep:
     """Runs a scheduled step with a draft model: look-ahead, draft, verify, record (module doc).
     `stats`: a `SpecStats` over all steps (a round is one request's drafts in one step)."""
 
-    def __init__(self, draft: torch.nn.Module, k: int, runner: ModelRunner,
-                 scheduler: Scheduler) -> None:
-        self.draft, self.k, self.runner, self.scheduler = draft, k, runner, scheduler
+    def __init__(self, config: EngineConfig, runner: ModelRunner, scheduler: Scheduler) -> None:
+        """`config`: resolved, with a `draft_model`; `runner`, `scheduler`: the engine's."""
+        self.draft, self.k = config.draft_model, config.num_speculative_tokens
+        self.runner, self.scheduler = runner, scheduler
         target = runner.pool
-        self.pool = PagedKVPool.for_model(draft, target.num_blocks, target.block_size,
+        self.pool = PagedKVPool.for_model(self.draft, target.num_blocks, target.block_size,
                                           device=target.device)
-        params = sum(p.numel() for p in draft.parameters())
-        self.stats = SpecStats(k=k, drafter=f"draft model ({params:,} params)")
+        params = sum(p.numel() for p in self.draft.parameters())
+        self.stats = SpecStats(k=self.k, drafter=f"draft model ({params:,} params)")
 
     def step(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Run `plan` with speculation: the outputs, one per request that produced tokens."""
