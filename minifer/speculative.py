@@ -89,6 +89,13 @@ class SpecStats:
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_time_s if self.wall_time_s > 0 else float("nan")
 
+    def add_round(self, accepted: int, proposed: int) -> None:
+        """One verification pass that kept `accepted` of `proposed` drafts."""
+        self.rounds, self.target_passes = self.rounds + 1, self.target_passes + 1
+        self.proposed, self.accepted = self.proposed + proposed, self.accepted + accepted
+        self.rejections += accepted < proposed
+        self.accept_hist[accepted] += 1
+
     def merge(self, other: SpecStats) -> SpecStats:
         """The sum of two runs' stats (same k)."""
         if other.k != self.k:
@@ -465,12 +472,7 @@ class _SpecRun:
         host = self.res_buf[:n + 2].tolist()  # the round's one device → host transfer
         accepted, pending = host[n], host[n + 1]
         cache.rollback(n - accepted)  # keep pending + d1..d_accepted
-        stats.rounds += 1
-        stats.target_passes += 1
-        stats.proposed += n
-        stats.accepted += accepted
-        stats.rejections += accepted < n
-        stats.accept_hist[accepted] += 1
+        stats.add_round(accepted, n)
         td = time.perf_counter()
         stats.target_time_s += td - tt
         self.drafter.commit(accepted, n)
