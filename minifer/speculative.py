@@ -40,7 +40,7 @@ from .sequence import Completion, Sequence, prepare
 
 __all__ = ["SpecStats", "SpecCompletion", "Drafter", "DraftContext", "ModelDrafter",
            "PromptLookupDrafter", "speculative_generate", "accept_with_ratio", "draft_token",
-           "verify", "check_tokenizers", "check_draft_vocabulary", "expected_tokens_per_pass", "expected_speedup"]
+           "verify", "check_tokenizers", "check_draft", "expected_tokens_per_pass", "expected_speedup"]
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -178,7 +178,6 @@ class ModelDrafter(Drafter):
 
     def begin(self, prompt_ids: list[int], ctx: DraftContext) -> None:
         super().begin(prompt_ids, ctx)
-        cfg = self.model.config
         cache = getattr(self, "cache", None)
         if cache is None or cache.max_len < ctx.max_len or cache.device != ctx.device:
             cache = StaticKVCache.for_model(self.model, 1, ctx.max_len, device=ctx.device)
@@ -188,29 +187,23 @@ class ModelDrafter(Drafter):
         prefill(self.model, ids, self.cache)  # the draft's logits here are not needed
         self.passes += 1
         self.n_cached = len(prompt_ids)  # tokens of the sequence in the draft's cache
-        self.buf = torch.empty(ctx.k, dtype=torch.long, device=ctx.device)
-        self.q = None if ctx.params.greedy else torch.empty(ctx.k, cfg.vocab_size, device=ctx.device)
 
     def propose(self, seq, k, seen):
-        ctx, params = self.ctx, self.ctx.params
-        tokens = self.buf[:k]
+        ctx, tokens, qs = self.ctx, [], []
         if k == 0:
-            return tokens, None
+            return torch.empty(0, dtype=torch.long, device=ctx.device), None
         x = torch.tensor([seq[self.n_cached:]], device=ctx.device)  # 1 token, or 2 after a full accept
         self.n_cached = len(seq)
         seen = None if seen is None else seen.clone()
-        for i in range(k):
+        for _ in range(k):
             logits = self.model(x, cache=self.cache, last_only=True)[:, -1]  # (1, V)
             self.passes += 1
-            tokens[i], q = draft_token(mask_padded_vocab(logits, ctx.vocab), params, seen,
-                                       ctx.generator)
-            if q is not None:
-                self.q[i] = q
-            x = tokens[i:i + 1].view(1, 1)
+            t, q = draft_token(mask_padded_vocab(logits, ctx.vocab), ctx.params, seen, ctx.generator)
+            tokens, qs, x = tokens + [t], qs + ([] if q is None else [q]), t.view(1, 1)
             if seen is not None:
-                seen[0, tokens[i]] = True
+                seen[0, t] = True
         # The cache now holds seq + d1..d(k-1); dk was never fed.
-        return tokens, None if params.greedy else self.q[:k]
+        return torch.stack(tokens), torch.stack(qs) if qs else None
 
     def commit(self, accepted, proposed):
         if proposed == 0:
@@ -324,13 +317,14 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
     return a, draw(row, generator)
 
 
-def check_draft_vocabulary(draft, target, draft_name: str = "draft",
-                           target_name: str = "target") -> None:
-    """A ValueError unless the configs `draft` and `target` share vocabulary size and eos id."""
-    if draft.vocab_size != target.vocab_size or draft.eos_token_id != target.eos_token_id:
-        raise ValueError(f"{draft_name} and {target_name} must share a vocabulary: {draft_name} "
-                         f"has {draft.vocab_size} tokens (eos {draft.eos_token_id}), "
-                         f"{target_name} {target.vocab_size} (eos {target.eos_token_id})")
+def check_draft(draft: torch.nn.Module, target: torch.nn.Module, name: str = "draft") -> None:
+    """A ValueError unless `draft` shares `target`'s vocabulary (size, eos id) and device."""
+    d, t = draft.config, target.config
+    if d.vocab_size != t.vocab_size or d.eos_token_id != t.eos_token_id:
+        raise ValueError(f"{name} and the target must share a vocabulary: {name} has {d.vocab_size} "
+                         f"tokens (eos {d.eos_token_id}), the target {t.vocab_size} (eos {t.eos_token_id})")
+    if next(draft.parameters()).device != next(target.parameters()).device:
+        raise ValueError(f"{name} and the target must be on the same device (move it: .to(device))")
 
 
 def check_tokenizers(tokenizer, draft_tokenizer) -> None:
@@ -367,11 +361,8 @@ def speculative_generate(target: torch.nn.Module, draft, prompts,
     device = next(target.parameters()).device
     windows = {"target": cfg.context_length}
     if isinstance(drafter, ModelDrafter):
-        dcfg = drafter.model.config
-        check_draft_vocabulary(dcfg, cfg)
-        if next(drafter.model.parameters()).device != device:
-            raise ValueError("draft and target must be on the same device")
-        windows["draft model"] = dcfg.context_length
+        check_draft(drafter.model, target)
+        windows["draft model"] = drafter.model.config.context_length
     check_tokenizers(tokenizer, draft_tokenizer)
     req = prepare(target, prompts, params, tokenizer, context_lengths=windows)
     if target_cache is not None:

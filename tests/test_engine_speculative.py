@@ -132,7 +132,7 @@ def test_bad_options_are_refused_naming_them(tiny):
     short = lively_model(tiny.config.replace(context_length=16))
     for options, match in [
         (dict(draft_model="tiny"), "draft_model: model must be a minifer GPT"),
-        (dict(draft_model=other_vocab), "draft_model and the model must share a vocabulary"),
+        (dict(draft_model=other_vocab), "draft_model and the target must share a vocabulary"),
         (dict(draft_model=tiny, num_speculative_tokens=0), "num_speculative_tokens"),
         (dict(draft_model=tiny, num_speculative_tokens=17), r"num_speculative_tokens.*16"),
         (dict(num_speculative_tokens=3), "num_speculative_tokens needs a draft_model"),

@@ -185,13 +185,11 @@ class BlockManager:
     def trim(self, seq: Hashable, num_tokens: int) -> None:
         """Shrink `seq`'s table to the blocks `num_tokens` tokens need (speculative decoding's
         rejected look-ahead); the blocks dropped hold nothing named, so they are handed out first."""
-        table = self.tables[seq]
-        while len(table) > self.blocks_for(num_tokens):
-            bid = table.pop()
-            self.blocks[bid].ref_count -= 1
-            if self.blocks[bid].ref_count == 0:
-                self._free[bid] = None
-                self._free.move_to_end(bid, last=False)
+        while len(self.tables[seq]) > self.blocks_for(num_tokens):
+            bid = self.tables[seq].pop()  # a fresh block of `seq` alone (ref_count 1)
+            self.blocks[bid].ref_count = 0
+            self._free[bid] = None
+            self._free.move_to_end(bid, last=False)
         self.num_tokens[seq] = min(self.num_tokens[seq], num_tokens)
 
     def commit(self, seq: Hashable, tokens: Sequence[int], num_computed: int) -> None:

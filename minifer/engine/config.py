@@ -11,7 +11,7 @@ from ..checks import check_int, check_number
 from ..config import kv_token_bytes
 from ..device import available_memory
 from ..sequence import check_model
-from ..speculative import check_draft_vocabulary
+from ..speculative import check_draft
 
 __all__ = ["EngineConfig", "POLICIES", "KV_CACHE_FRACTION", "MAX_SPECULATIVE_TOKENS"]
 
@@ -77,7 +77,7 @@ class EngineConfig:
             ctx = check_int("max_model_len", self.max_model_len, 1, ctx,
                             why=" (tokens one request may hold, at most the model's context)")
         spec = self.draft_model is not None or self.num_speculative_tokens is not None
-        k, ctx = self._speculation(model, model_device, ctx) if spec else (None, ctx)
+        k, ctx = self._speculation(model, ctx) if spec else (None, ctx)
         device = model_device if self.device is None else _model_device(self.device, model_device)
         num_blocks = self.num_blocks
         if num_blocks is None:
@@ -96,8 +96,7 @@ class EngineConfig:
         return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget, device=str(device),
                                    aging=float(self.aging), max_model_len=ctx, num_speculative_tokens=k)
 
-    def _speculation(self, model: torch.nn.Module, device: torch.device, ctx: int
-                     ) -> tuple[int, int]:
+    def _speculation(self, model: torch.nn.Module, ctx: int) -> tuple[int, int]:
         """(k, max_model_len) for speculative decoding: the draft checked against `model`, k
         against its range, and requests bounded by the draft's context too."""
         draft, k = self.draft_model, self.num_speculative_tokens
@@ -107,10 +106,7 @@ class EngineConfig:
             check_model(draft)
         except (TypeError, ValueError) as err:
             raise type(err)(f"draft_model: {err}") from None
-        check_draft_vocabulary(draft.config, model.config, "draft_model", "the model")
-        if next(draft.parameters()).device != device:
-            raise ValueError(f"draft_model is on {next(draft.parameters()).device} but the model "
-                             f"on {device}: move it there (draft.to(device))")
+        check_draft(draft, model, "draft_model")
         k = check_int("num_speculative_tokens", 4 if k is None else k, 1, MAX_SPECULATIVE_TOKENS,
                       why=" (tokens drafted per request and step)")
         window = draft.config.context_length
