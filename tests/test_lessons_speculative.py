@@ -60,8 +60,9 @@ def test_panel_callback(pair):
     ui.children[0].value = 3
     ui.children[1].value = 1.0
     fig = ui.result
-    assert len(fig.data[0].y) == 4 and 0 <= fig.data[0].y[0] <= 1 and fig.data[0].y[1] >= 1
-    assert "k=3, T=1" in fig.layout.annotations[0].text
+    # one unit per axis: α (a probability), tokens per target pass (at least 1), speed-up
+    assert len(fig.data[0].y) == 1 and 0 <= fig.data[0].y[0] <= 1 and fig.data[1].y[0] >= 1
+    assert fig.data[0].x[0] == "k=3, T=1" and fig.data[0].yaxis != fig.data[1].yaxis
     ui.children[1].value = 0.0
     ui.children[1].value = 1.0  # back to a setting already measured: the same run, not a new one
     assert ui.result.layout.title.text == fig.layout.title.text

@@ -182,6 +182,29 @@ def point_figure(p: SpecPoint, k_max: int = 8) -> go.Figure:
                       f"{p.alpha:.2f}", height=360, width=860, top=80)
 
 
+def panel(target, draft, prompt_ids: list[int], new_tokens: int = 48,
+          known: Sequence[SpecPoint] = ()) -> widgets.interactive:
+    """Sliders k and temperature → a measured run (plain vs speculative) and its figure.
+
+    Each setting is measured once, when first chosen (about a second on a CPU), and kept, so
+    going back to it redraws at once; ``known`` points (e.g. :func:`sweep`'s, same prompt and
+    length) are used as they are, so those settings never wait.
+    """
+    measured = {(p.k, float(p.temperature)): p for p in known}
+
+    def figure(k: int = 4, temperature: float = 0.0) -> go.Figure:
+        key = (k, float(temperature))
+        if key not in measured:
+            measured[key] = measure(target, [ModelDrafter(draft)], prompt_ids, k=k,
+                                    new_tokens=new_tokens, temperature=temperature, warmup=0,
+                                    repeats=1)[0]
+        return point_figure(measured[key])
+
+    return _panel(figure, k=control("int", "k", value=4, min=1, max=8),
+                  temperature=control("float", "temperature", value=0.0, min=0.0, max=1.5,
+                                      step=0.25))
+
+
 # ---- predictable vs creative text -----------------------------------------------------------
 DRAFTER_COLORS = {"draft": "#1f77b4", "lookup": "#ff7f0e"}
 
