@@ -151,7 +151,10 @@ def test_runner_saves_the_panels_default_view_and_reports_costs(tmp_path):
 
     saved = nbformat.read(path, 4)
     panel, figure = saved.cells[1].outputs[-1], saved.cells[3].outputs[0]
-    assert set(panel.data) == {"text/plain", sf.PNG} and panel.metadata == {}
+    assert set(panel.data) == {"text/plain", sf.PNG}
+    assert panel.metadata == {sf.PNG: {"alt": "Bar chart: untitled. Saved view (n = 5): run the "
+                                              "notebook to move the controls."}}  # no pending JSON
+    assert sf.alt_of(figure)
     assert sf.PNG in figure.data and sf.PLOTLY in figure.data
     assert "widgets" not in saved.metadata
     panel_fig = render.figures[0]
