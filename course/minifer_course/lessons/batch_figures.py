@@ -35,7 +35,9 @@ def step_work_figure(weight_values: int, batches: Sequence[int] = (1, 2, 4, 8, 1
                              mode="lines+markers", name="FLOP per byte", showlegend=False), 1, 3)
     for col in (1, 2, 3):
         log_axis(fig, "x", values=x, title_text="batch (rows per step)", row=1, col=col)
+    for col in (2, 3):  # growing quantities on log axes; the flat bytes from zero, to look flat
         log_axis(fig, "y", row=1, col=col)
+    fig.update_yaxes(rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="MB", row=1, col=1)
     fig.update_yaxes(title_text="MFLOP", row=1, col=2)
     fig.update_yaxes(title_text="FLOP / byte", row=1, col=3)
