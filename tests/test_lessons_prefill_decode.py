@@ -155,11 +155,11 @@ def test_figures_and_panel():
     assert PD.sweep_figure(SWEEP, reference=False).data[-1].name == "decode tok/s"
 
     ui = PD.panel(SWEEP, context=64, output_tokens=10)
-    assert ui.result.data[-1].x == (64, 64)
+    assert ui.result.data[-1].x == (10, 10)  # the request's answer length, marked
     assert "prompt of 64 tokens" in ui.result.layout.title.text
     ui.children[0].value = 512
     ui.children[1].value = 1000
-    assert ui.result.data[-1].x == (512, 512)
+    assert ui.result.data[-1].x == (1000, 1000)
     assert "1,000 tokens take 5.57 s" in ui.result.layout.title.text  # 0.0532 + 1000 × 0.005512
 
 

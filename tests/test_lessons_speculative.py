@@ -42,7 +42,7 @@ def test_measure_sweep_and_figures(pair):
     verify = L.verify_cost(target, [1, 2, 3], ks=(1, 3), repeats=1)
     assert set(verify) == {1, 3} and all(v > 0 for v in verify.values())
     notes = L.sweep_notes(points, verify, size_ratio=23)
-    assert notes.startswith("α (drafts accepted): ") and "1/23 ≈ 0.04" in notes
+    assert notes.startswith("α (accepted ÷ tested): ") and "1/23 ≈ 0.04" in notes
     assert f"at k = 1 and {verify[3]:.2f}× at k = 3" in notes
     fig = L.speedup_figure(points, verify, k_max=6)
     assert len(fig.data[0].y) == 6 and len(fig.data) == 5
@@ -60,8 +60,9 @@ def test_panel_callback(pair):
     ui.children[0].value = 3
     ui.children[1].value = 1.0
     fig = ui.result
-    assert len(fig.data[0].y) == 4 and 0 <= fig.data[0].y[0] <= 1 and fig.data[0].y[1] >= 1
-    assert "k=3, T=1" in fig.layout.annotations[0].text
+    # one unit per axis: α (a probability), tokens per target pass (at least 1), speed-up
+    assert len(fig.data[0].y) == 1 and 0 <= fig.data[0].y[0] <= 1 and fig.data[1].y[0] >= 1
+    assert fig.data[0].x[0] == "k=3, T=1" and fig.data[0].yaxis != fig.data[1].yaxis
     ui.children[1].value = 0.0
     ui.children[1].value = 1.0  # back to a setting already measured: the same run, not a new one
     assert ui.result.layout.title.text == fig.layout.title.text
@@ -73,7 +74,8 @@ def test_panel_uses_known_points(pair):
     ui = L.panel(target, draft, [1, 2, 3], new_tokens=10, known=points)
     ui.children[0].value = 2
     p = points[0]
-    assert ui.result.layout.title.text.endswith(f"{p.stats.accepted}/{p.stats.proposed} drafts accepted")
+    tested = p.stats.accepted + p.stats.rejections
+    assert ui.result.layout.title.text.endswith(f"α = accepted / tested = {p.stats.accepted}/{tested} = {p.alpha:.2f}")
 
 
 def test_legends_stay_below_the_titles(pair):

@@ -75,6 +75,24 @@ def test_add_static_puts_png_beside_figures_and_in_place_of_panel_views():
     assert sf.add_static(nb, render) == 0  # idempotent
 
 
+def test_every_png_gets_an_alt_text_saying_what_the_figure_shows():
+    fig = copy.deepcopy(FIGURE)
+    fig["data"][0]["name"] = "decode <b>step</b>"
+    fig["layout"].update(xaxis={"title": {"text": "batch"}}, yaxis={"title": {"text": "ms"}})
+    fig["layout"]["title"]["text"] = "One step<br>per token"
+    alt = sf.alt_text(fig, "Saved view (n = 5)")
+    assert alt == ("Line chart: One step per token. Axes: ms against batch. Series: decode step. "
+                   "Saved view (n = 5).")
+    nb = notebook([plotly_output()], [panel_output()])
+    sf.add_static(nb, FakeRender())
+    assert [sf.alt_of(c.outputs[0]) for c in nb.cells] == [sf.alt_text(FIGURE),
+                                                           sf.alt_text(FIGURE, "Saved view (n = 5)")]
+    del nb.cells[0].outputs[0].metadata[sf.PNG]  # a PNG stored before alt texts: given one
+    assert sf.add_static(nb, FakeRender()) == 0 and sf.alt_of(nb.cells[0].outputs[0]) == sf.alt_text(FIGURE)
+    nb.cells[1].outputs[0].metadata[sf.PNG].pop("alt")  # a panel's PNG cannot be: it is reported
+    assert list(sf.missing(nb)) == [(1, "static PNG without alt text")]
+
+
 def test_caption_adds_room_below_and_leaves_the_figure_alone():
     fig = sf.caption_figure(FIGURE, "c")
     assert fig["layout"]["margin"]["b"] == 50 + sf.CAPTION_PX
@@ -93,6 +111,10 @@ def test_guard_fails_without_static_views_and_says_how_to_fix(tmp_path):
     nb = nbformat.read(path, 4)
     sf.add_static(nb, FakeRender())
     nb.cells[1].outputs[0].data[sf.PNG] = "eA=="  # a panel that was given its view
+    nbformat.write(nb, path)
+    bad = check.problems(str(path))
+    assert len(bad) == 1 and "code cell 1: a static PNG has no alt text" in bad[0]
+    sf.set_alt(nb.cells[1].outputs[0], "a panel")  # and its alt text
     nbformat.write(nb, path)
     assert check.problems(str(path)) == []
 
@@ -129,7 +151,10 @@ def test_runner_saves_the_panels_default_view_and_reports_costs(tmp_path):
 
     saved = nbformat.read(path, 4)
     panel, figure = saved.cells[1].outputs[-1], saved.cells[3].outputs[0]
-    assert set(panel.data) == {"text/plain", sf.PNG} and panel.metadata == {}
+    assert set(panel.data) == {"text/plain", sf.PNG}
+    assert panel.metadata == {sf.PNG: {"alt": "Bar chart: untitled. Saved view (n = 5): run the "
+                                              "notebook to move the controls."}}  # no pending JSON
+    assert sf.alt_of(figure)
     assert sf.PNG in figure.data and sf.PLOTLY in figure.data
     assert "widgets" not in saved.metadata
     panel_fig = render.figures[0]

@@ -25,7 +25,11 @@ def problems(path: str) -> list[str]:
         if cell.execution_count is None and not skipped:
             bad.append(f"{path}: code cell {i} has no stored execution")
     for i, what in static_figures.missing(nb):
-        bad.append(f"{path}: code cell {i}: {what} has no static PNG for readers without a kernel")
+        if what == static_figures.NO_ALT:
+            bad.append(f"{path}: code cell {i}: a static PNG has no alt text (re-run it with "
+                       f"tools/run_notebooks.py)")
+        else:
+            bad.append(f"{path}: code cell {i}: {what} has no static PNG for readers without a kernel")
     return bad
 
 

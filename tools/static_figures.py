@@ -15,6 +15,12 @@ a saved notebook does not keep. Neither shows without a kernel. At save time
   runner puts that figure's JSON in the output's metadata under `PENDING`; :func:`add_static`
   turns it into the PNG and drops it. Running the cell in a live kernel brings the panel back.
 
+Each PNG gets an alt text, a sentence naming what the figure shows (its title, its panels'
+titles, its axes and its series, and for a panel the controls' values), stored where nbformat
+keeps a mimetype's display attributes: the output's metadata, ``{"image/png": {"alt": ...}}``
+(:func:`alt_text`; :func:`add_static` also gives one to a stored PNG that has none, from its
+plotly figure). :func:`missing` reports a PNG without one.
+
 nbval skips `image/png` and output metadata when it compares, so none of this changes what the
 tests compare, and the tests need neither kaleido nor chromium. Only rendering needs them:
 `kaleido` (>= 1.0) drives a Chromium found through `BROWSER_PATH` (default `/usr/bin/chromium`).
@@ -26,6 +32,7 @@ import base64
 import copy
 import json
 import os
+import re
 import shutil
 import struct
 import zlib
@@ -36,6 +43,7 @@ import numpy as np
 PLOTLY = "application/vnd.plotly.v1+json"
 WIDGET = "application/vnd.jupyter.widget-view+json"
 PNG = "image/png"
+NO_ALT = "static PNG without alt text"  # what :func:`missing` says of a PNG with no alt text
 PENDING = "minifer_static_figure"  # output metadata: {"figure": <plotly JSON>, "caption": str}
 
 WIDTH = 720  # px, the course's figure width (common.style); scale 1 keeps the files small
@@ -52,12 +60,15 @@ def is_panel(output: dict) -> bool:
 
 
 def missing(nb: dict) -> Iterator[tuple[int, str]]:
-    """(code cell number, what) for each figure or panel output that has no static PNG."""
+    """(code cell number, what) for each figure or panel output that has no static PNG, and for
+    each static PNG without an alt text."""
     code = (c for c in nb["cells"] if c["cell_type"] == "code")
     for i, cell in enumerate(code):
         for output in cell.get("outputs", []):
             data = output.get("data", {})
             if PNG in data:
+                if not alt_of(output):
+                    yield i, NO_ALT
                 continue
             if PLOTLY in data:
                 yield i, "plotly figure"
@@ -98,13 +109,68 @@ def caption_figure(figure: dict, caption: str) -> dict:
     return fig
 
 
+def _plain(text) -> str:
+    """Figure text without its markup: line breaks as spaces, tags dropped."""
+    text = re.sub(r"<br\s*/?>", " ", str(text or ""))
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", text)).strip()
+
+
+def _title(obj) -> str:
+    title = (obj or {}).get("title")
+    return _plain(title.get("text") if isinstance(title, dict) else title)
+
+
+def alt_text(figure: dict, caption: str | None = None) -> str:
+    """One or two sentences saying what ``figure`` (plotly JSON) shows, for readers who cannot
+    see the PNG: its title, its panels' titles, its axes (x against y) and its named series, and
+    ``caption`` (a panel's saved view: the controls' values)."""
+    layout = figure.get("layout", {})
+    data = figure.get("data", [])
+    kinds = {"bar": "bar chart", "heatmap": "heatmap", "scatter": "line chart", "pie": "pie chart"}
+    kind = kinds.get(data[0].get("type", "scatter"), "chart") if data else "figure"
+    parts = [f"{kind.capitalize()}: {_title(layout) or 'untitled'}."]
+    panels = [_plain(a.get("text")) for a in layout.get("annotations", [])
+              if a.get("xref") == "paper" and a.get("yref") == "paper" and a.get("y", 0) >= 0.99
+              and a.get("text")]
+    if len(panels) > 1:
+        parts.append(f"{len(panels)} panels: " + "; ".join(panels) + ".")
+    axes = []
+    xs = sorted(k for k in layout if re.fullmatch(r"xaxis\d*", k))
+    for x in xs:
+        y = "yaxis" + x[5:]
+        xt, yt = _title(layout.get(x)), _title(layout.get(y))
+        if xt or yt:
+            axes.append(f"{yt or 'value'} against {xt or 'category'}")
+    if axes:
+        parts.append("Axes: " + "; ".join(dict.fromkeys(axes)) + ".")
+    names = list(dict.fromkeys(_plain(t.get("name")) for t in data if t.get("name")))
+    if names:
+        more = f" and {len(names) - 8} more" if len(names) > 8 else ""
+        parts.append("Series: " + ", ".join(names[:8]) + more + ".")
+    if caption:
+        parts.append(_plain(caption) + ".")
+    return " ".join(parts)
+
+
+def alt_of(output: dict) -> str | None:
+    """The alt text stored with an output's PNG, if any."""
+    return output.get("metadata", {}).get(PNG, {}).get("alt")
+
+
+def set_alt(output: dict, alt: str) -> None:
+    output.setdefault("metadata", {}).setdefault(PNG, {})["alt"] = alt
+
+
 def add_static(nb: dict, render: Callable[[dict], bytes]) -> int:
     """Give every plotly output, and every panel output with a pending figure, an `image/png`
-    made by ``render(figure_json) -> png bytes``. Idempotent; returns how many were added."""
+    made by ``render(figure_json) -> png bytes``, with its :func:`alt_text`; a stored PNG beside
+    a plotly figure that has no alt text gets one. Idempotent; returns how many PNGs were added."""
     added = 0
     for cell in nb["cells"]:
         for output in cell.get("outputs", []):
             data = output.get("data")
+            if data is not None and PNG in data and PLOTLY in data and not alt_of(output):
+                set_alt(output, alt_text(data[PLOTLY]))
             if data is None or PNG in data:
                 continue
             pending = output.get("metadata", {}).pop(PENDING, None)
@@ -115,6 +181,8 @@ def add_static(nb: dict, render: Callable[[dict], bytes]) -> int:
             else:
                 continue
             data[PNG] = base64.b64encode(render(figure)).decode("ascii")
+            set_alt(output, alt_text(figure if pending is None else pending["figure"],
+                                     None if pending is None else pending["caption"]))
             if pending is not None:
                 # The widget's model is never saved, so its view could only show "Error
                 # displaying widget: model not found" (JupyterLab picks it over the PNG when the

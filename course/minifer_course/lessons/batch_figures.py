@@ -23,20 +23,24 @@ def step_work_figure(weight_values: int, batches: Sequence[int] = (1, 2, 4, 8, 1
                          f"{list(batches)}")
     x = list(batches)
     mb = weight_values * bytes_per_value / 1e6
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
-                        subplot_titles=("weights read and arithmetic per step",
-                                        "FLOPs per byte read (arithmetic intensity)"))
+    # one unit per axis: bytes read, FLOPs computed, and their ratio, each on its own panel
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.1,
+                        subplot_titles=("weights read per step", "arithmetic per step",
+                                        "FLOPs per byte read (intensity)"))
     fig.add_trace(go.Scatter(x=x, y=[sig(mb, 4)] * len(x), mode="lines+markers",
-                             name="weight MB read"), 1, 1)
+                             name="weight MB read", showlegend=False), 1, 1)
     fig.add_trace(go.Scatter(x=x, y=[sig(2 * b * weight_values / 1e6, 4) for b in x],
-                             mode="lines+markers", name="MFLOP computed"), 1, 1)
+                             mode="lines+markers", name="MFLOP computed", showlegend=False), 1, 2)
     fig.add_trace(go.Scatter(x=x, y=[sig(2 * b / bytes_per_value, 4) for b in x],
-                             mode="lines+markers", name="FLOP per byte", showlegend=False), 1, 2)
-    for col in (1, 2):
+                             mode="lines+markers", name="FLOP per byte", showlegend=False), 1, 3)
+    for col in (1, 2, 3):
         log_axis(fig, "x", values=x, title_text="batch (rows per step)", row=1, col=col)
+    for col in (2, 3):  # growing quantities on log axes; the flat bytes from zero, to look flat
         log_axis(fig, "y", row=1, col=col)
-    fig.update_yaxes(title_text="MB or MFLOP", row=1, col=1)
-    fig.update_yaxes(title_text="FLOP / byte", row=1, col=2)
+    fig.update_yaxes(rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="MB", row=1, col=1)
+    fig.update_yaxes(title_text="MFLOP", row=1, col=2)
+    fig.update_yaxes(title_text="FLOP / byte", row=1, col=3)
     return wide_layout(fig, f"One decode step reads the same {mb:.1f} MB of weights at every batch;"
                             f"<br>its arithmetic, and so its intensity, grows with the batch",
                        height=380)

@@ -178,13 +178,30 @@ def request(sweep: Sweep, context: int, output_tokens: int) -> dict:
             "decode_share": tpot * output_tokens / rl.e2e_latency(ttft, tpot, output_tokens)}
 
 
-def request_figure(sweep: Sweep, context: int = 512, output_tokens: int = 100) -> go.Figure:
-    """:func:`sweep_figure` marked at ``context``, titled with the request it describes."""
+def request_figure(sweep: Sweep, context: int = 512, output_tokens: int = 100,
+                   max_tokens: int = 1000) -> go.Figure:
+    """One request over its answer's length (what :func:`sweep_figure` does not show): at this
+    ``context``, the time to the whole answer, e2e ≈ TTFT + TPOT × new tokens (MET-2), split
+    into the prefill (paid once) and the decode steps (one per token), marked at
+    ``output_tokens`` and titled with that request."""
     r = request(sweep, context, output_tokens)
-    return sweep_figure(sweep, context=context, title=(
+    ns = sorted({1, *range(50, max_tokens + 1, 50), max(1, min(output_tokens, max_tokens))})
+    ttft = sig(r["ttft_s"], 4)
+    e2e = [sig(request(sweep, context, n)["e2e_s"], 4) for n in ns]
+    fig = go.Figure([
+        go.Scatter(x=ns, y=[ttft] * len(ns), mode="lines", fill="tozeroy", name="prefill (TTFT)",
+                   line=dict(color="#1f77b4")),
+        go.Scatter(x=ns, y=e2e, mode="lines", fill="tonexty",
+                   name="+ decode steps (TPOT × new tokens)", line=dict(color="#d62728")),
+        go.Scatter(x=[output_tokens, output_tokens], y=[0, sig(r["e2e_s"], 4)], mode="lines+markers",
+                   name=f"this request: {output_tokens:,} new tokens",
+                   line=dict(color="black", dash="dot")),
+    ])
+    return style(fig, (
         f"prompt of {context:,} tokens: TTFT {r['ttft_s'] * 1e3:,.1f} ms, then "
         f"{r['tpot_s'] * 1e3:,.1f} ms per token → {output_tokens:,} tokens take "
-        f"{r['e2e_s']:,.2f} s ({r['decode_share']:.0%} of it decoding)"))
+        f"{r['e2e_s']:,.2f} s ({r['decode_share']:.0%} of it decoding)"),
+        "new tokens in the answer", "time to the whole answer (s)", width=820)
 
 
 def panel(sweep: Sweep, context: int = 512, output_tokens: int = 100) -> widgets.interactive:

@@ -57,11 +57,19 @@ class Distribution:
 
 
 def reshape(logits: torch.Tensor, seen: torch.Tensor | None = None, temperature: float = 1.0,
-            top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0) -> Distribution:
-    """Apply the engine's own processors (penalty → temperature → top-k → top-p) to one logit row."""
+            top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+            sampler=None) -> Distribution:
+    """Apply the processors (penalty → temperature → top-k → top-p) to one logit row: the
+    engine's own (`minifer.sampling.process_logits`), or ``sampler(logits, seen, T, k, p,
+    penalty)`` — the lesson's `my_sampler` — when given. Greedy (T = 0) takes the argmax of the
+    processed logits; a sampler is then called with T = 1 (no temperature changes an argmax)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                             repetition_penalty=repetition_penalty)
-    processed = process_logits(logits[None], params, None if seen is None else seen[None])[0]
+    if sampler is not None:
+        processed = sampler(logits, seen, temperature if not params.greedy else 1.0, top_k, top_p,
+                            repetition_penalty)
+    else:
+        processed = process_logits(logits[None], params, None if seen is None else seen[None])[0]
     if params.greedy:
         after = torch.zeros_like(processed)
         after[processed.argmax()] = 1.0
@@ -72,12 +80,12 @@ def reshape(logits: torch.Tensor, seen: torch.Tensor | None = None, temperature:
 
 def distribution_figure(logits: torch.Tensor, tokenizer, seen: torch.Tensor | None = None, *,
                         temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                        repetition_penalty: float = 1.0, show: int = 25) -> go.Figure:
+                        repetition_penalty: float = 1.0, show: int = 25, sampler=None) -> go.Figure:
     """The `show` most likely tokens (by the raw distribution), two bars each: the model's
     probability (grey, or red once the processors cut the token, so a cut token stays visible
     at its old height) and the probability it is drawn with now (blue; none for a cut token).
-    Tokens already in the prompt are outlined."""
-    d = reshape(logits, seen, temperature, top_k, top_p, repetition_penalty)
+    Tokens already in the prompt are outlined. ``sampler``: see :func:`reshape`."""
+    d = reshape(logits, seen, temperature, top_k, top_p, repetition_penalty, sampler)
     ranked = d.before.argsort(descending=True).tolist()
     order: list[int | None] = ranked[:show]
     first_cut = next((r for r, i in enumerate(ranked) if not d.kept[i]), None)
@@ -111,23 +119,34 @@ def distribution_figure(logits: torch.Tensor, tokenizer, seen: torch.Tensor | No
     fig.update_layout(barmode="group", bargap=0.15, bargroupgap=0.0)
     title = (f"T={temperature:g}, top-k={top_k or 'off'}, top-p={top_p:g}, penalty={repetition_penalty:g}: "
              f"{d.n_kept:,} of {logits.shape[-1]:,} tokens can be drawn")
-    return style(fig, title, f"token (most likely first; ⏎ newline, ␣ space{edge})", "probability",
-                 width=820)
+    fig = style(fig, title, f"token (most likely first; ⏎ newline, ␣ space{edge})", "probability",
+                width=820)
+    # the labels slant at a fixed angle in a bottom margin sized for them and the axis title, so
+    # plotly never grows the margin itself (a caption added under the figure stays clear of it)
+    fig.update_xaxes(tickangle=30)
+    return fig.update_layout(margin_b=100, height=fig.layout.height + 50)
 
 
-def panel(logits: torch.Tensor, tokenizer, seen: torch.Tensor | None = None) -> widgets.interactive:
-    """Four sliders reshaping one real next-token distribution live."""
+def panel(logits: torch.Tensor, tokenizer, seen: torch.Tensor | None = None, *, sampler=None,
+          temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+          repetition_penalty: float = 1.0) -> widgets.interactive:
+    """Four sliders reshaping one real next-token distribution live, with ``sampler`` (the
+    learner's `my_sampler`; minifer's `process_logits` without one), starting at the values
+    given."""
 
-    def figure(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0) -> go.Figure:
+    def figure(temperature=temperature, top_k=top_k, top_p=top_p,
+               repetition_penalty=repetition_penalty) -> go.Figure:
         return distribution_figure(logits, tokenizer, seen, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, repetition_penalty=repetition_penalty)
+                                   top_p=top_p, repetition_penalty=repetition_penalty,
+                                   sampler=sampler)
 
     return _panel(
         figure,
-        temperature=control("float", "temperature", value=1.0, min=0.0, max=2.0, step=0.05),
-        top_k=control("int", "top-k (0=off)", value=0, min=0, max=50),
-        top_p=control("float", "top-p", value=1.0, min=0.05, max=1.0, step=0.05),
-        repetition_penalty=control("float", "penalty", value=1.0, min=1.0, max=3.0, step=0.1),
+        temperature=control("float", "temperature", value=temperature, min=0.0, max=2.0, step=0.05),
+        top_k=control("int", "top-k (0=off)", value=top_k, min=0, max=50),
+        top_p=control("float", "top-p", value=top_p, min=0.05, max=1.0, step=0.05),
+        repetition_penalty=control("float", "penalty", value=repetition_penalty, min=1.0, max=3.0,
+                                   step=0.1),
     )
 
 

@@ -88,7 +88,7 @@ def sweep_notes(points: Sequence[SpecPoint], verify: dict[int, float] | None = N
 
     best = max(points, key=lambda p: p.speedup)
     c = [p.cost_ratio for p in points]
-    lines = [f"α (drafts accepted): {span([p.alpha for p in points], '.2f')}; "
+    lines = [f"α (accepted ÷ tested): {span([p.alpha for p in points], '.2f')}; "
              f"c (a draft step / a target step): {span(c, '.2f')}"
              + (f" — by parameter count alone it would be 1/{size_ratio:.0f} ≈ {1 / size_ratio:.2f}"
                 if size_ratio else "") + ".",
@@ -158,22 +158,28 @@ def speedup_figure(points: Sequence[SpecPoint], verify: dict[int, float] | None 
 
 
 def point_figure(p: SpecPoint, k_max: int = 8) -> go.Figure:
-    """One panel setting: α, tokens/pass and measured speed-up; the analytic curve over k."""
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(
-        f"k={p.k}, T={p.temperature:g}", "speed-up: Leviathan vs measured"))
-    names = ["α<br>(accept prob.)", "tokens per<br>target pass", "measured<br>speed-up",
-             "expected<br>speed-up"]  # two short lines each: no slanted labels under the bars
-    vals = [p.alpha, p.stats.tokens_per_pass, p.speedup, p.expected_speedup]
-    fig.add_trace(go.Bar(x=names, y=[round(v, 3) for v in vals], showlegend=False), 1, 1)
+    """One panel setting, one unit per axis: α (a probability), tokens per target pass, and the
+    speed-up (×) measured beside Leviathan's curve over k. α has one definition throughout,
+    accepted ÷ tested (:func:`alpha_line`), in the title as in the bar."""
+    fig = make_subplots(rows=1, cols=3, column_widths=[0.2, 0.2, 0.6], horizontal_spacing=0.1,
+                        subplot_titles=("α (probability)", "tokens per target pass",
+                                        "speed-up (×): Leviathan vs measured"))
+    tested = p.stats.accepted + p.stats.rejections
+    fig.add_trace(go.Bar(x=[f"k={p.k}, T={p.temperature:g}"], y=[round(p.alpha, 3)],
+                         showlegend=False, marker_color="#1f77b4"), 1, 1)
+    fig.add_trace(go.Bar(x=[f"k={p.k}, T={p.temperature:g}"], y=[round(p.stats.tokens_per_pass, 3)],
+                         showlegend=False, marker_color="#2ca02c"), 1, 2)
+    fig.update_yaxes(range=[0, 1], row=1, col=1)
+    fig.update_yaxes(range=[0, k_max + 1], row=1, col=2)
     ks = list(range(1, k_max + 1))
     fig.add_trace(go.Scatter(x=ks, y=[round(expected_speedup(p.alpha, k, p.cost_ratio), 3) for k in ks],
-                             mode="lines", name=f"expected (α={p.alpha:.2f}, c={p.cost_ratio:.2f})"), 1, 2)
+                             mode="lines", name=f"expected (α={p.alpha:.2f}, c={p.cost_ratio:.2f})"), 1, 3)
     fig.add_trace(go.Scatter(x=[p.k], y=[round(p.speedup, 3)], mode="markers",
-                             marker=dict(size=12, symbol="diamond"), name="measured"), 1, 2)
-    reference_line(fig, y=1.0, row=1, col=2)  # 1×: no faster than plain decoding
-    fig.update_xaxes(title_text="k (draft tokens per pass)", row=1, col=2)
-    return style(fig, f"{p.drafter}: {p.stats.accepted}/{p.stats.proposed} drafts accepted",
-                 height=360, width=860, top=80)
+                             marker=dict(size=12, symbol="diamond"), name="measured"), 1, 3)
+    reference_line(fig, y=1.0, row=1, col=3)  # 1×: no faster than plain decoding
+    fig.update_xaxes(title_text="k (draft tokens per pass)", row=1, col=3)
+    return style(fig, f"{p.drafter}: α = accepted / tested = {p.stats.accepted}/{tested} = "
+                      f"{p.alpha:.2f}", height=360, width=860, top=80)
 
 
 def panel(target, draft, prompt_ids: list[int], new_tokens: int = 48,
