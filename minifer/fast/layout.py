@@ -9,8 +9,8 @@ embedding's lookup then reads a strided column. Parameters keep their layout thr
 
 Where torch's fp32 GEMM is MKL's on a CPU not Intel's (`mkl_generic`), MKL runs generic code, not
 its AVX-512 kernels (``MKL_VERBOSE=1``: "Intel(R) Architecture processors"), 4-5x slower than
-oneDNN at 16 rows on an AMD EPYC: there fp32 layers become `PackedLinear` (`fast.prepack`, packed
-at the first call), at the cost of a second copy of the weights.
+oneDNN at 16 rows on an AMD EPYC: there fp32 layers become `PackedLinear`s that hand oneDNN the
+row-major weight itself (`fast.prepack`, ``batch_size=0``: no second copy).
 """
 
 from __future__ import annotations
@@ -45,12 +45,13 @@ def column_major_linears(module: nn.Module) -> nn.Module:
 
 
 def lay_out_weights(module: nn.Module) -> nn.Module:
-    """`minifer.hooks.lay_out_weights`'s speed-up: every `nn.Linear` of `module` a lazily packed
-    `PackedLinear` where `mkl_generic` and oneDNN packs fp32 here, else column-major weights."""
+    """`minifer.hooks.lay_out_weights`'s speed-up: every fp32 `nn.Linear` of `module` a
+    `PackedLinear` on its own weight where `mkl_generic` (and oneDNN runs here), else column-major
+    weights."""
     if not mkl_generic() or prepack_problem(torch.float32) is not None:
         return column_major_linears(module)
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.float32:
-                setattr(parent, name, PackedLinear.from_linear(child, pack=False))
+                setattr(parent, name, PackedLinear.from_linear(child, 0, pack=False))
     return module

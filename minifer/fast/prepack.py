@@ -95,9 +95,12 @@ class PackedLinear(nn.Linear):
         return self
 
     def pack(self) -> None:
+        """The weight in oneDNN's layout for `batch_size` rows; ``batch_size=0``: the row-major
+        weight itself, no second copy (`fast.layout`: oneDNN's own layout for one fp32 row)."""
         with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(),
-                                                                   self.batch_size)
+            w = self.weight.detach().contiguous()
+            self._packed = w if self.batch_size == 0 else \
+                torch.ops.mkldnn._reorder_linear_weight(w, self.batch_size)
         self._rows, self._stamp = None, _stamp(self.weight)
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ...: repack on next use
