@@ -45,6 +45,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-stall": ("minifer_course.bench.commands.serve_stall",
                     "the largest gap in other clients' streams while ~1 MB prompts arrive at "
                     "the HTTP server (python -m minifer.serve in a process of its own)"),
+    "serve-vllm": ("minifer_course.bench.commands.serve_vllm",
+                   "minifer's server beside vLLM's CPU build (a virtualenv of its own), both "
+                   "measured by vLLM's client (vllm bench serve): output tok/s, TTFT, TPOT"),
 }
 
 
