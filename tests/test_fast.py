@@ -49,9 +49,20 @@ def test_the_plain_seam_runs_everything_generate_takes():
             assert len(c.token_ids) == 4
 
 
+def _plain_onednn_problem() -> str | None:
+    """Why this torch's oneDNN linear cannot take a plain row-major weight (None: it can)."""
+    try:
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16), torch.ones(8, 16), None, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        return f"oneDNN's linear does not take a plain weight here: {exc}"[:200]
+    return None
+
+
 @pytest.fixture(params=["intel", "mkl_generic"])
 def cpu_kind(request, monkeypatch):
     """`fast.layout`'s choice as on an Intel CPU and as where MKL runs its generic code."""
+    if request.param == "mkl_generic" and (problem := _plain_onednn_problem()) is not None:
+        pytest.skip(problem)
     monkeypatch.setattr(layout, "mkl_generic", lambda: request.param == "mkl_generic")
     return request.param
 
@@ -77,9 +88,9 @@ def test_the_layout_computes_the_same_function(cpu_kind):
 
 
 def test_a_packed_layout_loads_a_checkpoint_and_moves_dtype(monkeypatch, tmp_path):
+    if (problem := fast.prepack.prepack_problem() or _plain_onednn_problem()) is not None:
+        pytest.skip(problem)
     monkeypatch.setattr(layout, "mkl_generic", lambda: True)
-    if fast.prepack.prepack_problem() is not None:
-        pytest.skip(fast.prepack.prepack_problem())
     with fast.disabled():
         plain = mf.GPT.from_config("tiny", seed=3)
     model = mf.GPT.from_config("tiny")

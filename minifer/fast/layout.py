@@ -29,10 +29,18 @@ __all__ = ["column_major_linears", "lay_out_weights", "mkl_generic"]
 
 @functools.cache
 def mkl_generic() -> bool:
-    """Is torch's fp32 GEMM MKL's, on an x86 CPU not Intel's (where MKL skips its fast kernels)?"""
+    """Is torch's fp32 GEMM MKL's, on an x86 CPU not Intel's (where MKL skips its fast kernels),
+    and does this torch's oneDNN linear take a plain row-major weight (the remedy)?"""
     info = Path("/proc/cpuinfo")
     vendor = re.search(r"^vendor_id\s*:\s*(\S+)", info.read_text() if info.exists() else "", re.M)
-    return bool(vendor and vendor[1] != "GenuineIntel" and torch.backends.mkl.is_available())
+    if not (vendor and vendor[1] != "GenuineIntel" and torch.backends.mkl.is_available()):
+        return False
+    try:  # probed on the CPU even while a model is built on the meta device
+        w, x = (torch.randn(n, 16, device="cpu") for n in (8, 2))
+        y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return torch.allclose(y, x @ w.T, atol=1e-4)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
 
 
 def column_major_linears(module: nn.Module) -> nn.Module:
