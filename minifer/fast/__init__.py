@@ -10,7 +10,7 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 | `decode`: the lean decode step (no per-step checks, the write slot in a tensor; fixed-shape for compiling) | the forward pass ``model(tokens, cache=cache)`` | `hooks.decode_function` |
 | `compiled`: the decode step compiled by `torch.compile` (frozen weights on a CPU) | the eager lean step | `hooks.decode_function` (``compile=True``) |
 | `argmax`: the greedy argmax in chunks | ``logits.argmax(-1)`` | `hooks.argmax` |
-| `layout`: column-major linear weights, or prepacked for oneDNN where MKL runs its generic code (a non-Intel CPU) | torch's row-major layout, `F.linear` | `hooks.lay_out_weights` |
+| `layout`: column-major linear weights, or fp32 layers on oneDNN where MKL runs its generic code (a non-Intel CPU) | torch's row-major layout, `F.linear` | `hooks.lay_out_weights` |
 | `prepack`: linear weights prepacked for oneDNN | `F.linear` | `minifer.prepack(model)`; bf16: `hooks.prepare_bf16` |
 | `paged`: the serving step's attention planned once per step, decode rows batched | `PackedBatch.attend_rows` | `hooks.packed_attention` |
 | `int8_gemv`: minifer's AVX512-VNNI kernel for one int8 row | `int8_gemv.w8a8_reference` | `hooks.int8_matmul` (W8A8 layers) |

@@ -1,4 +1,4 @@
-"""Linear weights in the layout this CPU multiplies fastest: column-major, or prepacked for oneDNN.
+"""Linear weights in the layout this CPU multiplies fastest: column-major, or read by oneDNN.
 
 Reference: torch's default layout, which `minifer.hooks.lay_out_weights` leaves in place.
 `F.linear` multiplies by the weight's transpose; stored column-major (still ``(out, in)``) that

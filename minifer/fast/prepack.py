@@ -5,8 +5,8 @@ and the kernel re-blocks it for its vector registers on every call: at decode, a
 the step. Prepacking is what `torch.compile`'s CPU "freezing" does to a graph's weights;
 `prepack` does it in eager mode, layer by layer, with oneDNN's own ops (``torch.ops.mkldnn``).
 
-Reference: `F.linear`, equal to float rounding. The pack is a second copy of each weight beside
-the ``weight`` parameter (`state_dict`, `model_bytes`, tied embeddings keep working; rebuilt
+Reference: `F.linear`, equal to float rounding. The pack (``batch_size=0``: the weight itself) sits
+beside the ``weight`` parameter (`state_dict`, `model_bytes`, tied embeddings keep working; rebuilt
 after `.to()`, a loaded state dict or an in-place change). CPU only, float32 and bfloat16; with
 gradients, and inside `torch.compile`, a layer computes with `F.linear`. A bf16 layer given one
 row runs minifer's AVX512-BF16 kernel where the CPU has it (`minifer.fast.bf16_gemv`).
