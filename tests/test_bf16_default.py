@@ -133,8 +133,8 @@ def test_a_hugging_face_model_in_bf16_is_prepacked_too():
 
 @needs_bf16_pack
 def test_packed_and_plain_bf16_give_the_same_greedy_tokens(shakespeare):
-    """The shipped model, batch 3 (oneDNN's packed product) and batch 1 (the one-row kernel);
-    the logits of a decode step at one row within `BOUND`."""
+    """The shipped model, batch 3 (oneDNN's packed product) and batch 1 (the one-row kernel,
+    same tokens or parting only at a near-tie); a decode step's logits at one row within `BOUND`."""
     model, tok = shakespeare
     packed = mf.quantize(model, "bf16")
     with fast.disabled():
@@ -144,13 +144,29 @@ def test_packed_and_plain_bf16_give_the_same_greedy_tokens(shakespeare):
     params = mf.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     ref = [c.token_ids for c in mf.generate(plain, prompts, params)]
     assert [c.token_ids for c in mf.generate(packed, prompts, params)] == ref
-    assert [c.token_ids for c in mf.generate(packed, prompts[:1], params)] == ref[:1]
+    for p in prompts:  # one row: the kernel where there is one, beside plain's one row
+        [want] = [c.token_ids for c in mf.generate(plain, [p], params)]
+        [got] = [c.token_ids for c in mf.generate(packed, [p], params)]
+        _same_or_near_tie(plain, p, got, want)
     ids = torch.tensor([prompts[1]])
     with torch.inference_mode():
         want = plain(ids).float()
         assert (packed(ids).float() - want).abs().max() <= BOUND * want.abs().max()
         want = plain(ids[:, :1]).float()  # one row: the kernel where there is one
         assert (packed(ids[:, :1]).float() - want).abs().max() <= BOUND * want.abs().max()
+
+
+def _same_or_near_tie(model, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """`got` == `want`, or where they first part the two tokens' logits, recomputed from the
+    shared prefix, are within `BOUND` of the largest: a near-tie that bf16's rounding decides
+    either way (`tests/test_exactness.py`), as torch 2.4's bf16 product at one row does."""
+    if got == want:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + want[:i]]))[0, -1].float()
+    gap = (logits[got[i]] - logits[want[i]]).abs()
+    assert gap <= BOUND * logits.abs().max(), (i, got[i], want[i], gap.item())
 
 
 @needs_bf16_pack
