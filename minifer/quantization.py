@@ -432,7 +432,7 @@ class QuantizedLinear(nn.Module):
 
     def _integer_forward(self, x2: torch.Tensor) -> torch.Tensor:
         """W8A8 of ``x2`` [M, K]: `w8a8_reference`, or the same numbers from a faster kernel
-        (the speed-up seam: minifer's VNNI kernel for one row, ``torch._int_mm`` for more)."""
+        (the speed-up seam: minifer's VNNI kernels, else ``torch._int_mm``)."""
         bias = None if self.bias is None else self.bias.float()
         if self._rowsum is None:  # set on the first (eager) call, before a compiled step reads it
             self._rowsum = self.qweight.sum(1, dtype=torch.int32)

@@ -1,6 +1,6 @@
-"""The batch-1 W8A8 kernel: the readable reference is a W8A8 product (close to the float one),
-the C++ kernel equals it exactly (tails of K and N, bias or none, rows of zeros), the int8 layer
-runs it at one row, bad input gets a clear error, and where it cannot run (another CPU, a failed
+"""The W8A8 kernels: the readable reference is a W8A8 product (close to the float one),
+the C++ kernels (one row; several over packed blocks) equal it exactly (tails of K and N, bias or
+none, rows of zeros), the int8 layer runs them, bad input gets a clear error, and where it cannot run (another CPU, a failed
 build) everything stays correct."""
 
 from __future__ import annotations
@@ -62,6 +62,35 @@ def test_kernel_equals_reference_exactly(M, N, K, bias):
     assert torch.equal(G.GEMV(x, q, s, rowsum, b), G.w8a8_reference(x, q, s, b))
     x[0] = 0
     assert torch.equal(G.GEMV(x, q, s, rowsum, b)[0], torch.zeros(N) if b is None else b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,N,K,bias", [(2, 64, 256, True), (3, 7, 100, False), (4, 130, 64, True),
+                                        (5, 5, 1, False), (16, 50, 3072, True),
+                                        (17, 1001, 320, True), (64, 2304, 768, False)])
+def test_many_rows_kernel_equals_reference_exactly(M, N, K, bias):
+    """Several rows: the same sums over the weight packed in 16-column blocks (tails of K, N and
+    of the 4-row tiles), so the same numbers bit for bit, and each row's as it gets alone."""
+    x, q, s, rowsum, b = _case(M, N, K, bias)
+    x[0, : K // 2] = 0
+    assert G.GEMV.available(), G.GEMV.error
+    got = G.GEMV(x, q, s, rowsum, b)
+    assert torch.equal(got, G.w8a8_reference(x, q, s, b))
+    assert torch.equal(got[-1:], G.GEMV(x[-1:], q, s, rowsum, b))
+    assert torch.equal(G.int8_matmul(x, q, s, rowsum, b), got)  # the seam's choice at M > 1
+
+
+@needs_kernel
+def test_many_rows_kernel_packs_again_when_the_weight_changes():
+    x, q, s, rowsum, b = _case(4, 40, 96)
+    G.GEMV(x, q, s, rowsum, b)
+    packed = q._vnni_blocks[1]
+    assert G.GEMV(x, q, s, rowsum, b) is not None and q._vnni_blocks[1] is packed  # kept
+    q[3] = -q[3]  # in place, as a loaded state dict does
+    rowsum = q.sum(1, dtype=torch.int32)
+    assert torch.equal(G.GEMV(x, q, s, rowsum, b), G.w8a8_reference(x, q, s, b))
+    with pytest.raises(RuntimeError, match=r"int8 gemm: packed .* is not pack\(w\)"):
+        torch.ops.minifer_int8.gemm(x[:, :48].contiguous(), packed, s, rowsum, None)
 
 
 @needs_kernel

@@ -13,7 +13,7 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 | `layout`: column-major linear weights, or fp32 layers on oneDNN where MKL runs its generic code (a non-Intel CPU) | torch's row-major layout, `F.linear` | `hooks.lay_out_weights` |
 | `prepack`: linear weights prepacked for oneDNN | `F.linear` | `minifer.prepack(model)`; bf16: `hooks.prepare_bf16` |
 | `paged`: the serving step's attention planned once per step, decode rows batched | `PackedBatch.attend_rows` | `hooks.packed_attention` |
-| `int8_gemv`: minifer's AVX512-VNNI kernel for one int8 row | `int8_gemv.w8a8_reference` | `hooks.int8_matmul` (W8A8 layers) |
+| `int8_gemv`: minifer's AVX512-VNNI kernels for int8 rows (one; several, packed) | `int8_gemv.w8a8_reference` | `hooks.int8_matmul` (W8A8 layers) |
 | `bf16_gemv`: minifer's AVX512-BF16 kernel for one bf16 row | `bf16_gemv.bf16_reference` | prepacked bf16 layers |
 | `invariant`: batch-invariant kernels (token-wise layers in fixed blocks of rows, attention one query at a time) | the model's own layers | `hooks.batch_invariant` (``batch_invariant=True``) |
 | `native`: the C++ build of those kernels | | |
@@ -46,11 +46,9 @@ __all__ = ["install", "disabled", "installed"]
 SEAM = ("argmax", "batch_invariant", "decode_function", "generation_threads", "int8_matmul",
         "lay_out_weights", "packed_attention", "prepare_bf16", "serving_threads")
 _PLAIN = {name: getattr(hooks, name) for name in SEAM}
-_FAST = {"argmax": first_argmax, "batch_invariant": batch_invariant,
-         "decode_function": decode_function,
-         "generation_threads": generation_threads, "int8_matmul": int8_matmul,
-         "lay_out_weights": lay_out_weights, "packed_attention": packed_attention,
-         "prepare_bf16": prepare_bf16, "serving_threads": serving_threads}
+_FAST = dict(zip(SEAM, (first_argmax, batch_invariant, decode_function, generation_threads,
+                        int8_matmul, lay_out_weights, packed_attention, prepare_bf16,
+                        serving_threads)))
 
 
 def install() -> None:

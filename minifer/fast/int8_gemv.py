@@ -1,4 +1,4 @@
-"""W8A8 faster, with the same numbers: minifer's VNNI kernel for one row, ``torch._int_mm`` for more.
+"""W8A8 faster, with the same numbers: minifer's VNNI kernels, else ``torch._int_mm``.
 
 Reference: `minifer.quantization.w8a8_reference`: quantize each row of ``x`` to int8 with its
 own scale, multiply-add in integers (exact sums), scale back. Both kernels here compute exactly
@@ -8,8 +8,10 @@ that, bit for bit, so a W8A8 layer gives the same numbers at every batch size.
   kernel over torch's threads, built by `Int8Gemv` when first needed (`minifer.fast.native`)
   on CPUs with VNNI, unless ``ATEN_CPU_CAPABILITY`` asks for AVX2 or less. Elsewhere, or where
   the build fails (it warns once), one row goes the way of many.
-- More rows: `w8a8_int_mm`, the integer product in ``torch._int_mm`` (oneDNN's int8 GEMM),
-  where its sums are exact here (`INT_MM_EXACT`); else the reference itself.
+- More rows: the same kernel's `Int8Gemv.many`, over a copy of the weight packed in blocks of
+  16 columns (made at the first batched call); without VNNI (or inside `torch.compile`),
+  `w8a8_int_mm`, ``torch._int_mm`` (oneDNN's int8 GEMM) where its sums are exact here
+  (`INT_MM_EXACT`); else the reference itself.
 """
 
 from __future__ import annotations
@@ -29,16 +31,14 @@ VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_v
 
 def _int_mm_exact() -> bool:
     """Does ``torch._int_mm`` return exact sums here? (Some builds add pairs of products in
-    int16 and clip them.) Checked once, on random int8 operands of a few shapes, and on
-    operands whose pair sums overflow int16."""
+    int16 and clip them.) Checked once, on a few shapes."""
     try:
         g = torch.Generator().manual_seed(0)
-        cases = [(torch.full((4, 64), -127, dtype=torch.int8),
-                  torch.full((64, 4), -127, dtype=torch.int8))]
-        for m, k, n in ((1, 64, 16), (4, 256, 32), (17, 128, 8)):
-            cases.append((torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8),
-                          torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).t()))
-        return all(torch.equal(torch._int_mm(a, b), a.int() @ b.int()) for a, b in cases)
+        cases = [(torch.full((4, 64), -127, dtype=torch.int8),) * 2]  # pair sums past int16
+        cases += [(torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8),
+                   torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8))
+                  for m, k, n in ((1, 64, 16), (4, 256, 32), (17, 128, 8))]
+        return all(torch.equal(torch._int_mm(a, b.t()), a.int() @ b.int().t()) for a, b in cases)
     except Exception:  # noqa: BLE001 — a torch or CPU without it
         return False
 
@@ -49,8 +49,7 @@ INT_MM_EXACT = _int_mm_exact()
 def w8a8_int_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """`w8a8_reference` with the integer product in ``torch._int_mm`` (int8 × int8 → int32, the
-    same sums), which `torch.compile` can trace; where it is not exact (`INT_MM_EXACT`), the
-    reference instead."""
+    same sums where `INT_MM_EXACT`, else the reference), which `torch.compile` can trace."""
     if not INT_MM_EXACT or x.shape[1] < 2:
         return w8a8_reference(x, w, scales, bias)
     q, s = quantize_rows(x)
@@ -59,7 +58,7 @@ def w8a8_int_mm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
 
 
 class Int8Gemv(NativeKernel):
-    """The C++ kernel where this CPU has VNNI and it builds; `available()` says whether.
+    """The C++ kernels where this CPU has VNNI and they build; `available()` says whether.
 
     Call it like `w8a8_reference`, with ``rowsum = w.sum(1)`` in int32 (the kernel feeds ``x``
     in as unsigned bytes and takes ``128 * rowsum`` off again). `error` says why a build failed."""
@@ -75,9 +74,17 @@ class Int8Gemv(NativeKernel):
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
                  rowsum: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Several rows read a copy of `w` in 16-column blocks (packed once, kept on `w`)."""
         if not self.available():
             return w8a8_reference(x, w, scales, bias)
-        return torch.ops.minifer_int8.gemv(x.float().contiguous(), w, scales, rowsum, bias)
+        x = x.float().contiguous()
+        if x.shape[0] == 1 or torch.compiler.is_compiling():
+            return torch.ops.minifer_int8.gemv(x, w, scales, rowsum, bias)
+        version, packed = getattr(w, "_vnni_blocks", (None, None))
+        if version != w._version:
+            packed = torch.ops.minifer_int8.pack(w)
+            w._vnni_blocks = (w._version, packed)
+        return torch.ops.minifer_int8.gemm(x, packed, scales, rowsum, bias)
 
 
 GEMV = Int8Gemv()  # one per process: every layer shares its build
@@ -85,11 +92,9 @@ GEMV = Int8Gemv()  # one per process: every layer shares its build
 
 def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, rowsum: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor | None:
-    """The `minifer.hooks.int8_matmul` of the speed-up package: `w8a8_reference`'s numbers,
-    one row on the VNNI kernel where there is one, more rows in ``torch._int_mm`` where its
-    sums are exact; None leaves it to the reference."""
-    if x.shape[0] == 1 and GEMV.available():
+    """The `minifer.hooks.int8_matmul` of the speed-up package: `w8a8_reference`'s numbers from
+    the VNNI kernels where they run, else ``torch._int_mm`` where its sums are exact; None
+    leaves it to the reference."""
+    if GEMV.available() and (x.shape[0] == 1 or not torch.compiler.is_compiling()):
         return GEMV(x, w, scales, rowsum, bias)
-    if INT_MM_EXACT:
-        return w8a8_int_mm(x, w, scales, bias)
-    return None
+    return w8a8_int_mm(x, w, scales, bias) if INT_MM_EXACT else None
