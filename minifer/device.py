@@ -87,11 +87,32 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(match.group(1).split()) if match else frozenset()
 
 
+MEMINFO, STATM = Path("/proc/meminfo"), Path("/proc/self/statm")
+CGROUP_MEMORY = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),  # v2
+                 (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # v1
+                  Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
+
+
 def available_memory(device: str | torch.device = "cpu") -> int:
-    """Bytes `device` can still allocate: free GPU memory, or Linux's MemAvailable (else half)."""
+    """Bytes `device` can still allocate: free GPU memory; on the CPU the least of Linux's
+    MemAvailable (else half the RAM), each cgroup's memory limit less its usage (`CGROUP_MEMORY`;
+    "max" is none) and RLIMIT_AS less this process's virtual size (a container, ``ulimit -v``)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    meminfo = Path("/proc/meminfo")
-    found = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text() if meminfo.exists() else "",
-                      re.MULTILINE)
-    return int(found.group(1)) * 1024 if found else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    import resource  # POSIX only
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    found = re.search(r"^MemAvailable:\s+(\d+) kB", _text(MEMINFO), re.MULTILINE)
+    room = [int(found.group(1)) * 1024 if found else os.sysconf("SC_PHYS_PAGES") * page // 2]
+    for limit, usage in ((_text(a).strip(), _text(b).strip()) for a, b in CGROUP_MEMORY):
+        if limit.isdigit() and usage.isdigit():
+            room.append(int(limit) - int(usage))
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        room.append(soft - int((_text(STATM).split() or [0])[0]) * page)
+    return max(0, min(room))
+
+
+def _text(path: Path) -> str:
+    """`path`'s text ("" where there is no such file)."""
+    return path.read_text() if path.is_file() else ""

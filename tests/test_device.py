@@ -51,3 +51,98 @@ def test_entry_points_check_the_device(no_gpu, tiny):
         mf.StaticKVCache.for_model(tiny, 1, device="cuda")
     with pytest.raises(ValueError, match="device"):
         mf.load_pretrained("shakespeare-draft", device="cuda")
+
+
+@pytest.fixture
+def memory_sources(monkeypatch, tmp_path):
+    """`available_memory`'s sources faked: MemAvailable 8 GiB, no cgroup files, no RLIMIT_AS;
+    `set(name, text)` writes one (``meminfo``, ``statm``, ``v2.max``, ``v1.limit``, ...)."""
+    import resource
+
+    import minifer.device as dev
+
+    files = {name: tmp_path / name for name in ("meminfo", "statm", "v2.max", "v2.current",
+                                                  "v1.limit", "v1.usage")}
+    for name, value in (("MEMINFO", files["meminfo"]), ("STATM", files["statm"]), (
+            "CGROUP_MEMORY", ((files["v2.max"], files["v2.current"]),
+                              (files["v1.limit"], files["v1.usage"])))):
+        monkeypatch.setattr(dev, name, value, raising=False)  # (before issue 56: not read)
+    limits = {"as": resource.RLIM_INFINITY}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (
+        (limits["as"], resource.RLIM_INFINITY) if which == resource.RLIMIT_AS else (-1, -1)))
+    files["meminfo"].write_text(f"MemTotal: {16 << 20} kB\nMemAvailable: {8 << 20} kB\n")
+
+    def put(name: str, text) -> None:
+        if name == "rlimit_as":
+            limits["as"] = text
+        else:
+            files[name].write_text(f"{text}\n")
+    return put
+
+
+GiB = 1 << 30
+
+
+def test_available_memory_is_memavailable_without_other_limits(memory_sources):
+    from minifer.device import available_memory
+
+    assert available_memory("cpu") == 8 * GiB
+    memory_sources("v2.max", "max")  # cgroup v2 without a limit
+    memory_sources("v2.current", 5 * GiB)
+    memory_sources("v1.limit", 9223372036854771712)  # cgroup v1 without a limit: a huge number
+    memory_sources("v1.usage", 5 * GiB)
+    assert available_memory("cpu") == 8 * GiB
+
+
+@pytest.mark.parametrize("limit, usage", [("v2.max", "v2.current"), ("v1.limit", "v1.usage")])
+def test_available_memory_is_what_the_cgroup_leaves(memory_sources, limit, usage):
+    """In a container MemAvailable is the host's: the cgroup's limit less its usage wins."""
+    from minifer.device import available_memory
+
+    memory_sources(limit, 4 * GiB)
+    memory_sources(usage, 3 * GiB)
+    assert available_memory("cpu") == GiB
+    memory_sources(usage, 5 * GiB)  # over its limit (reclaim pending): nothing, not negative
+    assert available_memory("cpu") == 0
+
+
+def test_available_memory_is_what_ulimit_v_leaves(memory_sources):
+    """RLIMIT_AS less this process's virtual size (/proc/self/statm's first field, in pages)."""
+    import os
+
+    from minifer.device import available_memory
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    memory_sources("rlimit_as", 3 * GiB)
+    memory_sources("statm", f"{GiB // page} 1000 500 10 0 900 0")  # 1 GiB mapped
+    assert available_memory("cpu") == 2 * GiB
+    memory_sources("v2.max", GiB + 5)  # the least of them all wins
+    memory_sources("v2.current", 5)
+    assert available_memory("cpu") == GiB
+    memory_sources("rlimit_as", GiB)  # already used up
+    assert available_memory("cpu") == 0
+
+
+def test_available_memory_falls_back_to_half_the_ram(memory_sources, tmp_path):
+    import os
+
+    import minifer.device as dev
+
+    (tmp_path / "meminfo").unlink()  # not Linux: half the RAM, within the other limits
+    assert dev.available_memory("cpu") == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    memory_sources("v1.limit", 1000)
+    memory_sources("v1.usage", 10)
+    assert dev.available_memory("cpu") == 990
+
+
+def test_the_pool_fraction_is_of_what_the_cgroup_leaves(memory_sources):
+    """kv_cache_memory as a fraction sizes the pool down to a container's limit (issue 56)."""
+    from minifer.engine.config import EngineConfig
+
+    model = mf.GPT.from_config("tiny", seed=0)
+    c = model.config
+    per_block = 2 * c.n_layer * c.kv_heads * c.head_dim * 4 * 16  # (K, V) fp32, 16 tokens a block
+    memory_sources("v2.max", 10 * per_block)
+    memory_sources("v2.current", 0)
+    config = EngineConfig(kv_cache_memory=0.5, max_num_seqs=64).resolved(model)
+    assert config.num_blocks == 5

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
 import time
 
 import httpx
 import pytest
-from process_double import FileSteeredGPT
+from process_double import FileSteeredGPT, GatedTokenizer
 
 import minifer as mf
 from conftest import lively_model
@@ -244,3 +246,85 @@ def test_a_killed_engine_process_is_restarted_like_a_replica(model, tmp_path):
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert _metric(url, "minifer_engine_replica_restarts") == 1
+
+
+def test_health_is_503_until_the_engine_process_has_said_ready(model, tmp_path):
+    """Before the app's lifespan starts the engine, and while its process runs but has not built
+    its engine and said "ready" (here: held at `GatedTokenizer`'s gate), /health is a 503 with
+    the error body (HEAD too); 200 once it has."""
+    from starlette.testclient import TestClient
+
+    gate = tmp_path / "gate"
+    gate.touch()
+    app = create_app(LLMEngine(model, GatedTokenizer(str(gate)), max_num_seqs=2),
+                     model_name="tiny", engine_in="process", allowed_hosts=None)
+    replicas = app.state.server.async_engine
+    client = TestClient(app)  # not `with`: no lifespan, nothing started by the client
+
+    def not_ready() -> None:
+        r = client.get("/health")
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "server_error"
+        assert client.head("/health").status_code == 503
+
+    not_ready()
+    starting = threading.Thread(target=replicas.start)  # what the lifespan does
+    starting.start()
+    try:
+        [child] = replicas.children
+        deadline = time.monotonic() + 20
+        while child._process is None or not child._process.is_alive():
+            assert time.monotonic() < deadline, "the engine process did not start"
+            time.sleep(0.01)
+        time.sleep(0.5)  # it runs: unpickling its arguments, held at the gate
+        assert child._process.is_alive() and starting.is_alive()
+        not_ready()
+        gate.unlink()
+        starting.join(120)
+        assert not starting.is_alive() and replicas.children == [child]  # no fallback
+        assert client.get("/health").json() == {"status": "ok", "replicas": 1, "replicas_alive": 1}
+        assert client.head("/health").status_code == 200
+    finally:
+        gate.unlink(missing_ok=True)
+        starting.join(120)
+        replicas.stop()
+
+
+def test_the_server_answers_no_health_check_before_the_engine_process_is_ready(model, tmp_path):
+    """uvicorn runs the lifespan (`EngineReplicas.start`, which waits for the engine process's
+    "ready") before it listens: while the engine process starts, a health check finds no
+    server (connection refused), never a 200; once it is ready, 200."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url, seen, served = f"http://127.0.0.1:{port}", [], threading.Event()
+
+    def serve() -> None:
+        with running_server(model, GatedTokenizer(str(gate)), model_name="tiny", port=port,
+                            max_num_seqs=2, engine_in="process", startup_timeout_s=120):
+            served.set()
+            gate.touch()  # (re-made only to hold the server open until the test is done)
+            while gate.exists():
+                time.sleep(0.05)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3:  # the engine process is held at the gate
+            try:
+                seen.append(httpx.get(f"{url}/health", timeout=5).status_code)
+            except httpx.TransportError as err:
+                seen.append(type(err).__name__)
+            time.sleep(0.05)
+        assert not served.is_set() and 200 not in seen, seen
+        assert set(seen) == {"ConnectError"}, seen  # not listening yet
+        gate.unlink()
+        assert served.wait(120)
+        r = httpx.get(f"{url}/health", timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+    finally:
+        gate.unlink(missing_ok=True)
+        server.join(60)

@@ -9,7 +9,7 @@ import torch
 
 from ..checks import check_int, check_number
 from ..config import kv_token_bytes
-from ..device import available_memory
+from ..device import as_device, available_memory
 
 __all__ = ["EngineConfig", "POLICIES", "KV_CACHE_FRACTION"]
 
@@ -102,8 +102,6 @@ class EngineConfig:
 
 def _model_device(device: str, model_device: torch.device) -> torch.device:
     """`device`, checked to exist and to be where the model is (``"cuda"`` for ``cuda:0``)."""
-    from ..device import as_device
-
     dev = as_device(device)
     if dev != model_device and not (dev.type == model_device.type and dev.index is None):
         raise ValueError(f"device={device!r} but the model is on {model_device}; move "

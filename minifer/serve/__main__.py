@@ -73,7 +73,7 @@ def _engine_options(e) -> None:
                    help="KV blocks (default: --max-num-seqs requests of --max-model-len tokens, "
                         "within --kv-cache-memory)")
     e.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="BYTES|FRACTION",
-                   help="the KV pool's memory: bytes (8GiB, 512MB, 1e9) or a fraction of the "
+                   help="the KV pool's memory: bytes (8GiB, 512MiB, 1e9) or a fraction of the "
                         "memory available at start (0.25); default 0.5")
     e.add_argument("--max-num-seqs", type=int, default=32)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)

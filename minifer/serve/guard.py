@@ -185,12 +185,8 @@ class Guard:
 
 def _has_body(scope) -> bool:
     """Whether the request says a body follows its headers (a length > 0, or chunks)."""
-    for k, v in scope.get("headers", []):
-        k = k.lower()
-        if (k == b"content-length" and v.strip() not in (b"0", b"")) \
-                or k == b"transfer-encoding":
-            return True
-    return False
+    return any((k.lower() == b"content-length" and v.strip() not in (b"0", b""))
+               or k.lower() == b"transfer-encoding" for k, v in scope.get("headers", []))
 
 
 def _body_too_large(limit: int) -> APIError:

@@ -78,12 +78,8 @@ class CompletionRequest:
 
     def engine_options(self) -> dict:
         """Keyword arguments for `LLMEngine.add_request` beyond prompt, params and priority."""
-        opts: dict[str, Any] = {}
-        if self.logprobs is not None:
-            opts["logprobs"] = self.logprobs
-        if self.min_tokens:
-            opts["min_tokens"] = self.min_tokens
-        return opts
+        opts = {"logprobs": self.logprobs} if self.logprobs is not None else {}
+        return opts | ({"min_tokens": self.min_tokens} if self.min_tokens else {})
 
 
 # ---- request bodies ------------------------------------------------------------------------
@@ -233,11 +229,7 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
     """The model class inside an annotation (``list[ChatMessage] | None`` → ChatMessage)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    for arg in typing.get_args(annotation):
-        found = _submodel(arg)
-        if found is not None:
-            return found
-    return None
+    return next(filter(None, map(_submodel, typing.get_args(annotation))), None)
 
 
 def _short(value: Any) -> str:

@@ -37,12 +37,8 @@ def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet: printable character → the byte it stands for."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
           *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = list(bs), 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
+    cs = bs + [256 + n for n in range(256 - len(bs))]  # the other bytes, shifted past 255
+    bs += [b for b in range(256) if b not in bs]
     return {chr(c): b for b, c in zip(bs, cs)}
 
 

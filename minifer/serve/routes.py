@@ -209,10 +209,8 @@ def timeout_error(limit_s: float) -> APIError:
 
 async def _until_disconnect(receive) -> None:
     """Return when the client hangs up (the body is already read: only a disconnect is left)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _abort_unfinished(handles, s: ServerState) -> None:
@@ -235,8 +233,7 @@ async def collect(handles: list, s: ServerState, deadline: float, request: Reque
     """The last `RequestOutput` of each request, or None if the client left; aborted as soon as
     the client leaves, the timeout passes or the shutdown grace ends."""
     gone = asyncio.ensure_future(_until_disconnect(request.receive))
-    outs = []
-    nxt = None
+    outs, nxt = [], None
     try:
         for handle in handles:
             while True:
