@@ -2,9 +2,10 @@
 the learner's own code comes before the first lesson helper is used, no code cell is over 20
 lines, and at least 3 stored figures carry data.
 
-A lesson that still breaks a rule is listed in PENDING with its violations, word for word: the
-test then lists them (xfail) instead of failing, fails on any other violation, and fails once a
-pending one is fixed, so that PENDING only shrinks."""
+Every lesson passes today, so PENDING is empty and any violation fails. (A lesson being rebuilt
+may be listed there with its violations, word for word: the test then lists them (xfail)
+instead of failing, fails on any other violation, and fails once a pending one is fixed, so
+that PENDING only shrinks.)"""
 
 from __future__ import annotations
 
@@ -15,21 +16,7 @@ from tool_modules import load_tool
 ls = load_tool("lesson_shape")
 LESSONS = ls.lessons()
 
-PENDING: dict[str, list[str]] = {
-    "01_generation_loop.ipynb": [
-        "(a) helper L.top_tokens used in cell 8, before the first learner code in cell 11"],
-    "02_prefill_vs_decode.ipynb": ["(b) cell 21 has 23 lines (> 20)"],
-    "03_kv_cache.ipynb": [
-        "(a) helper L.keys_never_change used in cell 8, before the first learner code in cell 11"],
-    "04_roofline.ipynb": ["(b) cell 47 has 22 lines (> 20)"],
-    "05_kv_memory.ipynb": [
-        "(a) helper K.kv_text used in cell 10, before the first learner code in cell 27",
-        "(b) cell 27 has 31 lines (> 20)", "(b) cell 42 has 31 lines (> 20)"],
-    "06_sampling.ipynb": [
-        "(a) helper L.next_token_logits used in cell 6, before the first learner code in cell 9"],
-    "11_serving.ipynb": ["(b) cell 37 has 22 lines (> 20)"],
-    "12_multi_device.ipynb": ["(b) cell 9 has 21 lines (> 20)"],
-}
+PENDING: dict[str, list[str]] = {}  # every lesson passes (tools/lesson_shape.py --check)
 
 
 def test_the_lessons_are_01_to_12():
