@@ -58,12 +58,10 @@ def _check_available(dev: torch.device, device) -> None:
 
 def default_device() -> torch.device:
     """The best device here: CUDA when present, then Apple's MPS, then the CPU."""
+    mps = getattr(torch.backends, "mps", None)
     if torch.cuda.is_available():
         return torch.device("cuda")
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    return torch.device("mps" if mps is not None and mps.is_available() else "cpu")
 
 
 def sync(device: str | torch.device = "cpu") -> None:
@@ -87,15 +85,23 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(match.group(1).split()) if match else frozenset()
 
 
-MEMINFO, STATM = Path("/proc/meminfo"), Path("/proc/self/statm")
-CGROUP_MEMORY = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),  # v2
-                 (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # v1
-                  Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
+MEMINFO, STATM, SELF_CGROUP = (Path(f"/proc/{n}") for n in ("meminfo", "self/statm", "self/cgroup"))
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def _cgroup_files() -> list[tuple[Path, Path]]:
+    """(limit, usage) files of the root memory cgroup and this process's own, v2 and v1."""
+    own = [line.split(":", 2) for line in _text(SELF_CGROUP).splitlines()]
+    v2 = {""} | {path.strip("/") for _, kinds, path in own if kinds == ""}
+    v1 = {""} | {path.strip("/") for _, kinds, path in own if "memory" in kinds.split(",")}
+    return ([(CGROUP / d / "memory.max", CGROUP / d / "memory.current") for d in v2] + [
+        (CGROUP / "memory" / d / "memory.limit_in_bytes",
+         CGROUP / "memory" / d / "memory.usage_in_bytes") for d in v1])
 
 
 def available_memory(device: str | torch.device = "cpu") -> int:
     """Bytes `device` can still allocate: free GPU memory; on the CPU the least of Linux's
-    MemAvailable (else half the RAM), each cgroup's memory limit less its usage (`CGROUP_MEMORY`;
+    MemAvailable (else half the RAM), a memory cgroup's limit less its usage (`_cgroup_files`;
     "max" is none) and RLIMIT_AS less this process's virtual size (a container, ``ulimit -v``)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -104,7 +110,7 @@ def available_memory(device: str | torch.device = "cpu") -> int:
     page = os.sysconf("SC_PAGE_SIZE")
     found = re.search(r"^MemAvailable:\s+(\d+) kB", _text(MEMINFO), re.MULTILINE)
     room = [int(found.group(1)) * 1024 if found else os.sysconf("SC_PHYS_PAGES") * page // 2]
-    for limit, usage in ((_text(a).strip(), _text(b).strip()) for a, b in CGROUP_MEMORY):
+    for limit, usage in ((_text(a).strip(), _text(b).strip()) for a, b in _cgroup_files()):
         if limit.isdigit() and usage.isdigit():
             room.append(int(limit) - int(usage))
     soft = resource.getrlimit(resource.RLIMIT_AS)[0]

@@ -61,11 +61,17 @@ def memory_sources(monkeypatch, tmp_path):
 
     import minifer.device as dev
 
-    files = {name: tmp_path / name for name in ("meminfo", "statm", "v2.max", "v2.current",
-                                                  "v1.limit", "v1.usage")}
-    for name, value in (("MEMINFO", files["meminfo"]), ("STATM", files["statm"]), (
-            "CGROUP_MEMORY", ((files["v2.max"], files["v2.current"]),
-                              (files["v1.limit"], files["v1.usage"])))):
+    cg = tmp_path / "cgroup"
+    files = {"meminfo": tmp_path / "meminfo", "statm": tmp_path / "statm",
+             "self": tmp_path / "self_cgroup", "v2.max": cg / "memory.max",
+             "v2.current": cg / "memory.current", "v1.limit": cg / "memory/memory.limit_in_bytes",
+             "v1.usage": cg / "memory/memory.usage_in_bytes",
+             "own.limit": cg / "memory/laptop/memory.limit_in_bytes",
+             "own.usage": cg / "memory/laptop/memory.usage_in_bytes"}
+    for path in files.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    for name, value in (("MEMINFO", files["meminfo"]), ("STATM", files["statm"]),
+                        ("SELF_CGROUP", files["self"]), ("CGROUP", cg)):
         monkeypatch.setattr(dev, name, value, raising=False)  # (before issue 56: not read)
     limits = {"as": resource.RLIM_INFINITY}
     monkeypatch.setattr(resource, "getrlimit", lambda which: (
@@ -104,6 +110,18 @@ def test_available_memory_is_what_the_cgroup_leaves(memory_sources, limit, usage
     assert available_memory("cpu") == GiB
     memory_sources(usage, 5 * GiB)  # over its limit (reclaim pending): nothing, not negative
     assert available_memory("cpu") == 0
+
+
+def test_available_memory_is_what_this_process_cgroup_leaves(memory_sources):
+    """A process in a cgroup of its own below the root (/proc/self/cgroup names it: systemd's
+    slices, ``cgexec``): that cgroup's limit, not only the root's."""
+    from minifer.device import available_memory
+
+    memory_sources("own.limit", 4 * GiB)
+    memory_sources("own.usage", GiB)
+    assert available_memory("cpu") == 8 * GiB  # not this process's cgroup
+    memory_sources("self", "12:cpu,cpuacct:/\n4:memory:/laptop\n0::/")
+    assert available_memory("cpu") == 3 * GiB
 
 
 def test_available_memory_is_what_ulimit_v_leaves(memory_sources):

@@ -225,6 +225,7 @@ def engine_main(conn, model, tokenizer, options: dict, threads) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops us
     try:
         engine = LLMEngine(model, tokenizer, **options)
+        _ = engine.pool.k + engine.pool.v  # allocated now: a pool too large fails here
         adjust_threads = hooks.serving_threads(threads)
         conn.send(("ready", torch.get_num_threads()))
     except BaseException as err:  # noqa: BLE001 - the server reports it and does not start

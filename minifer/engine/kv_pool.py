@@ -9,6 +9,7 @@ reference, which `minifer.fast.paged` replaces (`hooks.packed_attention`) with f
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -35,13 +36,20 @@ class PagedKVPool:
             check_int(f"PagedKVPool {name}", value, 1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"PagedKVPool dtype must be a float torch dtype, got {dtype!r}")
-        shape = (num_blocks, block_size, n_kv_head, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.shape = (num_blocks, block_size, n_kv_head, head_dim)
         self.n_layer, self.num_blocks, self.block_size = n_layer, num_blocks, block_size
         self.n_kv_head, self.head_dim = n_kv_head, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.planner = hooks.packed_attention(self)  # None: each step's `attend_rows`
+
+    @functools.cached_property
+    def k(self) -> list[torch.Tensor]:
+        """Each layer's keys, allocated at first use: a server whose engine steps in a process
+        of its own never allocates its own engine's (`engine_process.engine_main` does, first)."""
+        return [torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.n_layer)]
+
+    v = functools.cached_property(k.func)  # each layer's values, the same way
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int, *,
@@ -55,7 +63,7 @@ class PagedKVPool:
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token in all layers (`minifer.config.kv_token_bytes`)."""
-        return kv_token_bytes(self.n_layer, self.n_kv_head, self.head_dim, self.k[0].element_size())
+        return kv_token_bytes(self.n_layer, self.n_kv_head, self.head_dim, self.dtype.itemsize)
 
     @property
     def nbytes(self) -> int:
