@@ -123,8 +123,7 @@ class Guard:
             return APIError(431, f"the request headers are {size:,} bytes; this server takes at "
                             f"most {self.max_header_bytes:,}", code="headers_too_large")
         h = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
-        if self.allowed_hosts is not None and not _host_allowed(h.get("host"),
-                                                                self.allowed_hosts):
+        if self.allowed_hosts is not None and not _host_allowed(h.get("host"), self.allowed_hosts):
             return APIError(400, f"the Host header {h.get('host')!r} is not one this server "
                             f"answers to ({', '.join(sorted(self.allowed_hosts))}); this guards "
                             "a local server against DNS rebinding (--allowed-hosts adds names)",

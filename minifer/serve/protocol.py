@@ -412,8 +412,7 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 
 def parse_completion_requests(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
-                              vocab_size: int, priorities: bool = False
-                              ) -> list[CompletionRequest]:
+                              vocab_size: int, priorities: bool = False) -> list[CompletionRequest]:
     """Check a ``/v1/completions`` body (a dict or a `CompletionBody`): one request per prompt,
     sharing the answer's id, or an `APIError` (400). `priorities`: ``priority`` honoured."""
     b = _validate(CompletionBody, body)
@@ -483,8 +482,7 @@ def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=
     _check_length(ids, max_tokens, limits, param, "messages")
     if b.top_logprobs is not None and not b.logprobs:
         raise _bad("top_logprobs", "only allowed when logprobs is true")
-    stop = _stops(b.stop)
-    params, shared = _sampling(b, max_tokens, [*stop, *turn_stops], priorities)
+    params, shared = _sampling(b, max_tokens, [*_stops(b.stop), *turn_stops], priorities)
     return CompletionRequest(ids, params, kind="chat", id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
                              logprobs=(b.top_logprobs or 0) if b.logprobs else None,
                              prompt_text=prompt, **shared)

@@ -72,8 +72,7 @@ class _Tokens:
         begins, or continues (a token may hold part of a character)."""
         at = self.chars
         raw = token_bytes(self.tok, token_id)
-        text = token_text(self.tok, token_id) if raw is None else \
-            self._utf8.decode(bytes(raw))
+        text = token_text(self.tok, token_id) if raw is None else self._utf8.decode(bytes(raw))
         self.chars += len(text)
         return at
 

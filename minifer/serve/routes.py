@@ -164,8 +164,7 @@ async def chat_completions(body: P.ChatCompletionBody, request: Request):
 async def generate(reqs: list, request: Request):
     """Hand checked requests (one per prompt) to the engine at once; answer whole or streamed."""
     s = state(request)
-    limits = s.limits
-    deadline = request.scope.get("minifer.arrival", time.monotonic()) + limits.request_timeout_s
+    deadline = request.scope.get("minifer.arrival", time.monotonic()) + s.limits.request_timeout_s
     handles = await _add_all(reqs, s, deadline)
     if reqs[0].stream:
         streams = [(R.Streamer(req, s.tokenizer, h.prompt_logprobs), h)

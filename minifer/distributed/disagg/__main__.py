@@ -60,8 +60,7 @@ class Printer:
             print(f"[{obj['request_id']}] {text}  ({obj['kv_bytes']:,} KV bytes received, "
                   f"{obj['preemptions']} preemptions)", flush=True)
         elif obj["event"] == "report":
-            spans = obj["timeline"]
-            busy = sum(s["end"] - s["start"] for s in spans)
+            busy = sum(s["end"] - s["start"] for s in obj["timeline"])
             moved = sum(s["nbytes"] for s in obj.get("recv", []))
             print(f"rank {obj['rank']} ({obj['role']}): {obj['steps']} steps, {busy * 1e3:.1f} ms "
                   f"busy" + (f", {moved:,} KV bytes received" if obj["role"] == "decode" else ""),

@@ -270,8 +270,7 @@ class DisaggregatedEngine:
         m = RequestMetrics(ev["request_id"], len(ev["prompt_ids"]), ev["arrival_time"],
                            first_scheduled_time=ev["first_scheduled_time"],
                            first_token_time=(ev["token_times"] or [None])[0],
-                           token_times=list(ev["token_times"]),
-                           finished_time=ev["finished_time"],
+                           token_times=list(ev["token_times"]), finished_time=ev["finished_time"],
                            finish_reason=ev["finish_reason"], preemptions=ev["preemptions"])
         text = self.tokenizer.decode(ev["token_ids"]) if self.tokenizer is not None else None
         return DisaggOutput(ev["request_id"], ev["prompt_ids"], ev["token_ids"],

@@ -296,9 +296,8 @@ class _Decode(_Loop):
                 reason, finished = "error", time.perf_counter()
                 error = f"request {h.request_id!r} failed: {err}"
         first = [] if h.first_token is None else [h.first_token]
-        self.emit(h.request_id, h.prompt_ids, first, reason, h.arrival_time,
-                  h.first_scheduled_time, [h.first_token_time] if first else [], finished, 0,
-                  error)
+        self.emit(h.request_id, h.prompt_ids, first, reason, h.arrival_time, h.first_scheduled_time,
+                  [h.first_token_time] if first else [], finished, 0, error)
         return True
 
     def take(self, idle: bool) -> bool:
