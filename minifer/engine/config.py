@@ -38,8 +38,7 @@ class EngineConfig:
     - `sample_vocab`: sample only among the first `sample_vocab` token ids (default: the
       tokenizer's vocabulary, else the model's).
     - `batch_invariant`: each request's tokens exactly as `generate` gives them alone, whatever
-      else shares its steps (`minifer.fast.invariant`: slower; keep torch's thread count fixed).
-    """
+      else shares its steps (`minifer.fast.invariant`: slower; keep torch's thread count fixed)."""
 
     policy: str = "continuous"
     block_size: int = 16

@@ -72,8 +72,7 @@ class LLMEngine:
     """A serving engine over a paged KV cache (see the module docstring).
 
     Built from an `EngineConfig` or its fields as keyword arguments (``block_size=4``);
-    `config` holds them checked, with the defaults filled in for `model`.
-    """
+    `config` holds them checked, with the defaults filled in for `model`."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: TokenizerLike | None = None,
                  config: EngineConfig | None = None, **options) -> None:
@@ -148,10 +147,9 @@ class LLMEngine:
     def add_prefilled(self, req: Request, first_token: int, now: float
                       ) -> tuple[int, RequestOutput] | None:
         """Admit `req` (from `new_request`) straight into the running batch, its prompt's K/V
-        computed elsewhere and its first token sampled there at `now`
-        (`Scheduler.add_prefilled`; disaggregated serving, `serve.handoff`). Returns how
-        many leading prompt tokens this pool had cached and the request's output, or None
-        (nothing changed) when it does not fit now."""
+        computed elsewhere and its first token sampled there at `now` (`Scheduler.add_prefilled`;
+        disaggregated serving, `serve.handoff`). Returns how many leading prompt tokens this pool
+        had cached and the request's output, or None (nothing changed) when it does not fit now."""
         got = self.scheduler.add_prefilled(req, first_token, now)
         if got is not None and not got[1].finished:
             self.requests[req.request_id] = req
@@ -168,8 +166,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished.
 
-        No `RequestOutput` is produced for it; its metrics record the finish reason "abort".
-        """
+        No `RequestOutput` is produced for it; its metrics record the finish reason "abort"."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False

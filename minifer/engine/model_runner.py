@@ -32,8 +32,7 @@ class ModelRunner:
     `batch_invariant`: each step runs `minifer.hooks.batch_invariant`'s kernels (`EngineConfig`).
     Counters (benchmarks, lessons): `num_forward_calls`, `forward_time_s` (inside the forward
     calls), `num_prefill_tokens` (prompt and recomputed tokens fed), `num_decode_tokens` (sampled
-    tokens fed back), `num_decode_calls` (calls with a decode row: the mean decode batch).
-    """
+    tokens fed back), `num_decode_calls` (calls with a decode row: the mean decode batch)."""
 
     def __init__(self, model: torch.nn.Module, pool: PagedKVPool, device: torch.device,
                  batch_invariant: bool = False) -> None:
@@ -52,9 +51,8 @@ class ModelRunner:
             return []
         due = [j for j, c in enumerate(chunks) if c.completes]
         ids = [t for c in chunks for t in c.request.tokens[c.start:c.start + c.num_new]]
-        batch = PackedBatch(self.pool, [c.block_table for c in chunks],
-                            [c.start for c in chunks], [c.num_new for c in chunks],
-                            logits_rows=due)
+        batch = PackedBatch(self.pool, [c.block_table for c in chunks], [c.start for c in chunks],
+                            [c.num_new for c in chunks], logits_rows=due)
         self._count(chunks)
         t0 = time.perf_counter()
         with torch.inference_mode(), hooks.batch_invariant(self.model, self.invariant):
