@@ -43,8 +43,7 @@ class KVCache(Protocol):
     - `check_room(n)`: raise a clear ValueError unless `n` more slots fit (`max_len` in all);
     - ``update(layer, k, v)``: store the new tokens' ``k, v`` ``[B, kv_heads, T, head_dim]`` at
       slots ``pos..pos+T-1`` of `layer`; return the layer's K/V of slots ``0..pos+T-1``;
-    - `advance(n)`: after every layer has written, move `pos` on by `n`.
-    """
+    - `advance(n)`: after every layer has written, move `pos` on by `n`."""
 
     batch_size: int
     max_len: int
@@ -72,8 +71,7 @@ class PackedKVCache(Protocol):
       and return the attention output ``(1, heads, N, head_dim)`` of queries `q`, each row's
       tokens attending only to that row's cached and new tokens, causally;
     - `logits_index`: the packed indices whose next-token logits the caller wants
-      (`minifer.engine.kv_pool.PackedBatch` implements it over the paged pool).
-    """
+      (`minifer.engine.kv_pool.PackedBatch` implements it over the paged pool)."""
 
     packed: bool
     num_tokens: int
@@ -96,8 +94,7 @@ class AttentionInputs:
     - `packed`, `rotation`: see their comments below;
     - `rows`: attention runs row by row over each row's own slots, exactly the arithmetic of the
       row alone (a padded row's softmax adds the same numbers in another order, which W8A8 can
-      turn into another token).
-    """
+      turn into another token)."""
 
     positions: torch.Tensor
     mask: torch.Tensor | None = None
@@ -126,8 +123,7 @@ class StaticKVCache:
     - `pos`: the next slot to write (shared by all rows; a Python int, so no device sync).
     - `start`: per-row first real slot (left padding), a ``[batch]`` long tensor.
     - `lengths`: per-row number of real tokens cached (``pos - start``).
-    - `rollback(n)`: forget the last ``n`` slots (speculative decoding rejects drafted tokens).
-    """
+    - `rollback(n)`: forget the last ``n`` slots (speculative decoding rejects drafted tokens)."""
 
     def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, head_dim: int,
                  max_len: int, *, dtype: torch.dtype | str = torch.float32,
@@ -203,8 +199,7 @@ class StaticKVCache:
         tensor `slot` ``(T,)``, then dequantize slots ``0..end-1``.
 
         Attention needs float K/V, so every call rebuilds the cached tokens in float: the int8
-        cache saves memory (and, with a fused kernel, bandwidth), not arithmetic.
-        """
+        cache saves memory (and, with a fused kernel, bandwidth), not arithmetic."""
         out = []
         for store, scales, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             scale = (new.detach().abs().amax(dim=-1, keepdim=True).float() / 127).clamp(min=1e-6)

@@ -171,8 +171,7 @@ def stream(model: torch.nn.Module, prompts, params: SamplingParams | None = None
            tokenizer: TokenizerLike | None = None, *, use_cache: bool = True,
            device: torch.device | str | None = None, completions: list[Completion] | None = None,
            kv_dtype: torch.dtype | str | None = None, compile: bool | str = False,
-           threads: int | str | None = None, batch_invariant: bool = False
-           ) -> Iterator[TokenEvent]:
+           threads: int | str | None = None, batch_invariant: bool = False) -> Iterator[TokenEvent]:
     """Yield a `TokenEvent` for every generated token of every prompt, as soon as it exists.
     `completions`: a list to fill with the final `Completion`s; the other arguments are
     `generate`'s."""
@@ -195,8 +194,7 @@ def generate(model: torch.nn.Module, prompts, params: SamplingParams | None = No
     - `compile`: a compiled decode step (True, or a `torch.compile` mode; `minifer.fast`).
     - `threads` (CPU): an integer fixes torch's count for this call; None leaves it as it is;
       ``"auto"`` uses every idle core, lowered while other programs hold cores (only when asked).
-    - `batch_invariant`: each row's tokens exactly as alone and recomputed (`fast.invariant`).
-    """
+    - `batch_invariant`: each row's tokens exactly as alone and recomputed (`fast.invariant`)."""
     req = prepare(model, prompts, params, tokenizer, device=device)
     for _ in run_batch(model, req, use_cache=use_cache, kv_dtype=kv_dtype, compile=compile,
                        threads=threads, batch_invariant=batch_invariant):

@@ -91,13 +91,11 @@ def _llama_config(hc: Mapping, kind: str) -> GPTConfig:
     return _build(
         vocab_size=hc["vocab_size"], context_length=hc["max_position_embeddings"],
         n_layer=hc["num_hidden_layers"], n_head=heads, n_embd=hc["hidden_size"],
-        n_kv_head=hc.get("num_key_value_heads") or heads,
+        n_kv_head=hc.get("num_key_value_heads") or heads, rope_theta=theta, rope_scaling=scaling,
         tie_embeddings=bool(hc.get("tie_word_embeddings", False)), eos_token_id=_eos(hc),
         layer_norm_eps=hc.get("rms_norm_eps") or 1e-6, intermediate_size=hc["intermediate_size"],
-        rope_theta=theta, rope_scaling=scaling,
         head_size=None if head_dim * heads == hc["hidden_size"] else head_dim,
-        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", **{**LLAMA, "bias": bias},
-    )
+        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", **{**LLAMA, "bias": bias})
 
 
 _OUR_NAMES = ("hidden_size/n_embd → n_embd, num_attention_heads/n_head → n_head, "
@@ -117,9 +115,8 @@ def _build(**fields) -> GPTConfig:
 
 def check_hf_config(hc: Mapping, where: str = "config.json") -> str:
     """The ``model_type`` of config dict `hc` after checking every field this engine reads, or a
-    ValueError naming `where`, the field and what is allowed: sizes integers in [1,
-    `SIZE_LIMITS`] (the required ones present), booleans JSON booleans (or null), floats finite
-    and positive."""
+    ValueError naming `where`, the field and what is allowed: sizes integers in [1, `SIZE_LIMITS`]
+    (the required ones present), booleans JSON booleans (or null), floats finite and positive."""
     if not isinstance(hc, Mapping):
         raise ValueError(f"{where} must be a JSON object, got {type(hc).__name__}")
     kind = hc.get("model_type")

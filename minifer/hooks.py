@@ -1,11 +1,10 @@
 """The one seam where speed-ups plug into the core.
 
 The core calls the functions below where a faster way exists (argmax, the decode step, thread
-counts, W8A8 products, batch-invariant kernels, weight layout, paged attention, new bf16
-layers). Here each is the plain reference; `minifer.fast.install()` (run by ``import minifer``)
-puts the speed-ups there, each tested equal to what it replaces. ``with
-minifer.fast.disabled():`` or ``MINIFER_SPEEDUPS=0`` runs the code you read: the same greedy
-tokens, only slower.
+counts, W8A8 products, batch-invariant kernels, weight layout, paged attention, new bf16 layers).
+Here each is the plain reference; `minifer.fast.install()` (run by ``import minifer``) puts the
+speed-ups there, each tested equal to what it replaces. ``with minifer.fast.disabled():`` or
+``MINIFER_SPEEDUPS=0`` runs the code you read: the same greedy tokens, only slower.
 `minifer.fast` imports the core and fills this seam; no core module imports `minifer.fast`.
 """
 
@@ -44,8 +43,7 @@ def decode_function(model: torch.nn.Module, cache, compile: bool | str) -> Calla
     forward pass ``model(tokens, cache=cache)``, with ``compile`` or without.
 
     (`minifer.fast.decode` returns its lean step, `minifer.fast.compiled` a compiled one when
-    ``compile`` asks for it.)
-    """
+    ``compile`` asks for it.)"""
     return None
 
 
@@ -56,8 +54,7 @@ def generation_threads(threads: int | str | None, device: torch.device | str
 
     Plain: an integer fixes torch's count for the call (restored after it); None or ``"auto"``
     leave it as it is. (`minifer.fast.threads`: ``"auto"`` follows the cores other programs
-    leave idle.)
-    """
+    leave idle.)"""
     threads = check_threads(threads)  # a NumPy integer comes back as an int
     restore = None
     if isinstance(threads, int):

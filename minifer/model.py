@@ -56,8 +56,7 @@ class RotaryEmbedding(nn.Module):
     key head is rotated by the angle ``position × inv_freq[i]``, so a query·key product depends
     only on the two tokens' distance. Keys are cached rotated: a cached entry is tied to its
     position (prefix caching reuses a prefix's K/V at the same positions). The frequencies stay
-    fp32 whatever the model's dtype (bf16 angles would be off by whole turns far out).
-    """
+    fp32 whatever the model's dtype (bf16 angles would be off by whole turns far out)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -211,8 +210,7 @@ class GPT(nn.Module):
     cached tokens (prefill: many new tokens; decode: one); without, the whole sequence is
     recomputed (the KV-cache lesson's reference). The cached, recomputed, chunked and left-padded
     paths agree to float rounding in fp32 (1e-5: the same greedy tokens), in bf16/fp16 to that
-    dtype's precision (a near-tie can flip; tests/test_exactness.py).
-    """
+    dtype's precision (a near-tie can flip; tests/test_exactness.py)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -233,10 +231,9 @@ class GPT(nn.Module):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_config(
-        cls, config: GPTConfig | str, *, seed: int = 0,
-        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-    ) -> GPT:
+    def from_config(cls, config: GPTConfig | str, *, seed: int = 0,
+                    device: torch.device | str | None = None, dtype: torch.dtype | None = None
+                    ) -> GPT:
         """A randomly initialised model (GPT-2 init, seeded: same seed → same weights anywhere)."""
         if isinstance(config, str):
             config = GPTConfig.preset(config)
@@ -264,8 +261,7 @@ class GPT(nn.Module):
         Q/K/V (and Llama's gate/up) projections are fused, GPT-2's `Conv1D` weights transposed
         (as `minifer.hf_checkpoint` does from a folder). Config options this engine does not
         compute (another activation, sliding windows, other RoPE scalings than Llama 3's,
-        mixture-of-experts, ...) are a ValueError naming the option, never a silent conversion.
-        """
+        mixture-of-experts, ...) are a ValueError naming the option, never a silent conversion."""
         from .hf_convert import FAMILIES
 
         hc = getattr(hf_model, "config", None)
@@ -278,8 +274,7 @@ class GPT(nn.Module):
 
     @classmethod
     def from_hf_state(cls, hc: dict, tensors: dict[str, torch.Tensor],
-                      dtype: torch.dtype | None = None,
-                      device: torch.device | None = None) -> GPT:
+                      dtype: torch.dtype | None = None, device: torch.device | None = None) -> GPT:
         """A model (eval mode, on `device`) from a Hugging Face config dict (``config.json``) and
         its tensors by Hugging Face names, which it takes over (no copy where the dtype is already
         `dtype`; default: the tensors' own). A tensor missing, left over or of another shape than the

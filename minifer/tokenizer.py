@@ -76,8 +76,7 @@ class ByteTokenizer:
         """How one token looks on its own (for tables and figures): bytes shown escaped."""
         if token_id >= 256:
             return self.specials[token_id - 256]
-        b = bytes([token_id])
-        return b.decode("utf-8") if token_id < 128 else f"\\x{token_id:02x}"
+        return bytes([token_id]).decode("utf-8") if token_id < 128 else f"\\x{token_id:02x}"
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size})"
