@@ -29,33 +29,11 @@ from .tokenizer import ByteTokenizer, Tokenizer
 fast.install()
 
 __all__ = [
-    "GPT",
-    "PRESETS",
-    "PromptLookupDrafter",
-    "ByteTokenizer",
-    "RequestOutput",
-    "Completion",
-    "GPTConfig",
-    "LLMEngine",
-    "SamplingParams",
-    "Sequence",
-    "StaticKVCache",
-    "TextStopper",
-    "TokenEvent",
-    "Tokenizer",
-    "chat",
-    "decode_step",
-    "default_device",
-    "generate",
-    "load_hf_checkpoint",
-    "load_pretrained",
-    "model_bytes",
-    "prefill",
-    "prepack",
-    "quantize",
-    "quantization_summary",
-    "speculative_generate",
-    "stream",
+    "GPT", "PRESETS", "PromptLookupDrafter", "ByteTokenizer", "RequestOutput", "Completion",
+    "GPTConfig", "LLMEngine", "SamplingParams", "Sequence", "StaticKVCache", "TextStopper",
+    "TokenEvent", "Tokenizer", "chat", "decode_step", "default_device", "generate",
+    "load_hf_checkpoint", "load_pretrained", "model_bytes", "prefill", "prepack", "quantize",
+    "quantization_summary", "speculative_generate", "stream",
 ]
 __version__ = "0.1.0"
 
