@@ -110,7 +110,8 @@ notebooks: $(STAMP)
 	cd notebooks && ../$(BIN)/python ../tools/run_notebooks.py --report RUNTIMES.md $(notdir $(NOTEBOOKS)) $(SOLUTIONS:notebooks/%=%)
 	$(BIN)/python tools/write_claims.py
 
-# Every lesson in JupyterLab, driven by headless Chromium (Debian's `chromium`; playwright never
+# Every lesson in JupyterLab, driven by headless Chromium (Debian's `chromium` and, for the text
+# checks' font metrics, `fonts-liberation`; playwright never
 # downloads a browser): Run All, no error output, figures drawn, every slider and dropdown of
 # every panel moved and its figure changed, no text drawn over text. Screenshots in screenshots/.
 browser-test: $(STAMP)
