@@ -8,7 +8,7 @@ that, bit for bit, so a W8A8 layer gives the same numbers at every batch size.
   kernel over torch's threads, built by `Int8Gemv` when first needed (`minifer.fast.native`)
   on CPUs with VNNI, unless ``ATEN_CPU_CAPABILITY`` asks for AVX2 or less. Elsewhere, or where
   the build fails (it warns once), one row goes the way of many.
-- More rows: the same kernel's `Int8Gemv.many`, over a copy of the weight packed in blocks of
+- More rows: `Int8Gemv` too, over a copy of the weight packed in blocks of
   16 columns (made at the first batched call); without VNNI (or inside `torch.compile`),
   `w8a8_int_mm`, ``torch._int_mm`` (oneDNN's int8 GEMM) where its sums are exact here
   (`INT_MM_EXACT`); else the reference itself.

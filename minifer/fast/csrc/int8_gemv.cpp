@@ -94,6 +94,14 @@ void dot_rows(const int8_t* w, const uint8_t* xu, int64_t K, int64_t N, int64_t 
   }
 }
 
+// the bias, when there is one, checked to be float32 [N]: its data (else nullptr)
+const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t N, const char* op) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
+              op, ": bias float32 [", N, "] expected");
+  return bias->data_ptr<float>();
+}
+
 at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                      const at::Tensor& rowsum, const c10::optional<at::Tensor>& bias) {
   // the loops read raw memory: every assumption is checked first
@@ -107,12 +115,7 @@ at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
               " scales and row sums expected, got ", scales.numel(), " and ", rowsum.numel());
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && scales.is_contiguous() &&
                   rowsum.is_contiguous(), "int8 gemv: contiguous tensors expected");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
-                "int8 gemv: bias float32 [", N, "] expected");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, N, "int8 gemv");
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
@@ -183,12 +186,7 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
               "int8 gemm: packed ", packed.sizes(), " is not pack(w) of a w [", N, ", ", K, "]");
   TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && scales.is_contiguous() &&
                   rowsum.is_contiguous(), "int8 gemm: contiguous tensors expected");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
-                "int8 gemm: bias float32 [", N, "] expected");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = bias_data(bias, N, "int8 gemm");
   at::Tensor out = at::empty({M, N}, x.options());
   std::vector<uint8_t> xu(M * 4 * G);
   std::vector<float> sx(M);
