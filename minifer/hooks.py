@@ -14,11 +14,13 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from .checks import check_threads
 
-__all__ = ["argmax", "batch_invariant", "decode_function", "generation_threads", "int8_matmul",
-           "lay_out_weights", "packed_attention", "prepare_bf16", "serving_threads"]
+__all__ = ["argmax", "batch_invariant", "decode_attention", "decode_function",
+           "generation_threads", "int8_matmul", "lay_out_weights", "packed_attention",
+           "prepare_bf16", "serving_threads"]
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -36,6 +38,19 @@ def batch_invariant(model: torch.nn.Module, on: bool) -> Iterator[None]:
         raise ValueError("batch_invariant=True needs minifer.fast's batch-invariant kernels, "
                          "which are off (MINIFER_SPEEDUPS=0 or inside minifer.fast.disabled())")
     yield
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     starts: list[int] | None) -> torch.Tensor:
+    """A decode step's attention, each row as it computes alone: queries `q` ``(B, kv_heads, g,
+    hd)`` over the cached `k`, `v` ``(B, kv_heads, S, hd)``, row b over its own slots
+    ``starts[b]..`` (None: every slot). One call for an unpadded batch (SDPA keeps its rows
+    apart), one per row for a padded one. (`minifer.fast.paged_attention` has a C++ kernel.)"""
+    if starts is None:
+        return F.scaled_dot_product_attention(q, k, v)
+    return torch.cat([F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, s:],
+                                                     v[b:b + 1, :, s:])
+                      for b, s in enumerate(starts)])
 
 
 def decode_function(model: torch.nn.Module, cache, compile: bool | str) -> Callable | None:

@@ -141,9 +141,12 @@ class CausalSelfAttention(nn.Module):
         """softmax(q kᵀ / √hd) v, each query over the keys its mask allows. A left-padded batch
         goes row by row over each row's own slots (`AttentionInputs.rows`): its call alone."""
         sdpa = _attention_math if self.impl == "math" else F.scaled_dot_product_attention
+        T = inputs.positions.shape[1]
+        if T == 1 and sdpa is not _attention_math and (inputs.mask is None or inputs.rows):
+            return hooks.decode_attention(q, k, v, inputs.rows)  # a decode step, row as alone
         if inputs.rows is None:
             return sdpa(q, k, v, inputs.mask, is_causal=inputs.is_causal)
-        T, y = inputs.positions.shape[1], torch.zeros_like(q)  # padding queries: zeros, unread
+        y = torch.zeros_like(q)  # padding queries: zeros, unread
         offset = k.shape[2] - T  # slots cached before the new tokens
         for b, s in enumerate(inputs.rows):  # row b's real slots: s.., its real queries: qs..
             qs = max(s - offset, 0)

@@ -33,13 +33,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = ("fp32", "bf16", "int8", "int4")
 
 
 def worker(preset: str, precision: str, threads: int, batches: list[int], prompt_len: int,
-           new_tokens: int, repeats: int) -> dict:
+           new_tokens: int, repeats: int, ragged: bool = False) -> dict:
     """One process's measurement, with the minifer that is on its sys.path: batch -> rate and
-    greedy tokens."""
+    greedy tokens. `ragged`: prompts of 4..`prompt_len` tokens (a left-padded batch)."""
     import torch
 
     import minifer as mf
@@ -55,6 +55,9 @@ def worker(preset: str, precision: str, threads: int, batches: list[int], prompt
     for batch in batches:
         prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
                                 generator=gen).tolist()
+        if ragged:
+            lengths = torch.randint(4, prompt_len + 1, (batch,), generator=gen).tolist()
+            prompts = [p[:n] for p, n in zip(prompts, lengths)]
         tokens = [c.token_ids for c in mf.generate(model, prompts, params)]  # warm-up
         rates = []
         for _ in range(repeats):
@@ -80,7 +83,7 @@ def _run_tree(tree: dict, args: argparse.Namespace, threads: int, precision: str
         env["TORCH_EXTENSIONS_DIR"] = tree["extensions"]
     command = [args.python, str(Path(__file__).resolve()), "--worker", json.dumps(
         [args.preset, precision, threads, args.batches, args.prompt_len, args.new_tokens,
-         args.repeats])]
+         args.repeats, args.ragged])]
     done = subprocess.run(command, env=env, cwd=tree["path"], capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"compare_trees: {tree['label']} {precision} threads={threads} failed:\n"
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed calls per batch in a process, after a warm-up (default 2)")
     parser.add_argument("--preset", default="gpt2", help="model preset, random weights")
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--ragged", action="store_true",
+                        help="prompts of 4..--prompt-len tokens, random: a left-padded batch")
     parser.add_argument("--new-tokens", type=int, default=33,
                         help="new tokens per call (default 33: 32 decode steps)")
     parser.add_argument("--python", default=sys.executable,
@@ -165,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             trees["old"] = _tree(args.old, Path(tmp) / "old")
             trees["new"] = _tree(args.new, Path(tmp) / "new") if args.new else _working_tree()
             print(f"old: {trees['old']['label']}; new: {trees['new']['label']}; {args.preset} "
-                  f"(random weights), prompt {args.prompt_len} + {args.new_tokens} new tokens, "
+                  f"(random weights), prompt {'4..' if args.ragged else ''}{args.prompt_len} + "
+                  f"{args.new_tokens} new tokens, "
                   f"greedy; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs",
                   flush=True)
             rows = compare(trees, args)

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from .. import hooks
 from .native import NativeKernel, vector_isa
 
-__all__ = ["paged_decode_attention", "PagedDecodeKernel", "KERNEL"]
+__all__ = ["paged_decode_attention", "decode_attention", "PagedDecodeKernel", "KERNEL"]
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 
@@ -91,3 +92,19 @@ def _check(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 
 KERNEL = PagedDecodeKernel()  # one per process: every engine shares its builds
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     starts: list[int] | None) -> torch.Tensor:
+    """`hooks.decode_attention` in the C++ kernel (``rows``: each row and K/V head one task, so
+    a row computes the same alone and in any batch), on the CPU in float32 outside
+    torch.compile; elsewhere the reference."""
+    if (q.device.type == k.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
+            and k.stride()[2:] == v.stride()[2:] == (k.shape[3], 1)
+            and not torch.compiler.is_compiling() and KERNEL.available()):
+        starts = [0] * q.shape[0] if starts is None else starts
+        return torch.ops.minifer_paged.rows(q.contiguous(), k, v, starts, q.shape[-1] ** -0.5)
+    return _REFERENCE(q, k, v, starts)
+
+
+_REFERENCE = hooks.decode_attention  # the plain function, before `minifer.fast` installs this one

@@ -7,12 +7,18 @@
 // loops follow the block table instead of first copying the row's K/V into one run (what the
 // eager path must do). Rows are split over torch's threads (at::parallel_for).
 //
+// `rows` is the same computation over generate's dense cache, k and v (B, Hkv, S, D), row b
+// over its own slots starts[b].. (a left-padded batch): minifer/hooks.py's `decode_attention`.
+// One task per row and K/V head, whose arithmetic depends on nothing but that row's keys, so a
+// row decodes bit for bit the same alone and in any batch, with any number of threads.
+//
 // Where head_dim is a multiple of 16 (64 in GPT-2 and the shipped models) a head's query,
 // key and value rows are handled as 16-float vectors (GCC's vector extensions: AVX-512 where
 // the build targets it, two AVX2 halves or four SSE quarters elsewhere) and the softmax takes
 // its exponentials 16 at a time; other widths take the plain loops below (`Plain`).
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -210,10 +216,63 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   return out;
 }
 
+// One row's K/V head, L keys from `k`, `v` (a head's tokens D floats apart): its G query heads
+// `q` score the keys, softmax, and sum the values into `out` (G * D floats).
+template <class Op>
+void attend_head(const Op& op, int64_t G, int64_t D, int64_t L, const float* q, const float* k,
+                 const float* v, float s, float* out, std::vector<float>& scores) {
+  scores.resize(G * L);  // scores[g * L + t]
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t g = 0; g < G; ++g) scores[g * L + t] = op.dot(q + g * D, k + t * D) * s;
+  for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * L, L);
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t g = 0; g < G; ++g) op.axpy(scores[g * L + t], v + t * D, out + g * D);
+}
+
+at::Tensor rows_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       at::IntArrayRef starts, double scale) {
+  // q (B, Hkv, G, D) contiguous; k, v (B, Hkv, S, D), each head's tokens contiguous: checked by
+  // the Python caller (`minifer.fast.paged_attention.decode_attention`), the starts here
+  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), S = k.size(2);
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "decode rows: ", starts.size(),
+              " starts for ", B, " rows");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(starts[b] >= 0 && starts[b] < S, "decode rows: row ", b, " starts at slot ",
+                starts[b], ", outside [0, ", S, ")");
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {  // one (row, head) per task
+    std::vector<float> scores;
+    auto heads = [&](const auto& dot) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / Hkv, h = i % Hkv, first = starts[b];
+        attend_head(dot, G, D, S - first, qp + i * G * D,
+                    kp + b * k.stride(0) + h * k.stride(1) + first * D,
+                    vp + b * v.stride(0) + h * v.stride(1) + first * D, s, op + i * G * D, scores);
+      }
+    };
+    switch (D % 16 ? 0 : D / 16) {
+      case 1: heads(Vec<1>{}); break;
+      case 2: heads(Vec<2>{}); break;
+      case 4: heads(Vec<4>{}); break;
+      case 8: heads(Vec<8>{}); break;
+      default: heads(Plain{D});
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(minifer_paged, m) {
   m.def("decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor lengths, "
         "float scale) -> Tensor");
+  m.def("rows(Tensor q, Tensor k, Tensor v, int[] starts, float scale) -> Tensor");
   m.impl("decode", c10::DispatchKey::CPU, &paged_decode);
+  m.impl("rows", c10::DispatchKey::CPU, &rows_decode);
 }
