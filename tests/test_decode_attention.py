@@ -1,7 +1,7 @@
 """A decode step's attention (`hooks.decode_attention`): the C++ kernel over generate's dense
-cache equals the reference (SDPA, a padded batch row by row) within float32's rounding, a row's
-result is bit for bit the same alone and in any batch at any thread count, bad starts get a
-clear error, and a padded batch decodes the tokens each prompt decodes alone."""
+cache (float32 or bfloat16) equals the reference (SDPA, a padded batch row by row) within its
+rounding, a row's result is bit for bit the same alone and in any batch at any thread count,
+bad starts get a clear error, and a padded batch decodes the tokens each prompt decodes alone."""
 
 from __future__ import annotations
 
@@ -62,9 +62,21 @@ def test_a_start_outside_the_cache_is_a_clear_error():
         PA.decode_attention(q, k, v, starts[:2] + [45] + starts[3:])
 
 
+@needs_kernel
+def test_a_bfloat16_cache_is_read_as_bfloat16_and_summed_in_float():
+    q, k, v, starts = (x.bfloat16() if torch.is_tensor(x) else x for x in _case(B=9))
+    got = PA.decode_attention(q, k, v, starts)
+    assert got.dtype == torch.bfloat16
+    exact = PA._REFERENCE(*(x.double() for x in (q, k, v)), starts)  # the same inputs, in fp64
+    assert (got.double() - exact).abs().max() <= 2 ** -7 * exact.abs().max()  # bf16's rounding
+    alone = [PA.decode_attention(q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:], None)
+             for b, s in enumerate(starts)]
+    assert torch.equal(got, torch.cat(alone))
+
+
 def test_other_dtypes_and_layouts_take_the_reference():
     q, k, v, starts = _case()
-    q, k, v = (x.bfloat16() for x in (q, k, v))
+    q, k, v = (x.half() for x in (q, k, v))
     assert torch.equal(PA.decode_attention(q, k, v, starts), PA._REFERENCE(q, k, v, starts))
     q, k, v, starts = _case()
     kt = k.transpose(2, 3).contiguous().transpose(2, 3)  # hd not contiguous: not the kernel's
@@ -72,7 +84,7 @@ def test_other_dtypes_and_layouts_take_the_reference():
     assert hooks.decode_attention is PA.decode_attention or not mf.fast.installed()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])  # bf16's products part them
 def test_a_padded_batch_decodes_each_prompt_as_alone(precision):
     model, tok = mf.load_pretrained("shakespeare")
     if precision != "fp32":

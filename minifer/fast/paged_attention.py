@@ -97,13 +97,15 @@ KERNEL = PagedDecodeKernel()  # one per process: every engine shares its builds
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      starts: list[int] | None) -> torch.Tensor:
     """`hooks.decode_attention` in the C++ kernel (``rows``: each row and K/V head one task, so
-    a row computes the same alone and in any batch), on the CPU in float32 outside
-    torch.compile; elsewhere the reference."""
-    if (q.device.type == k.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
-            and k.stride()[2:] == v.stride()[2:] == (k.shape[3], 1)
+    a row computes the same alone and in any batch; sums in float32), on the CPU for a float32
+    or bfloat16 cache, outside torch.compile; elsewhere the reference."""
+    if (q.device.type == k.device.type == "cpu" and q.dtype == k.dtype == v.dtype
+            and q.dtype in (torch.float32, torch.bfloat16) and k.stride() == v.stride()
+            and k.stride()[2:] == (k.shape[3], 1)
             and not torch.compiler.is_compiling() and KERNEL.available()):
         starts = [0] * q.shape[0] if starts is None else starts
-        return torch.ops.minifer_paged.rows(q.contiguous(), k, v, starts, q.shape[-1] ** -0.5)
+        y = torch.ops.minifer_paged.rows(q.float().contiguous(), k, v, starts, q.shape[-1] ** -0.5)
+        return y.to(q.dtype)
     return _REFERENCE(q, k, v, starts)
 
 

@@ -34,10 +34,20 @@ typedef float vf __attribute__((vector_size(64)));  // 16 floats
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));  // 16 bfloat16
+typedef uint32_t vu __attribute__((vector_size(64)));
 
 inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof v);  // an unaligned vector load
+  return v;
+}
+inline vf load(const at::BFloat16* p) {  // 16 bfloat16 widened: their bits, 16 places up
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
   return v;
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
@@ -105,12 +115,14 @@ void softmax(float* sh, int64_t L) {
 // One head's vector operations: head_dim = 16 * ND, in registers.
 template <int ND>
 struct Vec {
-  float dot(const float* a, const float* b) const {
+  template <class T>
+  float dot(const float* a, const T* b) const {
     vf s = load(a) * load(b);
     for (int i = 1; i < ND; ++i) s += load(a + 16 * i) * load(b + 16 * i);
     return hsum(s);
   }
-  void axpy(float w, const float* x, float* y) const {  // y += w * x
+  template <class T>
+  void axpy(float w, const T* x, float* y) const {  // y += w * x
     const vf wv = splat(w);
     for (int i = 0; i < ND; ++i) store(y + 16 * i, load(y + 16 * i) + wv * load(x + 16 * i));
   }
@@ -119,15 +131,17 @@ struct Vec {
 // Any other head_dim: loops the compiler vectorizes as it can.
 struct Plain {
   int64_t D;
-  float dot(const float* a, const float* b) const {
+  template <class T>
+  float dot(const float* a, const T* b) const {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+    for (int64_t d = 0; d < D; ++d) s += a[d] * static_cast<float>(b[d]);
     return s;
   }
-  void axpy(float w, const float* x, float* y) const {
+  template <class T>
+  void axpy(float w, const T* x, float* y) const {
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) y[d] += w * x[d];
+    for (int64_t d = 0; d < D; ++d) y[d] += w * static_cast<float>(x[d]);
   }
 };
 
@@ -216,11 +230,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   return out;
 }
 
-// One row's K/V head, L keys from `k`, `v` (a head's tokens D floats apart): its G query heads
-// `q` score the keys, softmax, and sum the values into `out` (G * D floats).
-template <class Op>
-void attend_head(const Op& op, int64_t G, int64_t D, int64_t L, const float* q, const float* k,
-                 const float* v, float s, float* out, std::vector<float>& scores) {
+// One row's K/V head, L keys from `k`, `v` (float or bfloat16, a head's tokens D values apart):
+// its G query heads `q` score the keys, softmax, and sum the values into `out` (G * D floats).
+template <class Op, class T>
+void attend_head(const Op& op, int64_t G, int64_t D, int64_t L, const float* q, const T* k,
+                 const T* v, float s, float* out, std::vector<float>& scores) {
   scores.resize(G * L);  // scores[g * L + t]
   for (int64_t t = 0; t < L; ++t)
     for (int64_t g = 0; g < G; ++g) scores[g * L + t] = op.dot(q + g * D, k + t * D) * s;
@@ -230,20 +244,12 @@ void attend_head(const Op& op, int64_t G, int64_t D, int64_t L, const float* q, 
     for (int64_t g = 0; g < G; ++g) op.axpy(scores[g * L + t], v + t * D, out + g * D);
 }
 
-at::Tensor rows_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       at::IntArrayRef starts, double scale) {
-  // q (B, Hkv, G, D) contiguous; k, v (B, Hkv, S, D), each head's tokens contiguous: checked by
-  // the Python caller (`minifer.fast.paged_attention.decode_attention`), the starts here
+template <class T>
+void rows_typed(const at::Tensor& q, const T* kp, const T* vp, const at::Tensor& k,
+                at::IntArrayRef starts, double scale, at::Tensor& out) {
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), S = k.size(2);
-  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "decode rows: ", starts.size(),
-              " starts for ", B, " rows");
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(starts[b] >= 0 && starts[b] < S, "decode rows: row ", b, " starts at slot ",
-                starts[b], ", outside [0, ", S, ")");
-  at::Tensor out = at::empty_like(q);
+  const int64_t row = k.stride(0), head = k.stride(1);  // v's strides are k's (checked)
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {  // one (row, head) per task
@@ -251,9 +257,9 @@ at::Tensor rows_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     auto heads = [&](const auto& dot) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / Hkv, h = i % Hkv, first = starts[b];
-        attend_head(dot, G, D, S - first, qp + i * G * D,
-                    kp + b * k.stride(0) + h * k.stride(1) + first * D,
-                    vp + b * v.stride(0) + h * v.stride(1) + first * D, s, op + i * G * D, scores);
+        const int64_t at = b * row + h * head + first * D;
+        attend_head(dot, G, D, S - first, qp + i * G * D, kp + at, vp + at, s, op + i * G * D,
+                    scores);
       }
     };
     switch (D % 16 ? 0 : D / 16) {
@@ -264,6 +270,24 @@ at::Tensor rows_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       default: heads(Plain{D});
     }
   });
+}
+
+at::Tensor rows_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       at::IntArrayRef starts, double scale) {
+  // q (B, Hkv, G, D) float contiguous; k, v (B, Hkv, S, D) float or bfloat16, each head's
+  // tokens contiguous: checked by the Python caller (`paged_attention.decode_attention`), the
+  // starts here. The result is float.
+  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), S = k.size(2);
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "decode rows: ", starts.size(),
+              " starts for ", B, " rows");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(starts[b] >= 0 && starts[b] < S, "decode rows: row ", b, " starts at slot ",
+                starts[b], ", outside [0, ", S, ")");
+  at::Tensor out = at::empty_like(q);
+  if (k.scalar_type() == at::kBFloat16)
+    rows_typed(q, k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), k, starts, scale, out);
+  else
+    rows_typed(q, k.data_ptr<float>(), v.data_ptr<float>(), k, starts, scale, out);
   return out;
 }
 
