@@ -240,15 +240,15 @@ def check_types(params, tokenizer) -> None:
         raise ValueError("stop strings are matched on text: pass tokenizer= to use stop")
 
 
-def check_model(model: torch.nn.Module) -> None:
+def check_model(model: torch.nn.Module, name: str = "model") -> None:
     """A TypeError unless `model` is a minifer GPT; a ValueError if its weights are on meta."""
     cfg = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or not all(
             isinstance(getattr(cfg, a, None), int) for a in ("vocab_size", "context_length")):
-        raise TypeError(f"model must be a minifer GPT (a module with a GPTConfig), got "
+        raise TypeError(f"{name} must be a minifer GPT (a module with a GPTConfig), got "
                         f"{type(model).__name__}")
     if any(p.device.type == "meta" for p in model.parameters()):
-        raise ValueError("model is on the meta device (shapes, no weights): load its weights "
+        raise ValueError(f"{name} is on the meta device (shapes, no weights): load its weights "
                          "before generating, e.g. model.to_empty(device='cpu') then a checkpoint")
 
 

@@ -36,11 +36,11 @@ from .sampling import (
     sample,
     seen_mask,
 )
-from .sequence import Completion, Sequence, prepare
+from .sequence import Completion, Sequence, check_model, prepare
 
 __all__ = ["SpecStats", "SpecCompletion", "Drafter", "DraftContext", "ModelDrafter",
-           "PromptLookupDrafter", "speculative_generate", "accept_with_ratio",
-           "expected_tokens_per_pass", "expected_speedup"]
+           "PromptLookupDrafter", "speculative_generate", "accept_with_ratio", "verify",
+           "check_draft", "check_tokenizers", "expected_tokens_per_pass", "expected_speedup"]
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -88,6 +88,13 @@ class SpecStats:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_time_s if self.wall_time_s > 0 else float("nan")
+
+    def add_round(self, accepted: int, proposed: int) -> None:
+        """One verification pass that kept `accepted` of `proposed` drafts."""
+        self.rounds, self.target_passes = self.rounds + 1, self.target_passes + 1
+        self.proposed, self.accepted = self.proposed + proposed, self.accepted + accepted
+        self.rejections += accepted < proposed
+        self.accept_hist[accepted] += 1
 
     def merge(self, other: SpecStats) -> SpecStats:
         """The sum of two runs' stats (same k)."""
@@ -268,7 +275,52 @@ def accept_with_ratio(p_d: torch.Tensor, q_d: torch.Tensor, u: torch.Tensor) -> 
     return u * q_d < p_d
 
 
-def _check_tokenizers(tokenizer, draft_tokenizer) -> None:
+def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
+           params: SamplingParams, seen: torch.Tensor | None, generator: torch.Generator | None,
+           accept: AcceptRule = accept_with_ratio) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's verdict on n drafts from its logits ``(n+1, V)`` at ``[pending, d1..dn]``:
+    (drafts accepted, the token after them), on the device. Greedy keeps the drafts equal to
+    the argmax; sampling accepts by `accept` until the first rejection and draws the next token
+    from normalise(max(0, p − q)) there, from p after n acceptances (`q` ``(n, V)``; None: a
+    deterministic proposal, one-hot). `seen` ``(1, V)``: the tokens before the drafts."""
+    n, rows = drafts.shape[0], torch.arange(drafts.shape[0] + 1, device=logits.device)
+    if seen is not None:  # the drafts before a position count as seen there
+        onehot = torch.zeros(n + 1, seen.shape[-1], dtype=torch.long, device=seen.device)
+        onehot[rows[1:], drafts] = 1
+        seen = seen | (onehot.cumsum(0) > 0)  # (n+1, V)
+    proc = logits if params.plain_argmax else process_logits(logits, params, seen)
+    if params.greedy:
+        choice = proc.argmax(dim=-1)  # (n+1,)
+        a = (choice[:n] == drafts).long().cumprod(0).sum()
+        return a, choice.index_select(0, a.view(1))[0]
+    p = proc.softmax(dim=-1)  # (n+1, V)
+    if q is None:
+        q = torch.zeros_like(p[:n])
+        q[rows[:n], drafts] = 1.0
+    u = torch.rand(n, device=p.device, generator=generator)
+    a = accept(p[rows[:n], drafts], q[rows[:n], drafts], u).long().cumprod(0).sum()
+    resid = torch.cat([(p[:n] - q).clamp_(min=0), p[n:]])  # after a rejection at i; all kept: p
+    row = resid.index_select(0, a.view(1))[0]
+    row = torch.where(row.sum() > 0, row, p.index_select(0, a.view(1))[0])  # p == q: use p
+    return a, draw(row, generator)
+
+
+def check_draft(draft: torch.nn.Module, target: torch.nn.Module, name: str = "draft") -> None:
+    """`check_model`'s errors, or a ValueError unless `draft` shares `target`'s vocabulary (size,
+    end-of-sequence id) and device."""
+    check_model(draft, name)
+    d, t = draft.config, target.config
+    if d.vocab_size != t.vocab_size or d.eos_token_id != t.eos_token_id:
+        raise ValueError(f"{name} and the target must share a vocabulary: {name} has "
+                         f"{d.vocab_size} tokens (eos {d.eos_token_id}), the target must have "
+                         f"{t.vocab_size} (eos {t.eos_token_id})")
+    if next(draft.parameters()).device != next(target.parameters()).device:
+        raise ValueError(f"{name} and the target must be on the same device "
+                         f"({next(target.parameters()).device}): move it with .to(device)")
+
+
+def check_tokenizers(tokenizer, draft_tokenizer) -> None:
+    """A ValueError unless the two tokenizers (either None: unchecked) are one vocabulary."""
     if tokenizer is None or draft_tokenizer is None or draft_tokenizer is tokenizer:
         return
     same = (type(tokenizer) is type(draft_tokenizer)
@@ -302,15 +354,9 @@ def speculative_generate(target: torch.nn.Module, draft, prompts,
     device = next(target.parameters()).device
     windows = {"target": cfg.context_length}
     if isinstance(drafter, ModelDrafter):
-        dcfg = drafter.model.config
-        if dcfg.vocab_size != cfg.vocab_size or dcfg.eos_token_id != cfg.eos_token_id:
-            raise ValueError(f"draft and target must share a vocabulary: draft has "
-                             f"{dcfg.vocab_size} tokens (eos {dcfg.eos_token_id}), target "
-                             f"{cfg.vocab_size} (eos {cfg.eos_token_id})")
-        if next(drafter.model.parameters()).device != device:
-            raise ValueError("draft and target must be on the same device")
-        windows["draft model"] = dcfg.context_length
-    _check_tokenizers(tokenizer, draft_tokenizer)
+        check_draft(drafter.model, target)
+        windows["draft model"] = drafter.model.config.context_length
+    check_tokenizers(tokenizer, draft_tokenizer)
     req = prepare(target, prompts, params, tokenizer, context_lengths=windows)
     if target_cache is not None:
         need = max(s.max_len for s in req.sequences)
@@ -334,7 +380,6 @@ class _SpecRun:
         self.V = target.config.vocab_size
         self.ids_buf = torch.empty(1, k + 1, dtype=torch.long, device=device)
         self.res_buf = torch.empty(k + 2, dtype=torch.long, device=device)
-        self.rows = torch.arange(k + 1, device=device)
 
     def generate(self, seq: Sequence, cache: StaticKVCache | None) -> SpecCompletion:
         """Prefill, then rounds of draft → verify → accept: `advance` with a multi-token step."""
@@ -404,67 +449,16 @@ class _SpecRun:
         self.ids_buf[0, 1:n + 1] = drafts
         logits = self.target(self.ids_buf[:, :n + 1], cache=cache)[0]  # (n+1, V)
         mask_padded_vocab(logits, self.vocab)
-        seen_rows = self._seen_per_position(drafts)
-        if params.greedy:
-            a, nxt = self._verify_greedy(logits, drafts, params, seen_rows)
-        else:
-            a, nxt = self._verify_sampled(logits, drafts, q, params, seen_rows)
+        a, nxt = verify(logits, drafts, q, params, self.seen, self.gen, self.accept)
         self.res_buf[:n] = drafts
         self.res_buf[n] = a
         self.res_buf[n + 1] = nxt
         host = self.res_buf[:n + 2].tolist()  # the round's one device → host transfer
         accepted, pending = host[n], host[n + 1]
         cache.rollback(n - accepted)  # keep pending + d1..d_accepted
-        stats.rounds += 1
-        stats.target_passes += 1
-        stats.proposed += n
-        stats.accepted += accepted
-        stats.rejections += accepted < n
-        stats.accept_hist[accepted] += 1
+        stats.add_round(accepted, n)
         td = time.perf_counter()
         stats.target_time_s += td - tt
         self.drafter.commit(accepted, n)
         stats.draft_time_s += time.perf_counter() - td
         return accepted, host[:n], pending
-
-    def _seen_per_position(self, drafts: torch.Tensor) -> torch.Tensor | None:
-        """The seen-token mask at each verified position: the drafts before it count as seen."""
-        if self.seen is None:
-            return None
-        n = drafts.shape[0]
-        seen_rows = self.seen.expand(n + 1, self.V).clone()
-        if n:
-            onehot = torch.zeros(n + 1, self.V, dtype=torch.long, device=self.device)
-            onehot[self.rows[1:n + 1], drafts] = 1
-            seen_rows |= onehot.cumsum(0) > 0
-        return seen_rows
-
-    @staticmethod
-    def _verify_greedy(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams,
-                       seen_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep the drafts equal to the target's argmax: (accepted, next token), on the device."""
-        n = drafts.shape[0]
-        proc = logits if params.plain_argmax else process_logits(logits, params, seen_rows)
-        choice = proc.argmax(dim=-1)  # (n+1,)
-        a = (choice[:n] == drafts).long().cumprod(0).sum()
-        return a, choice.index_select(0, a.view(1))[0]
-
-    def _verify_sampled(self, logits: torch.Tensor, drafts: torch.Tensor,
-                        q: torch.Tensor | None, params: SamplingParams,
-                        seen_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accept drafts by `self.accept` until the first rejection; the next token from
-        normalise(max(0, p − q)) there, or from p after a full acceptance."""
-        n, rows = drafts.shape[0], self.rows
-        p = process_logits(logits, params, seen_rows).softmax(dim=-1)  # (n+1, V)
-        if q is None:  # deterministic proposal: q is one-hot on each draft token
-            q = torch.zeros(n, self.V, device=self.device)
-            q[rows[:n], drafts] = 1.0
-        p_d, q_d = p[rows[:n], drafts], q[rows[:n], drafts]
-        u = torch.rand(n, device=self.device, generator=self.gen)
-        a = self.accept(p_d, q_d, u).long().cumprod(0).sum()
-        resid = torch.empty_like(p)
-        resid[:n] = (p[:n] - q).clamp_(min=0)  # where to go after a rejection at i
-        resid[n] = p[n]  # all accepted: the bonus token comes from p
-        row = resid.index_select(0, a.view(1))[0]
-        row = torch.where(row.sum() > 0, row, p.index_select(0, a.view(1))[0])  # p == q: use p
-        return a, draw(row, self.gen)

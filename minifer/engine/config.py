@@ -10,11 +10,13 @@ import torch
 from ..checks import check_int, check_number
 from ..config import kv_token_bytes
 from ..device import as_device, available_memory
+from ..speculative import check_draft
 
-__all__ = ["EngineConfig", "POLICIES", "KV_CACHE_FRACTION"]
+__all__ = ["EngineConfig", "POLICIES", "KV_CACHE_FRACTION", "MAX_SPECULATIVE_TOKENS"]
 
 POLICIES = ("static", "continuous")  # the scheduler's (`engine.scheduler`)
 KV_CACHE_FRACTION = 0.5  # of the memory available when the engine starts: the pool's default
+MAX_SPECULATIVE_TOKENS = 16  # most drafts per request and step (past a few, most are rejected)
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,10 @@ class EngineConfig:
     - `sample_vocab`: sample only among the first `sample_vocab` token ids (default: the
       tokenizer's vocabulary, else the model's).
     - `batch_invariant`: each request's tokens exactly as `generate` gives them alone, whatever
-      else shares its steps (`minifer.fast.invariant`: slower; keep torch's thread count fixed)."""
+      else shares its steps (`minifer.fast.invariant`: slower; keep torch's thread count fixed).
+    - `draft_model`, `num_speculative_tokens`: speculative decoding (`engine.speculative`): a
+      model with the same vocabulary drafts that many tokens (default 4, at most 16) per decoding
+      request and step; its K/V take a pool of their own (in `kv_cache_memory`)."""
 
     policy: str = "continuous"
     block_size: int = 16
@@ -53,6 +58,8 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory: int | float | None = None
     batch_invariant: bool = False
+    draft_model: torch.nn.Module | None = None
+    num_speculative_tokens: int | None = None
 
     def resolved(self, model: torch.nn.Module) -> EngineConfig:
         """Every field checked against `model` and the defaults filled in, before any allocation."""
@@ -63,9 +70,12 @@ class EngineConfig:
         check_int("block_size", self.block_size, 1, ctx,
                   why=" (tokens per KV block, at most the model's context)")
         check_int("max_num_seqs", self.max_num_seqs, 1)
+        k = self.num_speculative_tokens
+        if self.draft_model is not None or k is not None:
+            k, ctx = self._speculation(model, ctx)
         if self.max_model_len is not None:
             ctx = check_int("max_model_len", self.max_model_len, 1, ctx,
-                            why=" (tokens one request may hold, at most the model's context)")
+                            why=" (tokens one request may hold, at most the model's context and a draft's)")
         device = model_device if self.device is None else _model_device(self.device, model_device)
         num_blocks = self.num_blocks
         if num_blocks is None:
@@ -81,8 +91,18 @@ class EngineConfig:
             check_int("sample_vocab", self.sample_vocab, 1, cfg.vocab_size)
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
-        return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                                   device=str(device), aging=float(self.aging), max_model_len=ctx)
+        return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget, device=str(device),
+                                   aging=float(self.aging), max_model_len=ctx, num_speculative_tokens=k)
+
+    def _speculation(self, model: torch.nn.Module, ctx: int) -> tuple[int, int]:
+        """(num_speculative_tokens, the context a request must fit: the draft's too), checked."""
+        draft, k = self.draft_model, self.num_speculative_tokens
+        if draft is None:
+            raise ValueError("num_speculative_tokens needs a draft_model to draft them")
+        check_draft(draft, model, "draft_model")
+        k = check_int("num_speculative_tokens", 4 if k is None else k, 1, MAX_SPECULATIVE_TOKENS,
+                      why=" (tokens drafted per request and step)")
+        return k, min(ctx, draft.config.context_length)
 
     def _pool_blocks(self, model: torch.nn.Module, max_len: int, device) -> tuple[int, int]:
         """Blocks for `max_num_seqs` requests of `max_len` tokens or what the budget holds."""
@@ -90,8 +110,8 @@ class EngineConfig:
         if isinstance(memory, float):  # a fraction of what is free now
             memory = int(check_number("kv_cache_memory", memory, gt=0, le=1) * available_memory(device))
         check_int("kv_cache_memory", memory, 1, why=" (bytes, or a fraction in (0, 1])")
-        cfg, p = model.config, next(t for t in model.parameters() if t.is_floating_point())
-        fits = memory // int(kv_token_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim, p.element_size()) * self.block_size)
+        cfgs = [(m.config, next(t for t in m.parameters() if t.is_floating_point())) for m in (model, self.draft_model) if m is not None]
+        fits = memory // int(sum(kv_token_bytes(c.n_layer, c.kv_heads, c.head_dim, p.element_size()) for c, p in cfgs) * self.block_size)
         if fits < 1 or (fits * self.block_size < max_len and self.max_model_len is not None):
             raise ValueError(f"kv_cache_memory={memory:,} bytes holds {fits * self.block_size:,} tokens, fewer than "
                              f"one request of max_model_len={max_len:,}: raise --kv-cache-memory or lower --max-model-len")

@@ -33,6 +33,7 @@ from .model_runner import ModelRunner
 from .options import generate_arguments, prepare_request
 from .request import Request, RequestOutput
 from .scheduler import Scheduler, SchedulerOutput
+from .speculative import SpeculativeStep
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "StepStats"]
 
@@ -86,6 +87,7 @@ class LLMEngine:
                                           bytes_per_token=self.pool.bytes_per_token)
         self.scheduler = Scheduler(self.block_manager, c)
         self.runner = ModelRunner(model, self.pool, self.device, batch_invariant=c.batch_invariant)
+        self.speculative = None if c.draft_model is None else SpeculativeStep(c, self.runner, self.scheduler)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._order = itertools.count()
         self.last_step: StepStats | None = None
@@ -94,7 +96,7 @@ class LLMEngine:
     def options(self) -> dict:
         """The config as keyword arguments: what rebuilds this engine elsewhere
         (`engine_process`, `replicas`)."""
-        return dataclasses.asdict(self.config)
+        return dict(vars(self.config))  # not `asdict`: it would copy a draft model
 
     # counters of the model runner (see `ModelRunner`)
     num_prefill_tokens = property(lambda self: self.runner.num_prefill_tokens,
@@ -188,8 +190,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for c in plan.chunks:
             c.request.metrics.on_scheduled(t0)
-        tokens = self.runner.execute(plan.chunks)
-        outputs = self.scheduler.postprocess(plan, tokens)
+        outputs = (self.speculative.step(plan) if self.speculative and plan.chunks  # a draft
+                   else self.scheduler.postprocess(plan, self.runner.execute(plan.chunks)))
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]

@@ -53,7 +53,7 @@ class ModelRunner:
         ids = [t for c in chunks for t in c.request.tokens[c.start:c.start + c.num_new]]
         batch = PackedBatch(self.pool, [c.block_table for c in chunks], [c.start for c in chunks],
                             [c.num_new for c in chunks], logits_rows=due)
-        self._count(chunks)
+        self.count_tokens(chunks)
         t0 = time.perf_counter()
         with torch.inference_mode(), hooks.batch_invariant(self.model, self.invariant):
             idx = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -101,7 +101,7 @@ class ModelRunner:
                 r.seen[t] = True
         return picked
 
-    def _count(self, rows: list[Chunk]) -> None:
+    def count_tokens(self, rows: list[Chunk]) -> None:
         decode = sum(1 for c in rows if c.decodes)
         self.num_decode_tokens += decode
         self.num_decode_calls += decode > 0

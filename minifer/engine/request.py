@@ -49,6 +49,7 @@ class Request:
     num_logprobs: int | None = None  # alternatives to report per token (None: no logprobs)
     logprobs: list | None = None  # the TokenLogprob of each generated token so far
     error: str | None = None  # set when something in a step failed for this request alone
+    num_draft_computed = 0  # leading tokens whose K/V the draft's pool holds (`engine.speculative`)
 
     def __init__(self, request_id: str, seq: Sequence, vocab: int, priority: int,
                  arrival_time: float, order: int, device: torch.device,

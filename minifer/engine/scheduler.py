@@ -152,7 +152,7 @@ class Scheduler:
         """Take all of `req`'s blocks back; it will recompute its tokens when readmitted."""
         self.running.remove(req)
         self.bm.free(req.request_id)
-        req.num_computed = 0
+        req.num_computed = req.num_draft_computed = 0  # (a draft's K/V too: `engine.speculative`)
         req.status = Status.WAITING
         req.metrics.preemptions += 1
         self.num_preemptions += 1

@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_options(e) -> None:
+    from ..engine.config import MAX_SPECULATIVE_TOKENS
     from .api import SCHEDULING_POLICIES
 
     e.add_argument("--policy", choices=["continuous", "static"], default="continuous")
@@ -84,6 +85,12 @@ def _engine_options(e) -> None:
                         "priority: lower priority value first")
     e.add_argument("--aging", type=float, default=0.0,
                    help="priority points a waiting request gains per step (0: strict priority)")
+    e.add_argument("--draft-model", default=None, metavar="NAME",
+                   help="speculative decoding: a small model with --model's tokenizer drafts "
+                        "tokens that --model checks (loaded as --model is: shakespeare-draft)")
+    e.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   choices=range(1, MAX_SPECULATIVE_TOKENS + 1),
+                   help="tokens the draft proposes per request and step (1 to 16, default 4)")
 
 
 def _limit_options(lim) -> None:
@@ -155,7 +162,7 @@ def server_options(args: argparse.Namespace) -> dict:
                 chat_template_max_chars=args.chat_template_max_chars)
 
 
-def load_model(name: str, device=None, dtype=None):
+def load_model(name: str, device=None, dtype=None, flag: str = "--model"):
     """A shipped model with its tokenizer, a preset with random weights and bytes, or a Hugging
     Face checkpoint folder (`minifer.load_hf_checkpoint`: its tokenizer and chat template)."""
     import torch
@@ -171,9 +178,32 @@ def load_model(name: str, device=None, dtype=None):
         return model.eval(), mf.ByteTokenizer()
     if os.path.isdir(name) or is_hub_id(name):  # a hub id: from the local cache, else downloaded
         return mf.load_hf_checkpoint(name, device=device, dtype=dtype)
-    raise SystemExit(f"--model must be one of {sorted(PRETRAINED)}, a preset "
+    raise SystemExit(f"{flag} must be one of {sorted(PRETRAINED)}, a preset "
                      f"{sorted(mf.PRESETS)}, a checkpoint folder or a hub id (org/name), got "
                      f"{name!r}")
+
+
+def build_engine(args: argparse.Namespace):
+    """The `LLMEngine` the command line asks for: its model (quantized if asked) and draft."""
+    import torch
+
+    import minifer as mf
+
+    from ..engine.llm_engine import LLMEngine
+    from ..speculative import check_tokenizers
+
+    device, dtype = args.device or str(mf.default_device()), getattr(torch, args.dtype or "", None)
+    model, tok = load_model(args.model, device, dtype)
+    if args.quantization is not None:
+        model = mf.quantize(model, args.quantization)
+    draft = None
+    if args.draft_model is not None:
+        draft, draft_tok = load_model(args.draft_model, device, dtype, "--draft-model")
+        check_tokenizers(tok, draft_tok)
+    return LLMEngine(model, tok, draft_model=draft, **{name: getattr(args, name) for name in (
+        "policy", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "aging",
+        "enable_chunked_prefill", "enable_prefix_caching", "max_model_len", "kv_cache_memory",
+        "num_speculative_tokens")})  # EngineConfig's fields, as the flags name them
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -184,23 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))  # exits 2 with the usage, before anything is loaded
 
-    import torch
-
-    import minifer as mf
-
-    from ..engine.llm_engine import LLMEngine
     from .api import LOOPBACK_HOSTS, create_app, make_server, server_config
 
-    device = args.device or str(mf.default_device())
-    model, tok = load_model(args.model, device, getattr(torch, args.dtype or "", None))
-    if args.quantization is not None:
-        model = mf.quantize(model, args.quantization)
-    engine = LLMEngine(model, tok, policy=args.policy, block_size=args.block_size,
-                       num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       enable_chunked_prefill=args.enable_chunked_prefill,
-                       enable_prefix_caching=args.enable_prefix_caching, aging=args.aging,
-                       max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory)
+    engine = build_engine(args)
     app = create_app(engine, model_name=args.served_model_name or args.model,
                      model_root=args.model, **options)
     if options["api_key"] is None and args.host not in LOOPBACK_HOSTS:
