@@ -23,7 +23,7 @@ from ..speculative import SpecStats, verify
 from .config import EngineConfig
 from .kv_pool import PackedBatch, PagedKVPool
 from .model_runner import ModelRunner
-from .options import record_logprobs
+from .options import ban_early_eos, record_logprobs
 from .request import Request, RequestOutput, Status
 from .scheduler import Chunk, Scheduler, SchedulerOutput
 
@@ -47,14 +47,8 @@ class SpeculativeStep:
         with torch.inference_mode():
             drafts = self.propose(plan)
             logits = self.check(plan.chunks, drafts).split([len(drafts.get(j, ())) + 1 for j in due])
-            tokens = [self.keep(plan.chunks[j].request, lg, drafts[j]) if j in drafts else None
+            tokens = [self.keep(plan.chunks[j].request, lg, drafts.get(j, []))
                       for j, lg in zip(due, logits)]
-            plain = [i for i, t in enumerate(tokens) if t is None]  # sampled as without a draft
-            if plain:
-                sampled = self.runner.sample([plan.chunks[due[i]].request for i in plain],
-                                             torch.cat([logits[i] for i in plain]))
-                for i, t in zip(plain, sampled):
-                    tokens[i] = t if isinstance(t, Exception) else [t]
         return self.record(plan, due, drafts, tokens)
 
     def propose(self, plan: SchedulerOutput) -> dict[int, list[int]]:
@@ -117,20 +111,25 @@ class SpeculativeStep:
 
     def keep(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> list[int] | Exception:
         """The tokens `req` keeps from its logits ``(k+1, V)``: the drafts the target agrees
-        with, then its own; or the exception checking raised (this request's alone)."""
+        with, then its own (no drafts: a token sampled as without a draft, `min_tokens` kept);
+        or the exception checking raised (this request's alone)."""
         try:
-            a, nxt = verify(mask_padded_vocab(logits, req.vocab),
-                            torch.tensor(drafts, device=logits.device), None, req.params,
-                            None if req.seen is None else req.seen[None], req.generator)
+            mask_padded_vocab(logits, req.vocab)
+            raw = logits.clone() if req.logprobs is not None else None
+            ban_early_eos(logits[:1], [req.seq])  # (a request before min_tokens has no drafts)
+            a, nxt = verify(logits, torch.tensor(drafts, dtype=torch.long, device=logits.device),
+                            None, req.params, None if req.seen is None else req.seen[None],
+                            req.generator)
             tokens = drafts[:int(a)] + [int(nxt)]
         except Exception as err:  # noqa: BLE001 - this request's failure, no one else's
             return err
-        if req.logprobs is not None:  # cut to the tokens recorded (`record`)
-            record_logprobs(logits, [req] * len(tokens), tokens)
+        if raw is not None:  # cut to the tokens recorded (`record`)
+            record_logprobs(raw, [req] * len(tokens), tokens)
         if req.seen is not None:
             req.seen[tokens] = True
-        self.stats.add_round(len(tokens) - 1, len(drafts))
-        self.stats.tokens += len(tokens)
+        if drafts:
+            self.stats.add_round(len(tokens) - 1, len(drafts))
+            self.stats.tokens += len(tokens)
         return tokens
 
     def record(self, plan: SchedulerOutput, due: list[int], drafts: dict[int, list[int]],
