@@ -134,8 +134,9 @@ class StaticKVCache:
         device = device if isinstance(device, torch.device) else as_device(device)
         self.quantized = _is_int8(dtype)
         if self.quantized:  # int8 values + one scale per (row, head, token): K ≈ k_q * k_scale
-            dtype = torch.int8
-            self._allocate_scales(n_layer, (batch_size, n_kv_head, max_len, 1), device)
+            dtype, scale_shape = torch.int8, (batch_size, n_kv_head, max_len, 1)
+            self.k_scale = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
+            self.v_scale = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
         elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"StaticKVCache dtype must be a float torch dtype or 'int8', "
                              f"got {dtype!r}")
@@ -146,10 +147,6 @@ class StaticKVCache:
         self.n_layer, self.n_kv_head, self.head_dim = n_layer, n_kv_head, head_dim
         self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.pos, self.padded = 0, False  # padded: any row left padded? (on the host: no sync)
-
-    def _allocate_scales(self, n_layer: int, shape: tuple[int, ...], device) -> None:
-        self.k_scale = [torch.zeros(shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
-        self.v_scale = [torch.zeros(shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch_size: int, max_len: int | None = None, *,
@@ -184,14 +181,10 @@ class StaticKVCache:
         return views of all its cached slots ``0..pos+T-1``. `pos` moves only in `advance`."""
         end = self.pos + k.shape[2]
         if self.quantized:
-            return self._update_int8(layer, k, v, end)
+            return self.write_int8(layer, torch.arange(self.pos, end, device=k.device), k, v, end)
         self.k[layer][:, :, self.pos:end] = k
         self.v[layer][:, :, self.pos:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-    def _update_int8(self, layer: int, k: torch.Tensor, v: torch.Tensor, end: int):
-        slot = torch.arange(self.pos, end, device=self.k[layer].device)
-        return self.write_int8(layer, slot, k, v, end)
 
     def write_int8(self, layer: int, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    end: int):

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .checks import check_int
+from .checks import check_int, check_number
 
 
 def kv_token_bytes(n_layer: int, n_kv_head: int, head_dim: int, bytes_per_value: float) -> float:
@@ -84,20 +84,7 @@ class GPTConfig:
         if self.head_size is None and self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head "
                              f"({self.n_head})")
-        self._check_rope()
-        kv = check_int("GPTConfig.n_kv_head", self.kv_heads, 1, self.n_head,
-                       why=f" (a divisor of n_head={self.n_head})")
-        if self.n_head % kv:
-            raise ValueError(f"GPTConfig.n_kv_head must divide n_head={self.n_head}, got {kv}")
-        if self.eos_token_id is not None:
-            check_int("GPTConfig.eos_token_id", self.eos_token_id, 0, self.vocab_size - 1,
-                      why=" (a token id)")
-
-    def _check_rope(self) -> None:
-        if not (isinstance(self.rope_theta, (int, float)) and not isinstance(self.rope_theta, bool)
-                and math.isfinite(self.rope_theta) and self.rope_theta > 0):
-            raise ValueError(f"GPTConfig.rope_theta must be a finite positive number, got "
-                             f"{self.rope_theta!r}")
+        check_number("GPTConfig.rope_theta", self.rope_theta, gt=0, finite=True)
         if self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"GPTConfig: rotary positions rotate pairs of dimensions, so the "
                              f"head dim must be even, got {self.head_dim}")
@@ -108,6 +95,13 @@ class GPTConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise ValueError(f"GPTConfig.rope_scaling must be a RopeScaling or None, got "
                              f"{self.rope_scaling!r}")
+        kv = check_int("GPTConfig.n_kv_head", self.kv_heads, 1, self.n_head,
+                       why=f" (a divisor of n_head={self.n_head})")
+        if self.n_head % kv:
+            raise ValueError(f"GPTConfig.n_kv_head must divide n_head={self.n_head}, got {kv}")
+        if self.eos_token_id is not None:
+            check_int("GPTConfig.eos_token_id", self.eos_token_id, 0, self.vocab_size - 1,
+                      why=" (a token id)")
 
     @property
     def head_dim(self) -> int:

@@ -203,17 +203,12 @@ class ModelDrafter(Drafter):
             logits = self.model(x, cache=self.cache, last_only=True)[:, -1]  # (1, V)
             self.passes += 1
             mask_padded_vocab(logits, ctx.vocab)
-            if params.plain_argmax:
-                tokens[i] = logits[0].argmax()
-                x = tokens[i:i + 1].view(1, 1)
-                continue
-            proc = process_logits(logits, params, seen)
+            proc = logits if params.plain_argmax else process_logits(logits, params, seen)
             if params.greedy:
                 tokens[i] = proc[0].argmax()
             else:
-                probs = proc.softmax(dim=-1)
-                self.q[i] = probs[0]
-                tokens[i] = draw(probs[0], ctx.generator)
+                self.q[i] = proc[0].softmax(dim=-1)
+                tokens[i] = draw(self.q[i], ctx.generator)
             x = tokens[i:i + 1].view(1, 1)
             if seen is not None:
                 seen[0, tokens[i]] = True
@@ -378,8 +373,6 @@ class _SpecRun:
         self.between_steps = between_steps  # the thread count's hook (`hooks.generation_threads`)
         self.vocab, self.device, self.accept = vocab, device, accept
         self.V = target.config.vocab_size
-        self.ids_buf = torch.empty(1, k + 1, dtype=torch.long, device=device)
-        self.res_buf = torch.empty(k + 2, dtype=torch.long, device=device)
 
     def generate(self, seq: Sequence, cache: StaticKVCache | None) -> SpecCompletion:
         """Prefill, then rounds of draft → verify → accept: `advance` with a multi-token step."""
@@ -445,15 +438,11 @@ class _SpecRun:
         stats.draft_time_s += tt - td
 
         # One target pass over [pending, d1..dn]: logits for the position after each.
-        self.ids_buf[0, 0] = tokens[-1]
-        self.ids_buf[0, 1:n + 1] = drafts
-        logits = self.target(self.ids_buf[:, :n + 1], cache=cache)[0]  # (n+1, V)
+        ids = torch.cat([torch.tensor([tokens[-1]], device=self.device), drafts])
+        logits = self.target(ids.view(1, -1), cache=cache)[0]  # (n+1, V)
         mask_padded_vocab(logits, self.vocab)
         a, nxt = verify(logits, drafts, q, params, self.seen, self.gen, self.accept)
-        self.res_buf[:n] = drafts
-        self.res_buf[n] = a
-        self.res_buf[n + 1] = nxt
-        host = self.res_buf[:n + 2].tolist()  # the round's one device → host transfer
+        host = torch.cat([drafts, a.view(1), nxt.view(1)]).tolist()  # the round's one transfer
         accepted, pending = host[n], host[n + 1]
         cache.rollback(n - accepted)  # keep pending + d1..d_accepted
         stats.add_round(accepted, n)

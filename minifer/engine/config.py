@@ -70,9 +70,8 @@ class EngineConfig:
         check_int("block_size", self.block_size, 1, ctx,
                   why=" (tokens per KV block, at most the model's context)")
         check_int("max_num_seqs", self.max_num_seqs, 1)
-        k = self.num_speculative_tokens
-        if self.draft_model is not None or k is not None:
-            k, ctx = self._speculation(model, ctx)
+        spec = self.draft_model is not None or self.num_speculative_tokens is not None
+        k, ctx = self._speculation(model, ctx) if spec else (None, ctx)
         if self.max_model_len is not None:
             ctx = check_int("max_model_len", self.max_model_len, 1, ctx,
                             why=" (tokens one request may hold, at most the model's context and a draft's)")

@@ -138,8 +138,7 @@ class LLMEngine:
             request_id = f"req-{order}"
         seq.index = seq.result.index = order
         now = time.perf_counter() if arrival_time is None else float(arrival_time)
-        if self.config.sample_vocab is not None:
-            vocab = min(vocab, self.config.sample_vocab)
+        vocab = min(vocab, self.config.sample_vocab or vocab)
         req = Request(request_id, seq, vocab, priority, now, order, self.device,
                       vocab_size=self.model.config.vocab_size)
         if logprobs is not None:

@@ -169,16 +169,16 @@ def _engine_loop(engine: Any, *, engine_in: str, replicas: int, max_waiting: int
     return AsyncEngine(engine, max_waiting=max_waiting, threads=threads)
 
 
-def _bound_ints(schema: Any, maximum: int) -> None:
-    """Every integer in a JSON schema fragment gets `maximum` (token ids: the vocabulary)."""
+def _bound_ints(schema: Any, **bounds: int) -> None:
+    """Every integer in a JSON schema fragment gets `bounds` (``maximum``, ``minimum``)."""
     if isinstance(schema, dict):
         if schema.get("type") == "integer":
-            schema["maximum"] = maximum
+            schema.update(bounds)
         for value in schema.values():
-            _bound_ints(value, maximum)
+            _bound_ints(value, **bounds)
     elif isinstance(schema, list):
         for value in schema:
-            _bound_ints(value, maximum)
+            _bound_ints(value, **bounds)
 
 
 def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int,
@@ -201,15 +201,10 @@ def _document_this_server(app, model_name: str, max_tokens: int, vocab_size: int
                 if "model" in props:
                     props["model"]["enum"] = [model_name]
                 for field in ("max_tokens", "max_completion_tokens"):
-                    for option in props.get(field, {}).get("anyOf", []):
-                        if option.get("type") == "integer":
-                            option["maximum"] = max_tokens
-                if "prompt" in props:
-                    _bound_ints(props["prompt"], vocab_size - 1)
-                if not priorities and "priority" in props:  # refused unless 0 (or null)
-                    for option in props["priority"].get("anyOf", []):
-                        if option.get("type") == "integer":
-                            option["minimum"] = option["maximum"] = 0
+                    _bound_ints(props.get(field), maximum=max_tokens)
+                _bound_ints(props.get("prompt"), maximum=vocab_size - 1)  # token ids
+                if not priorities:  # refused unless 0 (or null)
+                    _bound_ints(props.get("priority"), minimum=0, maximum=0)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -451,10 +451,6 @@ def parse_completion_request(body: Any, **options) -> CompletionRequest:
     return reqs[0]
 
 
-def _message_text(m: ChatMessage) -> str:
-    return m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
-
-
 def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=None,
                        vocab_size: int, priorities: bool = False,
                        render: Callable[..., str] = render_template) -> CompletionRequest:
@@ -465,9 +461,9 @@ def parse_chat_request(body: Any, *, model_name: str, limits: Limits, tokenizer=
     if tokenizer is None:
         raise _bad("messages", "this server has no tokenizer, and chat needs one")
     try:  # a template that fails to render, or a checkpoint without one, is the request's
-        prompt, turn_stops = chat_prompt([{"role": m.role, "content": _message_text(m),
-                                           "name": m.name} for m in b.messages], tokenizer,
-                                         render=render)
+        prompt, turn_stops = chat_prompt([{"role": m.role, "content": m.content if isinstance(
+            m.content, str) else "".join(p.text for p in m.content), "name": m.name}
+            for m in b.messages], tokenizer, render=render)
     except ValueError as err:
         raise _bad("messages", str(err)) from None
     ids = _encode(prompt, tokenizer, vocab_size, "messages", limits, bos=False)  # the template's own
