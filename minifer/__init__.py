@@ -6,8 +6,7 @@ and the HTTP server (`minifer.serve`) stand on it, each floor importing only tho
 CPU speed-ups live apart in `minifer.fast`, plugged in below at one seam (`minifer.hooks`);
 ``MINIFER_SPEEDUPS=0`` leaves them out, ``with minifer.fast.disabled():`` turns them off for a
 block: the code that runs is then the code you read. The course's figures, calculators and
-benchmarks are a package of their own (`minifer_course`, in the repository's course/).
-"""
+benchmarks are a package of their own (`minifer_course`, in the repository's course/)."""
 
 # The speed-ups (minifer.fast) plug into the core here; MINIFER_SPEEDUPS=0 leaves them out.
 from . import fast  # noqa: E402  (after the core it plugs into)

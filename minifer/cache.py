@@ -15,8 +15,7 @@ one forward call.
 
 How exact: in fp32, cached and recomputed logits agree to float rounding (kernels of other
 shapes add in other orders), so greedy tokens are identical; in bf16/fp16 only to that dtype's
-precision (a near-tie can flip); the int8 cache approximates (tests/test_exactness.py).
-"""
+precision (a near-tie can flip); the int8 cache approximates (tests/test_exactness.py)."""
 
 from __future__ import annotations
 

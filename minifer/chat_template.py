@@ -8,8 +8,7 @@ checkpoint without a template (a base model) gets none: `require_chat_template` 
 
 A template is code from the checkpoint, run on what clients send: Jinja's sandbox keeps it from
 Python's internals, its operators and output are held to `MAX_TEMPLATE_CHARS`, and a server
-renders in `TemplateSandbox` processes, killed at its time limit.
-"""
+renders in `TemplateSandbox` processes, killed at its time limit."""
 
 from __future__ import annotations
 

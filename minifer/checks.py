@@ -1,8 +1,7 @@
 """Argument checks shared by the whole package: one wording for "an integer in this range".
 
 A bad value fails up front with the parameter's name, the allowed range and the value, not
-later inside torch. A bool is never taken for a number.
-"""
+later inside torch. A bool is never taken for a number."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 A config is the *shape* of a decoder only (no dtype, device or weights). The defaults are GPT-2
 (learned positions, LayerNorm, GELU MLP, biases); `LLAMA`'s switches make it Llama;
-``qkv_bias=True`` on top makes it Qwen2, ``qk_norm=True`` Qwen3.
-"""
+``qkv_bias=True`` on top makes it Qwen2, ``qk_norm=True`` Qwen3."""
 
 from __future__ import annotations
 

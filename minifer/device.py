@@ -1,8 +1,7 @@
 """Where code runs: pick the best device, and wait for it.
 
 GPUs run asynchronously: a kernel launch returns before the work is done. Anything that reads a
-clock must first `sync` the device, or it times the launch instead of the work.
-"""
+clock must first `sync` the device, or it times the launch instead of the work."""
 
 from __future__ import annotations
 

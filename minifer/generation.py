@@ -13,8 +13,7 @@ decoding's draft-and-verify) for each row's next tokens until every row has fini
 Prompts of different lengths share a batch by left padding (`minifer.cache`): a row computes
 what it computes alone but for the matrix products, whose sums a batch adds in another order
 (W8A8 sums exactly; bf16 and int4 can flip a near-tie; ``batch_invariant=True`` fixes them).
-Speed-ups plug in at `minifer.hooks` (the thread count, the decode step): see `minifer.fast`.
-"""
+Speed-ups plug in at `minifer.hooks` (the thread count, the decode step): see `minifer.fast`."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Qwen3) read with safetensors, json and tokenizers only: no transformers, no pick
 A folder (the hub cache keeps one per revision, ``models--<org>--<name>/snapshots/<rev>/``)
 holds ``config.json`` (→ `GPTConfig` by `config_from_hf`), ``model.safetensors`` or the shards
 of ``model.safetensors.index.json`` (→ our layers by `state_from_hf`), ``tokenizer.json`` and
-``tokenizer_config.json`` (special tokens and chat template, or ``chat_template.jinja``).
-"""
+``tokenizer_config.json`` (special tokens and chat template, or ``chat_template.jinja``)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ Mistral without a sliding window, Qwen2, Qwen3), on plain dicts, for `GPT.from_h
 `minifer.hf_checkpoint`. An option this engine does not compute is a ValueError naming it: a
 model is converted exactly or not at all. A config.json is checked field by field first
 (`check_hf_config`), so a damaged file fails with the field's name instead of allocating
-gigabytes or silently flipping an option ("false" is a true string).
-"""
+gigabytes or silently flipping an option ("false" is a true string)."""
 
 from __future__ import annotations
 

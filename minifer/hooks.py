@@ -5,8 +5,7 @@ counts, W8A8 products, batch-invariant kernels, weight layout, paged attention, 
 Here each is the plain reference; `minifer.fast.install()` (run by ``import minifer``) puts the
 speed-ups there, each tested equal to what it replaces. ``with minifer.fast.disabled():`` or
 ``MINIFER_SPEEDUPS=0`` runs the code you read: the same greedy tokens, only slower.
-`minifer.fast` imports the core and fills this seam; no core module imports `minifer.fast`.
-"""
+`minifer.fast` imports the core and fills this seam; no core module imports `minifer.fast`."""
 
 from __future__ import annotations
 

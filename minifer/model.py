@@ -12,8 +12,7 @@ nh query heads, nkv key/value heads, hd head dim.
 The only inference-specific idea here is the `cache` argument (`minifer.cache.KVCache`): each
 attention layer writes the new tokens' keys and values into it and attends over everything
 cached so far, so a decode step feeds one token per sequence. What the layers need for a call is
-built once, an `AttentionInputs` (the lean decode step passes its own in the cache's place).
-"""
+built once, an `AttentionInputs` (the lean decode step passes its own in the cache's place)."""
 
 from __future__ import annotations
 

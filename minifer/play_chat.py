@@ -9,8 +9,7 @@
 A ``user`` or ``assistant`` message is a speaker's turn (name, colon, new line, speech, blank
 line), a ``system`` or ``developer`` message a stage direction. The prompt ends with the replying
 speaker's name and a colon; the reply ends at the blank line (`END_OF_TURN`, a stop string) or
-the end-of-text token. Speakers: a message's ``name``, else `USER` or `ASSISTANT`.
-"""
+the end-of-text token. Speakers: a message's ``name``, else `USER` or `ASSISTANT`."""
 
 from __future__ import annotations
 

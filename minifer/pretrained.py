@@ -2,8 +2,7 @@
 
 A checkpoint is ``<name>.safetensors`` (the weights: loading it cannot run code, unlike a
 pickle, which we never load) and ``<name>.json`` (the `GPTConfig` and training metadata). The
-data folder is package data (``minifer/data``), or ``$MINIFER_DATA`` with the same layout.
-"""
+data folder is package data (``minifer/data``), or ``$MINIFER_DATA`` with the same layout."""
 
 from __future__ import annotations
 

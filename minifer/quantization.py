@@ -29,8 +29,7 @@ Each quantized layer runs one of three paths, tested against each other:
 
 The fused kernels changed across torch versions and take only some shapes, so `fused_problem`
 probes each layer shape at run time against the reference path; a shape that fails runs on the
-reference path, with a warning: the same quantized model, slower.
-"""
+reference path, with a warning: the same quantized model, slower."""
 
 from __future__ import annotations
 

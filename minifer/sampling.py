@@ -15,8 +15,7 @@ into one token, in this order (the order Hugging Face and vLLM use):
 
 Edge values never turn into NaN: a temperature so tiny (1e-45) that the division overflows is
 applied as (logits - max) / T, its limit (all mass on the argmax, split between ties). A row
-with nothing left to draw, or with NaN logits, is a ValueError from `sample`.
-"""
+with nothing left to draw, or with NaN logits, is a ValueError from `sample`."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ with stop strings held back), why it finished, and when each token came. Every l
 ``event = seq.append(token, now)``.
 
 `prepare` turns user input into Sequences, with a clear `ValueError`/`TypeError` naming the
-parameter for anything the model cannot take (nothing fails later deep inside torch).
-"""
+parameter for anything the model cannot take (nothing fails later deep inside torch)."""
 
 from __future__ import annotations
 

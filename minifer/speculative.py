@@ -10,8 +10,7 @@ keeps the drafted prefix it agrees with plus one token of its own.
   rejection a token is drawn from normalise(max(0, p − q)), after k acceptances from p: the
   output follows p exactly (Leviathan et al. 2023; Chen et al. 2023; p, q: `minifer.generate`'s
   logits processing). `ModelDrafter` runs a small model with its own KV cache;
-  `PromptLookupDrafter` needs no model (a deterministic proposal is a valid q). Batch 1.
-"""
+  `PromptLookupDrafter` needs no model (a deterministic proposal is a valid q). Batch 1."""
 
 from __future__ import annotations
 

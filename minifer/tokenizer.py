@@ -4,8 +4,7 @@
 (a byte-level BPE from a Hugging Face `tokenizer.json`) share one interface. Text that looks like
 a special token stays text unless ``encode(text, special_tokens=True)`` (the server's, as vLLM).
 `max_token_chars`: the most characters one token stands for (a server refuses a text too long
-before tokenizing it). The detokenizers hold back a character's bytes until it is whole.
-"""
+before tokenizing it). The detokenizers hold back a character's bytes until it is whole."""
 
 from __future__ import annotations
 

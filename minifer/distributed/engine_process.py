@@ -11,8 +11,7 @@ price of sending each step's outputs through a pipe. The split, as vLLM's engine
 
 The weights go over in shared memory, the engine there is built with the given one's options
 (which is never stepped); the process is spawned (a fork after OpenMP threads can hang) and
-exits when the server's end of the pipe closes; `EngineReplicas` restarts it when it dies.
-"""
+exits when the server's end of the pipe closes; `EngineReplicas` restarts it when it dies."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ handoff is three messages, few because each is a round trip:
 1. four int64: kind (1 = a request, 0 = no more, 2 = a keep-alive: an idle receiver never
    meets the group's timeout), the metadata's length, prompt tokens with K/V, generator bytes;
 2. the metadata (UTF-8 JSON) followed by the generator's state, one uint8 tensor;
-3. the K/V ``(n_layer, 2, prompt tokens, kv_heads, head_dim)``, if any (shape from the model).
-"""
+3. the K/V ``(n_layer, 2, prompt tokens, kv_heads, head_dim)``, if any (shape from the model)."""
 
 from __future__ import annotations
 

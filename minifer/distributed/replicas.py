@@ -7,8 +7,7 @@ every step); replicas split the work the other way: each a whole `LLMEngine` in 
 A new request goes to the live replica with the fewest in flight. A replica that dies leaves the
 routing at once: its requests end with a 503, ``/health`` says "degraded" (503 when none is
 left: the server's one engine process is a single replica), and it is restarted in the
-background (at most `MAX_RESTARTS` times). The weights are shared; prefix caching is per replica.
-"""
+background (at most `MAX_RESTARTS` times). The weights are shared; prefix caching is per replica."""
 
 from __future__ import annotations
 

@@ -2,5 +2,4 @@
 
 `LLMEngine` adds, steps and aborts requests; the `Scheduler` picks who runs, the `BlockManager`
 keeps their paged K/V blocks, the `ModelRunner` runs one packed forward call per step over the
-`PagedKVPool`; `AsyncEngine` is its asyncio front.
-"""
+`PagedKVPool`; `AsyncEngine` is its asyncio front."""

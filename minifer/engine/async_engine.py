@@ -3,8 +3,7 @@
 An `LLMEngine` is not thread-safe and its `step()` blocks, so one background thread runs the
 engine loop (`drive`, the model's only thread); each handler's `RequestHandle` receives its
 outputs from there. Past `max_waiting` requests waiting for their first step, `add` refuses
-with 429 (claim MET-5); a step that raises fails the requests in flight with a 500.
-"""
+with 429 (claim MET-5); a step that raises fails the requests in flight with a 500."""
 
 from __future__ import annotations
 

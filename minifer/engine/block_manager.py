@@ -7,8 +7,7 @@ cache into blocks of `block_size` slots: token ``i`` lives in slot ``i % block_s
 **Prefix caching.** A full block is named by ``hash(parent_hash, tokens)``, so a sequence that
 starts with the same tokens shares those blocks (reference counted). A freed block keeps its
 contents and hash until it is handed out again, least recently freed first (LRU). No tensors
-here: `kv_pool.PagedKVPool` holds the keys and values.
-"""
+here: `kv_pool.PagedKVPool` holds the keys and values."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 `AsyncEngine`, `engine_process` and the two disaggregated workers differ only in where requests
 come from and where outputs go. A step that raises failed for every request in it: `fail` ends
-the requests in flight and the loop goes on (one request's failure `LLMEngine.step` ends alone).
-"""
+the requests in flight and the loop goes on (one request's failure `LLMEngine.step` ends alone)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
 head_dim)``; which slot a token uses is the `BlockManager`'s decision. `PackedBatch` is the
 cache of a serving step's one packed forward call: it writes each new token's K/V into its slot
 and lets each row attend only to its own tokens, gathered from their slots: the readable
-reference, which `minifer.fast.paged` replaces (`hooks.packed_attention`) with faster reads.
-"""
+reference, which `minifer.fast.paged` replaces (`hooks.packed_attention`) with faster reads."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ records the results (`postprocess`). All K/V live in a paged pool (`kv_pool`), s
 requests block by block when prefix caching is on.
 
 Greedy outputs are token-identical to `minifer.generate` of each prompt alone (tested); seeded
-sampling has a generator per request. What fails for one request in a step ends it alone.
-"""
+sampling has a generator per request. What fails for one request in a step ends it alone."""
 
 from __future__ import annotations
 

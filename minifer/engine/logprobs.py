@@ -3,8 +3,7 @@
 A token's logprob is the log-softmax of the model's raw logits over the tokenizer's vocabulary,
 before any sampling option shapes them: the model's own belief, as vLLM reports it by default.
 `token_logprobs` scores one engine step's sampled tokens; `prompt_logprobs` every prompt token
-but the first (OpenAI's ``echo`` with ``logprobs``), in one extra forward pass.
-"""
+but the first (OpenAI's ``echo`` with ``logprobs``), in one extra forward pass."""
 
 from __future__ import annotations
 

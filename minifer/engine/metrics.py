@@ -3,8 +3,7 @@
 One :class:`RequestMetrics` per request holds timestamps on one clock (``time.perf_counter()``)
 and derives queue time, TTFT (first token − arrival, queueing *included*: a user does not care
 why it waited), ITL (the gaps between tokens), E2EL and TPOT ((E2EL − TTFT) / (tokens − 1)).
-A run's summary (means, percentiles, goodput) is the benchmarks' business: `minifer_course.summary`.
-"""
+A run's summary (means, percentiles, goodput) is the benchmarks' business: `minifer_course.summary`."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ request whose tokens are all fed (nano-vllm's `model_runner`, without CUDA graph
 
 Greedy rows are token-identical to `minifer.generate` of each prompt alone (tests): packing
 changes which tokens share a matrix multiply, never what a row attends to; seeded sampling uses
-each request's own generator.
-"""
+each request's own generator."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ things those options do inside a step.
 - ``logprobs``: each sampled token's logprob and that many alternatives (`record_logprobs`);
 - ``min_tokens``: no end-of-sequence token before that many tokens (`ban_early_eos`).
 
-A prompt is text, a list of token ids or a 1-D tensor (not a bare integer).
-"""
+A prompt is text, a list of token ids or a 1-D tensor (not a bare integer)."""
 
 from __future__ import annotations
 

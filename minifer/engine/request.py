@@ -1,8 +1,7 @@
 """One request inside the serving engine, and what `LLMEngine.step` reports about it.
 
 A `Request` wraps the `Sequence` every generation loop uses and adds what a scheduler needs: id,
-priority, status, `num_computed`, its own random generator and its metrics.
-"""
+priority, status, `num_computed`, its own random generator and its metrics."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ together) and a sequence limit (`max_num_seqs`); requests wait in `waiting` unti
 - **Preemption**: when no block is free, the least important running request gives up its
   blocks and recomputes its tokens when readmitted (vLLM's *recompute* mode).
 - **Priorities** (BATCH-9): lower value = served first, ties by arrival; ``aging > 0`` lowers a
-  waiting request's value by `aging` per step, so low priority is never starved.
-"""
+  waiting request's value by `aging` per step, so low priority is never starved."""
 
 from __future__ import annotations
 

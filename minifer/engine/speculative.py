@@ -7,8 +7,7 @@ token and proposes its argmax, one packed call per position for all those reques
 target's one call feeds each ``[pending, d1..dk]`` and `minifer.speculative.verify` keeps the
 drafts it agrees with, plus one token of its own. Greedy output is the plain engine's; a sampled
 request accepts a draft d with probability p(d) (a deterministic proposal): the target's
-distribution. Rejected positions' K/V are overwritten when those positions are fed again.
-"""
+distribution. Rejected positions' K/V are overwritten when those positions are fed again."""
 
 from __future__ import annotations
 

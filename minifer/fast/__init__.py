@@ -23,8 +23,7 @@ With the speed-ups off (``with minifer.fast.disabled():``, or ``MINIFER_SPEEDUPS
 environment before ``import minifer``) everything works the same way, with the same greedy
 tokens, only slower: the code that runs is then the code you read.
 A bf16 model gets prepacked layers by default where oneDNN packs bf16 (plain bf16 decodes
-slower than fp32 at batch 1), at the cost of a second copy of the weights (`minifer.fast.prepack`).
-"""
+slower than fp32 at batch 1), at the cost of a second copy of the weights (`minifer.fast.prepack`)."""
 
 from __future__ import annotations
 

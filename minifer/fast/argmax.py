@@ -2,8 +2,7 @@
 
 Reference: `minifer.hooks.argmax` (torch's, which on the CPU keeps an index beside every
 comparison). Here: each chunk's maximum, the first chunk holding the row's maximum, then the
-first maximum inside it: argmax's answer exactly, NaN included (argmax takes NaN as largest).
-"""
+first maximum inside it: argmax's answer exactly, NaN included (argmax takes NaN as largest)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ oneDNN's bf16 product (`minifer.fast.prepack`) can read slower than fp32.
 Reference: `bf16_reference`, float32 products and sums of the bf16 numbers, rounded once to
 bf16. ``csrc/bf16_gemv.cpp`` computes that with ``vdpbf16ps`` over torch's threads (its sums in
 another order: equal to float32 rounding). `Bf16Gemv` builds it when first needed, on CPUs with
-AVX512-BF16; elsewhere, or where the build fails (it warns once), the layer keeps to oneDNN.
-"""
+AVX512-BF16; elsewhere, or where the build fails (it warns once), the layer keeps to oneDNN."""
 
 from __future__ import annotations
 

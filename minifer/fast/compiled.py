@@ -10,8 +10,7 @@ On a CPU the default also **freezes** the weights (inductor's ``freezing``): pre
 constants of the graph, a copy, so the step is compiled again when a model's weights have
 changed (`unfreeze_if_changed`). torch compiles again for every thread count it meets (seconds),
 so at a count the thread governor moves to, a shape's steps run eager until they have taken as
-long as its first compile did (`ShapeThreads`).
-"""
+long as its first compile did (`ShapeThreads`)."""
 
 from __future__ import annotations
 

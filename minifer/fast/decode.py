@@ -10,8 +10,7 @@ tensor (`SlotWriter`): inputs whose values change while their shapes do not. Two
   with no mask unless some row is left padded;
 - fixed-shape (``LeanStep(fixed_shape=True)``): attention reads every slot through a mask built
   from the slot tensor, so every shape holds at every step and the step can be compiled
-  (`minifer.fast.compiled`) or captured as a CUDA graph.
-"""
+  (`minifer.fast.compiled`) or captured as a CUDA graph."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ that, bit for bit, so a W8A8 layer gives the same numbers at every batch size.
 - More rows: `Int8Gemv` too, over a copy of the weight packed in blocks of
   16 columns (made at the first batched call); without VNNI (or inside `torch.compile`),
   `w8a8_int_mm`, ``torch._int_mm`` (oneDNN's int8 GEMM) where its sums are exact here
-  (`INT_MM_EXACT`); else the reference itself.
-"""
+  (`INT_MM_EXACT`); else the reference itself."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ bf16 and W8A8's per-token rounding turn such last-bit differences into other tok
 - the thread count fixed for the call (`generate` pins it).
 
 `batch_invariant` (`hooks.batch_invariant`) puts these kernels into one model for one call and
-takes them out after it. They cost speed: one row still makes `ROWS`-row products.
-"""
+takes them out after it. They cost speed: one row still makes `ROWS`-row products."""
 
 from __future__ import annotations
 

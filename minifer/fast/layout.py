@@ -10,8 +10,7 @@ embedding's lookup then reads a strided column. Parameters keep their layout thr
 Where torch's fp32 GEMM is MKL's on a CPU not Intel's (`mkl_generic`), MKL runs generic code, not
 its AVX-512 kernels (``MKL_VERBOSE=1``: "Intel(R) Architecture processors"), 4-5x slower than
 oneDNN at 16 rows on an AMD EPYC: there fp32 layers become `PackedLinear`s that hand oneDNN the
-row-major weight itself (`fast.prepack`, ``batch_size=0``: no second copy).
-"""
+row-major weight itself (`fast.prepack`, ``batch_size=0``: no second copy)."""
 
 from __future__ import annotations
 

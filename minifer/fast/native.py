@@ -4,8 +4,7 @@
 time a process needs it and caches the build on disk, named by the torch version and vector
 instructions (a cache shared by different CPUs never loads another's build). Every caller keeps
 a pure-torch path. `NativeKernel` is what the matrix-vector kernels share: the CPU check, one
-build per process, a warning when it fails.
-"""
+build per process, a warning when it fails."""
 
 from __future__ import annotations
 

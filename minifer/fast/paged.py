@@ -11,8 +11,7 @@ every token's K/V gathered slot by slot. Here a step's plan is built once for ev
 - or (``"kernel"``, the default where it runs: a CPU, fp32) decode rows go through
   `paged_attention.KERNEL`, minifer's C++ kernel, which reads the blocks in place.
 
-How the pool is read is this package's choice (`read`; ``"slots"``: the reference).
-"""
+How the pool is read is this package's choice (`read`; ``"slots"``: the reference)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ attention then reads. A paged-attention kernel (vLLM's, on GPUs) follows the blo
 loops instead, reading each key and value once, in place. `PagedDecodeKernel` is one for the CPU
 in float32 (``csrc/paged_decode.cpp``: the reference's math, rows over torch's threads, built by
 `torch.utils.cpp_extension` when first needed). Where it cannot be built it warns once, and the
-serving step reads whole blocks instead (`minifer.fast.paged`): slower, never wrong.
-"""
+serving step reads whole blocks instead (`minifer.fast.paged`): slower, never wrong."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ gradients, and inside `torch.compile`, a layer computes with `F.linear`. A bf16 
 row runs minifer's AVX512-BF16 kernel where the CPU has it (`minifer.fast.bf16_gemv`).
 
 `prepare_bf16` is `minifer.hooks.prepare_bf16`'s speed-up: ``quantize(model, "bf16")`` packs
-the new model's layers by default where oneDNN packs bf16 on this CPU (`minifer.fast` says why).
-"""
+the new model's layers by default where oneDNN packs bf16 on this CPU (`minifer.fast` says why)."""
 
 from __future__ import annotations
 

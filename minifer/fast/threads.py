@@ -10,8 +10,7 @@ not the lagging load average); `apply_threads` sets it. A count set once cannot 
 that starts later, so with ``threads="auto"`` a long-running loop (`serving_threads`,
 `generation_threads`) keeps a `ThreadGovernor`, which re-sets the count between steps: one
 fewer as soon as its threads wait for a core, one back after a second of work in which the
-*other* programs left a core free. ``OMP_WAIT_POLICY=passive`` makes waiting threads sleep.
-"""
+*other* programs left a core free. ``OMP_WAIT_POLICY=passive`` makes waiting threads sleep."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ events, models, health and Prometheus metrics (``/openapi.json``). A request's p
 REQ-1): the body is checked (400 naming the parameter), the engine adds it and steps, each
 step's output leaves at once, and the KV blocks are freed at the end or when the client leaves
 (REQ-3). Limits (MET-5) and guards (`minifer.serve.guard`) come before any route; shutdown
-(`make_server`) drains. FastAPI and uvicorn are imported only when a server is built.
-"""
+(`make_server`) drains. FastAPI and uvicorn are imported only when a server is built."""
 
 from __future__ import annotations
 

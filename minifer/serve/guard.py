@@ -4,8 +4,7 @@
 rebinding), the ``Authorization: Bearer`` key (every route but ``/health``), that POST bodies
 are JSON (415: a web page cannot post without a CORS preflight), at most `MAX_BODY_BYTES` (413)
 within `READ_TIMEOUT_S` (408), headers of at most `MAX_HEADER_BYTES` (431); a route's exception
-becomes one JSON 500; every error is counted. `h11_protocol` stops slow clients.
-"""
+becomes one JSON 500; every error is counted. `h11_protocol` stops slow clients."""
 
 from __future__ import annotations
 

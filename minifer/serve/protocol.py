@@ -5,8 +5,7 @@ is made from: strict types (``"5"`` is not a number, ``1`` not ``true``; ``16.0`
 as JSON Schema counts), every number bounded, unknown fields and OpenAI fields not implemented
 refused. `parse_completion_request` / `parse_chat_request` then apply what depends on the server
 and return a `CompletionRequest`. Every refusal is an `APIError` (400) naming the parameter and
-what is allowed. Replies are shaped in `minifer.serve.replies`.
-"""
+what is allowed. Replies are shaped in `minifer.serve.replies`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """OpenAI-shaped replies, whole or streamed chunk by chunk, from the engine's `RequestOutput`s:
 ``finish_reason`` is ``"stop"`` for EOS or a stop string, ``"length"`` when ``max_tokens`` ran
-out. A token is shown as its text, or ``token_id:N`` without a tokenizer; -inf as -9999.0.
-"""
+out. A token is shown as its text, or ``token_id:N`` without a tokenizer; -inf as -9999.0."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Each route reads `ServerState` from ``app.state``. A POST body is checked in a worker thread
 (`protocol`), then `generate` answers whole (`collect`) or as server-sent events
-(`stream_events`). FastAPI is imported at the top: this module only when a server is built.
-"""
+(`stream_events`). FastAPI is imported at the top: this module only when a server is built."""
 
 # no `from __future__ import annotations`: FastAPI resolves the handlers' annotations itself
 

@@ -3,8 +3,7 @@
 The front, in the caller's process, starts the two ranks (`Workers`), checks each request as
 `LLMEngine.add_request` would, writes it to rank 0's stdin as a JSON line and reads finished
 requests from rank 1's stdout on a thread. Every call that waits checks the processes and raises
-`WorkerError` with a failed rank's output, after ending both.
-"""
+`WorkerError` with a failed rank's output, after ending both."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ Both are `LLMEngine`s over paged pools of their own, in processes joined by `tor
   (`add_prefilled`) and decodes with continuous batching (a preempted request recomputes here);
   finished requests leave as JSON lines on stdout, with each rank's final report line.
 
-Only the protocol lines go to stdout; a failure raises in the rank, which exits non-zero.
-"""
+Only the protocol lines go to stdout; a failure raises in the rank, which exits non-zero."""
 
 from __future__ import annotations
 

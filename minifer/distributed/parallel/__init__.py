@@ -3,8 +3,7 @@
 - :mod:`.layers`: which slice of every weight matrix a rank keeps (Megatron-style).
 - :mod:`.runtime`: one rank's program: join, check, shard, generate in lockstep (rank 0 samples).
 - :mod:`.launch`: :func:`run_local` starts N local CPU processes and always ends them;
-  ``python -m minifer.distributed.parallel`` is the same program for `torchrun`.
-"""
+  ``python -m minifer.distributed.parallel`` is the same program for `torchrun`."""
 
 from .launch import TPResult, WorkerError, Workers, free_port, launch, run_local, running
 from .layers import (

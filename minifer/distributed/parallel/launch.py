@@ -3,8 +3,7 @@
 A small `torchrun` for one machine: N copies of ``python -m minifer.distributed.parallel`` with
 torchrun's environment, each rank's JSON report read back, and every process **always** ended
 (on success, a failing rank, a timeout, Ctrl-C). Subprocesses, not `multiprocessing`, so it works
-in a Jupyter kernel; the model travels as a safetensors checkpoint, never as a pickle.
-"""
+in a Jupyter kernel; the model travels as a safetensors checkpoint, never as a pickle."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ Each block's two pairs of matrices are split the same way (Shoeybi et al. 2019, 
 So a block costs two all-reduces of a ``(B, T, n_embd)`` activation, and every rank reads 1/N of
 the weights and keeps 1/N of the KV cache (whole heads; a K/V head with its query heads). The
 gate|up matrix is cut so a rank keeps both rows of its hidden units; embeddings, norms and the
-output head are replicated.
-"""
+output head are replicated."""
 
 from __future__ import annotations
 

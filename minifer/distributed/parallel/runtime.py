@@ -2,8 +2,7 @@
 
 Every rank runs the same program (SPMD) and holds the same logits after the last all-reduce;
 **rank 0 samples** the next token and **broadcasts** it, which keeps the ranks in lockstep even
-if their logits differed in the last bit, for one tiny message per step.
-"""
+if their logits differed in the last bit, for one tiny message per step."""
 
 from __future__ import annotations
 
