@@ -1,21 +1,14 @@
 """The KV cache: keys and values of every token seen so far, kept so decode never recomputes them.
 
 A token's keys and values depend only on the tokens before it (the causal mask), so once computed
-they never change (claim KV-1). `StaticKVCache` preallocates, per layer, one tensor of shape
-``[batch, kv_heads, max_len, head_dim]`` for K and one for V, and writes each new token into the
-next free slot in place: the decode loop never concatenates or reallocates.
-
-Batches of prompts of different lengths are *left padded*: every row writes at the same slot
-(`pos`), and row ``b``'s real tokens start at slot ``start[b]``. Slots before ``start[b]`` hold
-padding that attention never reads: it runs row by row over ``start[b]..`` (`AttentionInputs.rows`).
+they never change (claim KV-1). `StaticKVCache` preallocates them and writes each new token into
+the next free slot in place: the decode loop never concatenates or reallocates. Prompts of
+different lengths share a batch *left padded* (`KVCache`'s ``start``); attention runs row by row
+over each row's real slots (`AttentionInputs.rows`) and never reads the padding.
 
 `KVCache` writes down what the model asks of any cache (the serving engine's paged pool keeps
 its packed variant, `PackedKVCache`), and `AttentionInputs` bundles what every layer needs for
-one forward call.
-
-How exact: in fp32, cached and recomputed logits agree to float rounding (kernels of other
-shapes add in other orders), so greedy tokens are identical; in bf16/fp16 only to that dtype's
-precision (a near-tie can flip); the int8 cache approximates (tests/test_exactness.py)."""
+one forward call. How exact: as `GPT` says; the int8 cache approximates (tests/test_exactness.py)."""
 
 from __future__ import annotations
 
@@ -117,12 +110,9 @@ def check_kv_dtype(kv_dtype, model_dtype: torch.dtype) -> None:
 
 
 class StaticKVCache:
-    """Preallocated per-layer K/V tensors ``[batch, kv_heads, max_len, head_dim]`` written in place.
-
-    - `pos`: the next slot to write (shared by all rows; a Python int, so no device sync).
-    - `start`: per-row first real slot (left padding), a ``[batch]`` long tensor.
-    - `lengths`: per-row number of real tokens cached (``pos - start``).
-    - `rollback(n)`: forget the last ``n`` slots (speculative decoding rejects drafted tokens)."""
+    """Preallocated per-layer K/V tensors ``[batch, kv_heads, max_len, head_dim]`` written in place:
+    a `KVCache` (`pos`, `start`, as it says), whose `lengths` are each row's real tokens and whose
+    `rollback` forgets the drafted tokens speculative decoding rejects."""
 
     def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, head_dim: int,
                  max_len: int, *, dtype: torch.dtype | str = torch.float32,
@@ -133,9 +123,8 @@ class StaticKVCache:
         device = device if isinstance(device, torch.device) else as_device(device)
         self.quantized = _is_int8(dtype)
         if self.quantized:  # int8 values + one scale per (row, head, token): K ≈ k_q * k_scale
-            dtype, scale_shape = torch.int8, (batch_size, n_kv_head, max_len, 1)
-            self.k_scale = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
-            self.v_scale = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
+            dtype = torch.int8
+            self._allocate_scales(n_layer, (batch_size, n_kv_head, max_len, 1), device)
         elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"StaticKVCache dtype must be a float torch dtype or 'int8', "
                              f"got {dtype!r}")
@@ -146,6 +135,10 @@ class StaticKVCache:
         self.n_layer, self.n_kv_head, self.head_dim = n_layer, n_kv_head, head_dim
         self.start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.pos, self.padded = 0, False  # padded: any row left padded? (on the host: no sync)
+
+    def _allocate_scales(self, n_layer: int, shape: tuple[int, ...], device) -> None:
+        self.k_scale = [torch.zeros(shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
+        self.v_scale = [torch.zeros(shape, dtype=SCALE_DTYPE, device=device) for _ in range(n_layer)]
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch_size: int, max_len: int | None = None, *,

@@ -4,11 +4,8 @@
 `decode_step` feeds one token per sequence and reads everything else from the cache.
 `generate` drives them for a batch of prompts (`run_batch`) and returns one `Completion` per
 prompt; `stream` yields each token the moment it exists (claim REQ-1). Per-request state
-(tokens, text, stop strings, finish reason, timings) lives in `sequence.Sequence`.
-
-`advance` is the loop itself, the one place a batch of Sequences takes new tokens: it asks a
-*step* (plain decode and sample from `run_batch`; tensor parallelism's sampler; speculative
-decoding's draft-and-verify) for each row's next tokens until every row has finished.
+(tokens, text, stop strings, finish reason, timings) lives in `sequence.Sequence`; `advance` is
+the loop every generation shares (plain, tensor-parallel, speculative: only its *step* differs).
 
 Prompts of different lengths share a batch by left padding (`minifer.cache`): a row computes
 what it computes alone but for the matrix products, whose sums a batch adds in another order

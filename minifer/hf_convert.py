@@ -7,12 +7,11 @@ gigabytes or silently flipping an option ("false" is a true string)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
 
-from .checks import check_int
+from .checks import check_int, check_number
 from .config import LLAMA, GPTConfig, RopeScaling
 
 __all__ = ["FAMILIES", "FLOAT_DTYPES", "MAX_PARAMS", "SIZE_LIMITS", "check_hf_config",
@@ -135,16 +134,8 @@ def check_hf_config(hc: Mapping, where: str = "config.json") -> str:
                              f"{hc[name]!r}")
     for name in _FLOATS:
         if hc.get(name) is not None:
-            _check_float(f"{where}: {name}", hc[name])
+            check_number(f"{where}: {name}", hc[name], gt=0, finite=True)
     return kind
-
-
-def _check_float(name: str, value) -> float:
-    """`value` if it is a finite positive JSON number, else a ValueError naming `name`."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (ok and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-    return float(value)
 
 
 def _check_mistral_window(hc: Mapping) -> None:
@@ -209,7 +200,8 @@ def _check_llama_options(hc: Mapping) -> None:
 def _rope(hc: Mapping) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` from ``rope_scaling`` or ``rope_parameters``."""
     params = _rope_params(hc)
-    theta = _check_float("config.json: rope_theta", params.get("rope_theta", 10000.0))
+    theta = float(check_number("config.json: rope_theta", params.get("rope_theta", 10000.0),
+                               gt=0, finite=True))
     kind = params.get("rope_type", params.get("type", "default"))
     if params.get("partial_rotary_factor", hc.get("partial_rotary_factor", 1.0)) != 1.0:
         raise _unsupported("partial_rotary_factor", params.get("partial_rotary_factor"),
@@ -219,8 +211,8 @@ def _rope(hc: Mapping) -> tuple[float, RopeScaling | None]:
     if kind != "llama3":
         raise _unsupported("rope_scaling", kind, "the only RoPE scaling computed here is "
                            "Llama 3's ('llama3')")
-    number = {k: _check_float(f"config.json: rope_scaling.{k}", params.get(k))
-              for k in ("factor", "low_freq_factor", "high_freq_factor")}
+    number = {k: float(check_number(f"config.json: rope_scaling.{k}", params.get(k), gt=0,
+                                    finite=True)) for k in ("factor", "low_freq_factor", "high_freq_factor")}
     return theta, RopeScaling(**number, original_context_length=check_int(
         "config.json: rope_scaling.original_max_position_embeddings",
         params.get("original_max_position_embeddings"), 1, SIZE_LIMITS["n_positions"]))

@@ -2,10 +2,8 @@
 
 The core calls the functions below where a faster way exists (argmax, the decode step, thread
 counts, W8A8 products, batch-invariant kernels, weight layout, paged attention, new bf16 layers).
-Here each is the plain reference; `minifer.fast.install()` (run by ``import minifer``) puts the
-speed-ups there, each tested equal to what it replaces. ``with minifer.fast.disabled():`` or
-``MINIFER_SPEEDUPS=0`` runs the code you read: the same greedy tokens, only slower.
-`minifer.fast` imports the core and fills this seam; no core module imports `minifer.fast`."""
+Here each is the plain reference; `minifer.fast` (its docstring says how to turn it off) fills
+the seam with speed-ups, each tested equal to what it replaces; no core module imports it."""
 
 from __future__ import annotations
 

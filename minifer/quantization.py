@@ -503,9 +503,8 @@ def quantize(model: nn.Module, precision: str, *, group_size: int | None = None,
     reference path could run it under ``"auto"``: then it stays float and tied, since
     rebuilding it at every step costs more than reading it.
 
-    Exactness: the reference path computes exactly ``x @ dequantize()ᵀ`` in the activation
-    dtype; the fused path rounds activations to ``compute_dtype``, so its logits differ in the
-    low digits and are not bit-identical across CPUs."""
+    Exactness: the reference path computes exactly ``x @ dequantize()ᵀ``; the fused path's
+    logits differ in the low digits (module doc), and are not bit-identical across CPUs."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
     if impl not in IMPLS:
@@ -627,15 +626,8 @@ def _linear_targets(model: nn.Module, include_lm_head: bool) -> list[tuple[str, 
     head included: quantizing it replaces only the linear module, the embedding keeps the
     float matrix)."""
     embedding_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
-    out = []
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear):
-            continue
-        is_head = name.split(".")[-1] == "lm_head" or m.weight.data_ptr() in embedding_ptrs
-        if is_head and not include_lm_head:
-            continue
-        out.append((name, m))
-    return out
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and (
+        include_lm_head or not (name.split(".")[-1] == "lm_head" or m.weight.data_ptr() in embedding_ptrs))]
 
 
 # ---- byte accounting -----------------------------------------------------------------------

@@ -1,13 +1,9 @@
 """One request's state, and the one place where a request's input is checked.
 
-A `Sequence` holds what a generation loop or a scheduler needs to know about one request: its
-prompt ids, the tokens generated so far, the text released so far (detokenized incrementally,
-with stop strings held back), why it finished, and when each token came. Every loop —
-`generation.stream`, speculative decoding, the serving engine — advances a request the same way:
-``event = seq.append(token, now)``.
-
-`prepare` turns user input into Sequences, with a clear `ValueError`/`TypeError` naming the
-parameter for anything the model cannot take (nothing fails later deep inside torch)."""
+Every loop (`generation.stream`, speculative decoding, the serving engine) advances a request's
+`Sequence` the same way: ``event = seq.append(token, now)``. `prepare` turns user input into
+Sequences, with a clear `ValueError`/`TypeError` naming the parameter for anything the model
+cannot take (nothing fails later deep inside torch)."""
 
 from __future__ import annotations
 

@@ -273,10 +273,9 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
            params: SamplingParams, seen: torch.Tensor | None, generator: torch.Generator | None,
            accept: AcceptRule = accept_with_ratio) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's verdict on n drafts from its logits ``(n+1, V)`` at ``[pending, d1..dn]``:
-    (drafts accepted, the token after them), on the device. Greedy keeps the drafts equal to
-    the argmax; sampling accepts by `accept` until the first rejection and draws the next token
-    from normalise(max(0, p − q)) there, from p after n acceptances (`q` ``(n, V)``; None: a
-    deterministic proposal, one-hot). `seen` ``(1, V)``: the tokens before the drafts."""
+    (drafts accepted, the token after them), on the device, by the module doc's rules (`accept`
+    when sampling; `q` ``(n, V)``, None: a deterministic proposal, one-hot). `seen` ``(1, V)``:
+    the tokens before the drafts."""
     n, rows = drafts.shape[0], torch.arange(drafts.shape[0] + 1, device=logits.device)
     if seen is not None:  # the drafts before a position count as seen there
         onehot = torch.zeros(n + 1, seen.shape[-1], dtype=torch.long, device=seen.device)

@@ -6,6 +6,7 @@ bad options are refused naming them; the server's ``--draft-model`` serves."""
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -174,17 +175,28 @@ def test_options_rebuild_the_engine_with_the_same_draft(tiny):
     assert LLMEngine(tiny, None).speculative is None
 
 
-def test_server_serves_with_a_draft_model(shakespeare):
+def _served_engine(monkeypatch, argv: list[str]):
+    """The engine ``python -m minifer.serve ARGV`` builds (its server is never started)."""
+    import minifer.serve.api as api
+    from minifer.serve.__main__ import main
+
+    apps = []
+    monkeypatch.setattr(api, "make_server", lambda config: apps.append(config.app) or SimpleNamespace(
+        run=lambda: None))
+    assert main(["--device", "cpu", *argv]) == 0
+    return apps[0].state.server.engine
+
+
+def test_server_serves_with_a_draft_model(shakespeare, monkeypatch):
     """``--draft-model`` and ``--num-speculative-tokens`` reach the engine; its answers over
     HTTP (the engine in a process of its own) are the plain engine's."""
-    from minifer.serve.__main__ import build_engine, build_parser
     from minifer_course.server import running_server
 
-    args = build_parser().parse_args(["--model", "shakespeare", "--draft-model",
-                                      "shakespeare-draft", "--num-speculative-tokens", "3",
-                                      "--device", "cpu", "--max-num-seqs", "4"])
-    engine = build_engine(args)
+    engine = _served_engine(monkeypatch, ["--model", "shakespeare", "--draft-model",
+                                          "shakespeare-draft", "--num-speculative-tokens", "3",
+                                          "--max-num-seqs", "4"])
     assert engine.config.num_speculative_tokens == 3 and engine.speculative is not None
+    assert _served_engine(monkeypatch, ["--model", "shakespeare"]).speculative is None
     model, tok, _ = shakespeare
     want = LLMEngine(model, tok).generate(PROMPTS[:2], SamplingParams(temperature=0,
                                                                        max_new_tokens=16))
@@ -196,10 +208,12 @@ def test_server_serves_with_a_draft_model(shakespeare):
             assert r.json()["choices"][0]["text"] == w.text
 
 
-def test_the_server_refuses_a_draft_with_another_tokenizer():
-    from minifer.serve.__main__ import build_engine, build_parser
-
-    args = build_parser().parse_args(["--model", "shakespeare", "--draft-model", "tiny",
-                                      "--device", "cpu"])
+def test_the_server_refuses_bad_draft_options(monkeypatch, capsys):
     with pytest.raises(ValueError, match="tokenizer differs"):
-        build_engine(args)
+        _served_engine(monkeypatch, ["--model", "shakespeare", "--draft-model", "tiny"])
+    for argv in (["--num-speculative-tokens", "0"], ["--num-speculative-tokens", "17"]):
+        with pytest.raises(SystemExit):  # argparse's error, before any model is loaded
+            _served_engine(monkeypatch, ["--draft-model", "shakespeare-draft", *argv])
+        assert "--num-speculative-tokens: invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--draft-model must be one of"):
+        _served_engine(monkeypatch, ["--draft-model", "no-such-model"])

@@ -80,7 +80,7 @@ def test_booleans_must_be_json_booleans(folder, no_reads, field):
                                           ("rms_norm_eps", float("nan"))])
 def test_numbers_must_be_finite_and_positive(folder, no_reads, field, value):
     edit_config(folder, rope_parameters=None, **{field: value})
-    with pytest.raises(ValueError, match=f"config.json: {field} must be a finite positive"):
+    with pytest.raises(ValueError, match=f"config.json: {field} must be a positive finite number"):
         load_hf_checkpoint(folder)
 
 

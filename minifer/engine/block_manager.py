@@ -38,13 +38,8 @@ class Block:
 
 class BlockManager:
     """Hands out blocks to sequences; shares full blocks by content when prefix caching is on.
-
-    - `allocate(seq, tokens)`: a block table for a sequence about to be (re)computed; returns how
-      many leading tokens are already in cached blocks (those need no compute).
-    - `append_slots(seq, n)`: grow the table so the sequence can hold `n` tokens.
-    - `commit(seq, tokens, n)`: `n` tokens now have their K/V written; name the full blocks.
-    - `free(seq)`: drop the sequence's references (a second `free` is an error).
-    - `can_allocate` / `can_append`: whether a request fits, beforehand."""
+    A sequence's life: `can_allocate`, `allocate` (its leading tokens already cached need no
+    compute), `can_append` / `append_slots` as it grows, `commit` as its K/V are written, `free`."""
 
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
                  bytes_per_token: int = 0) -> None:

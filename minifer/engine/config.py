@@ -41,9 +41,8 @@ class EngineConfig:
       tokenizer's vocabulary, else the model's).
     - `batch_invariant`: each request's tokens exactly as `generate` gives them alone, whatever
       else shares its steps (`minifer.fast.invariant`: slower; keep torch's thread count fixed).
-    - `draft_model`, `num_speculative_tokens`: speculative decoding (`engine.speculative`): a
-      model with the same vocabulary drafts that many tokens (default 4, at most 16) per decoding
-      request and step; its K/V take a pool of their own (in `kv_cache_memory`)."""
+    - `draft_model`, `num_speculative_tokens`: speculative decoding (`engine.speculative`): that
+      many drafts (default 4, 1 to 16) per decoding request and step; their K/V count in the pool."""
 
     policy: str = "continuous"
     block_size: int = 16
@@ -65,8 +64,7 @@ class EngineConfig:
         """Every field checked against `model` and the defaults filled in, before any allocation."""
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        cfg, model_device = model.config, next(model.parameters()).device
-        ctx = cfg.context_length
+        ctx, model_device = model.config.context_length, next(model.parameters()).device
         check_int("block_size", self.block_size, 1, ctx,
                   why=" (tokens per KV block, at most the model's context)")
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -76,9 +74,8 @@ class EngineConfig:
             ctx = check_int("max_model_len", self.max_model_len, 1, ctx,
                             why=" (tokens one request may hold, at most the model's context and a draft's)")
         device = model_device if self.device is None else _model_device(self.device, model_device)
-        num_blocks = self.num_blocks
-        if num_blocks is None:
-            num_blocks, ctx = self._pool_blocks(model, ctx, device)
+        num_blocks, ctx = (self._pool_blocks(model, ctx, device) if self.num_blocks is None
+                           else (self.num_blocks, ctx))
         check_int("num_blocks", num_blocks, 1)
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -87,7 +84,7 @@ class EngineConfig:
         check_number("aging", self.aging, ge=0,
                      why=" (priority points per step waited; 0 = strict priority)")
         if self.sample_vocab is not None:
-            check_int("sample_vocab", self.sample_vocab, 1, cfg.vocab_size)
+            check_int("sample_vocab", self.sample_vocab, 1, model.config.vocab_size)
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         return dataclasses.replace(self, num_blocks=num_blocks, max_num_batched_tokens=budget, device=str(device),

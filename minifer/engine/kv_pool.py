@@ -1,10 +1,9 @@
 """The paged KV cache's storage, and attention over it for one packed forward call.
 
-`PagedKVPool` holds, per layer, one K and one V tensor ``(num_blocks, block_size, kv_heads,
-head_dim)``; which slot a token uses is the `BlockManager`'s decision. `PackedBatch` is the
-cache of a serving step's one packed forward call: it writes each new token's K/V into its slot
-and lets each row attend only to its own tokens, gathered from their slots: the readable
-reference, which `minifer.fast.paged` replaces (`hooks.packed_attention`) with faster reads."""
+`PagedKVPool` holds the keys and values (which slot a token uses is the `BlockManager`'s
+decision); `PackedBatch`, the cache of a serving step's one packed forward call, writes each new
+token's K/V into its slot and keeps each row to its own tokens: the readable reference, which
+`minifer.fast.paged` replaces (`hooks.packed_attention`) with faster reads."""
 
 from __future__ import annotations
 

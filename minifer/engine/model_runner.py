@@ -3,11 +3,9 @@
 The scheduler decides *what* runs; the runner packs every scheduled token (decode rows' one,
 prompt chunks' many) into one sequence with each token's position and pool slot
 (`kv_pool.PackedBatch`), makes **one forward call** for the step, and samples a token for every
-request whose tokens are all fed (nano-vllm's `model_runner`, without CUDA graphs).
-
-Greedy rows are token-identical to `minifer.generate` of each prompt alone (tests): packing
-changes which tokens share a matrix multiply, never what a row attends to; seeded sampling uses
-each request's own generator."""
+request whose tokens are all fed (nano-vllm's `model_runner`, without CUDA graphs). Packing
+changes which tokens share a matrix multiply, never what a row attends to (greedy rows are
+`generate`'s own, `LLMEngine` says); seeded sampling uses each request's own generator."""
 
 from __future__ import annotations
 

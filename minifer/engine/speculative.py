@@ -1,13 +1,10 @@
 """Speculative decoding in the serving engine: a draft model proposes, the step's one call checks.
 
-With a `draft_model` (`EngineConfig`), each decoding request past its `min_tokens` takes slots
-for up to k drafts (within the step's token budget, its `max_new_tokens` and the free blocks).
-The draft, its K/V in a pool of its own under the same block tables, catches up to the pending
-token and proposes its argmax, one packed call per position for all those requests; the
+With a `draft_model` (`EngineConfig`), the draft (its K/V in a pool of its own, under the same
+block tables) proposes its argmax for each decoding request, one packed call per position; the
 target's one call feeds each ``[pending, d1..dk]`` and `minifer.speculative.verify` keeps the
-drafts it agrees with, plus one token of its own. Greedy output is the plain engine's; a sampled
-request accepts a draft d with probability p(d) (a deterministic proposal): the target's
-distribution. Rejected positions' K/V are overwritten when those positions are fed again."""
+drafts it agrees with, plus a token of its own: greedy output is the plain engine's, and a
+sampled request accepts d with probability p(d) (a deterministic proposal): p's distribution."""
 
 from __future__ import annotations
 
@@ -51,8 +48,9 @@ class SpeculativeStep:
         return self.record(plan, due, drafts, tokens)
 
     def propose(self, plan: SchedulerOutput) -> dict[int, list[int]]:
-        """The drafts of each decoding chunk (by index in ``plan.chunks``), their slots taken:
-        the draft's argmax, one packed call per position, the first feeding what it has not seen."""
+        """Up to k drafts for each decoding chunk (by index in ``plan.chunks``) past its `min_tokens`,
+        within the budget left, its `max_new_tokens` and the free blocks, their slots taken: the
+        draft's argmax, one packed call per position, the first feeding what it has not seen."""
         want, bm = {}, self.scheduler.bm
         budget = self.scheduler.max_num_batched_tokens - plan.num_tokens
         for j, c in enumerate(plan.chunks):
@@ -73,8 +71,7 @@ class SpeculativeStep:
             feeds = [c.request.tokens[s:] if i == 0 else drafts[j][-1:]
                      for j, c, s in zip(live, rows, starts)]
             logits = self.forward(self.draft, self.pool, rows, starts, feeds)
-            for row, c in zip(logits, rows):
-                mask_padded_vocab(row, c.request.vocab)
+            mask_padded_vocab(logits, min(c.request.vocab for c in rows))  # (one vocabulary)
             for j, t in zip(live, logits.argmax(dim=-1).tolist()):
                 drafts[j].append(t)
             self.stats.draft_passes += 1
@@ -105,8 +102,7 @@ class SpeculativeStep:
         batch = PackedBatch(pool, [c.block_table for c in chunks], starts, [len(f) for f in feeds])
         if index is not None:
             batch.logits_index = torch.tensor(index, dtype=torch.long, device=pool.device)
-        ids = torch.tensor([[t for f in feeds for t in f]], dtype=torch.long, device=pool.device)
-        return model(ids, cache=batch)
+        return model(torch.tensor([[t for f in feeds for t in f]], device=pool.device), cache=batch)
 
     def keep(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> list[int] | Exception:
         """The tokens `req` keeps from its logits ``(k+1, V)``: the drafts the target agrees
@@ -122,8 +118,7 @@ class SpeculativeStep:
             tokens = drafts[:int(a)] + [int(nxt)]
         except Exception as err:  # noqa: BLE001 - this request's failure, no one else's
             return err
-        if raw is not None:  # cut to the tokens recorded (`record`)
-            record_logprobs(raw, [req] * len(tokens), tokens)
+        record_logprobs(raw, [req] * len(tokens), tokens)  # if asked; cut to those recorded later
         if req.seen is not None:
             req.seen[tokens] = True
         if drafts:

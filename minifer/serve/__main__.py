@@ -183,29 +183,6 @@ def load_model(name: str, device=None, dtype=None, flag: str = "--model"):
                      f"{name!r}")
 
 
-def build_engine(args: argparse.Namespace):
-    """The `LLMEngine` the command line asks for: its model (quantized if asked) and draft."""
-    import torch
-
-    import minifer as mf
-
-    from ..engine.llm_engine import LLMEngine
-    from ..speculative import check_tokenizers
-
-    device, dtype = args.device or str(mf.default_device()), getattr(torch, args.dtype or "", None)
-    model, tok = load_model(args.model, device, dtype)
-    if args.quantization is not None:
-        model = mf.quantize(model, args.quantization)
-    draft = None
-    if args.draft_model is not None:
-        draft, draft_tok = load_model(args.draft_model, device, dtype, "--draft-model")
-        check_tokenizers(tok, draft_tok)
-    return LLMEngine(model, tok, draft_model=draft, **{name: getattr(args, name) for name in (
-        "policy", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "aging",
-        "enable_chunked_prefill", "enable_prefix_caching", "max_model_len", "kv_cache_memory",
-        "num_speculative_tokens")})  # EngineConfig's fields, as the flags name them
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -214,9 +191,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))  # exits 2 with the usage, before anything is loaded
 
+    import torch
+
+    import minifer as mf
+
+    from ..engine.llm_engine import LLMEngine
+    from ..speculative import check_tokenizers
     from .api import LOOPBACK_HOSTS, create_app, make_server, server_config
 
-    engine = build_engine(args)
+    device, dtype = args.device or str(mf.default_device()), getattr(torch, args.dtype or "", None)
+    model, tok = load_model(args.model, device, dtype)
+    if args.quantization is not None:
+        model = mf.quantize(model, args.quantization)
+    draft = None
+    if args.draft_model is not None:  # speculative decoding: the same tokenizer, or refused
+        draft, draft_tok = load_model(args.draft_model, device, dtype, "--draft-model")
+        check_tokenizers(tok, draft_tok)
+    engine = LLMEngine(model, tok, draft_model=draft, **{name: getattr(args, name) for name in (
+        "policy", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "aging",
+        "enable_chunked_prefill", "enable_prefix_caching", "max_model_len", "kv_cache_memory",
+        "num_speculative_tokens")})  # EngineConfig's fields, as the flags name them
     app = create_app(engine, model_name=args.served_model_name or args.model,
                      model_root=args.model, **options)
     if options["api_key"] is None and args.host not in LOOPBACK_HOSTS:
