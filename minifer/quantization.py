@@ -417,13 +417,9 @@ class QuantizedLinear(nn.Module):
             y = self._integer_forward(x2).to(x.dtype)
         elif self.impl == "fused":
             xc = x2.to(self.compute_dtype)
-            if self.bits == 8:
-                y = _int8_mm(xc, self.qweight, self.scales)
-            else:
-                y = _int4_mm(xc, self.qweight, self.group_size, self.scales_zeros)
-            y = y.to(x.dtype)
-            if self.bias is not None:
-                y = y + self.bias.to(x.dtype)
+            y = (_int8_mm(xc, self.qweight, self.scales) if self.bits == 8
+                 else _int4_mm(xc, self.qweight, self.group_size, self.scales_zeros))
+            y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias.to(x.dtype)
         else:
             y = F.linear(x2, self.dequantize(x.dtype),
                          None if self.bias is None else self.bias.to(x.dtype))
@@ -446,10 +442,8 @@ class QuantizedLinear(nn.Module):
             return dequantize_int4(unpack_int4(self.qweight), self.scales, self.zeros, dtype)
         # fused layouts are the kernel's own business: read the weight out through the kernel
         eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self.qweight.device)
-        if self.bits == 8:
-            w_t = _int8_mm(eye, self.qweight, self.scales)
-        else:
-            w_t = _int4_mm(eye, self.qweight, self.group_size, self.scales_zeros)
+        w_t = (_int8_mm(eye, self.qweight, self.scales) if self.bits == 8
+               else _int4_mm(eye, self.qweight, self.group_size, self.scales_zeros))
         return w_t.t().to(dtype)
 
     # -- bytes --

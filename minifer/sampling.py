@@ -306,9 +306,8 @@ class BatchSampler:
                  vocab_size: int, device: torch.device) -> None:
         self.params, self.vocab = params, vocab  # `vocab`: leading entries that may be sampled
         self.generators = make_generators(params, len(prompts), device)
-        self.seen = None
-        if params.repetition_penalty != 1.0:
-            self.seen = seen_mask(prompts, vocab_size, device)  # (B, V)
+        self.seen = (seen_mask(prompts, vocab_size, device)  # (B, V)
+                     if params.repetition_penalty != 1.0 else None)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """One token per row ``(B,)`` from next-token logits ``(B, V)``."""

@@ -89,8 +89,9 @@ class SpecStats:
         return self.tokens / self.wall_time_s if self.wall_time_s > 0 else float("nan")
 
     def add_round(self, accepted: int, proposed: int) -> None:
-        """One verification pass that kept `accepted` of `proposed` drafts."""
+        """One verification pass that kept `accepted` of `proposed` drafts (and one token more)."""
         self.rounds, self.target_passes = self.rounds + 1, self.target_passes + 1
+        self.tokens += accepted + 1
         self.proposed, self.accepted = self.proposed + proposed, self.accepted + accepted
         self.rejections += accepted < proposed
         self.accept_hist[accepted] += 1
@@ -120,9 +121,7 @@ class SpecCompletion(Completion):
 
 def expected_tokens_per_pass(alpha: float, k: int) -> float:
     """Leviathan et al.'s expected tokens per target pass: (1 − α^(k+1)) / (1 − α)."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def expected_speedup(alpha: float, k: int, c: float) -> float:
@@ -177,7 +176,6 @@ class ModelDrafter(Drafter):
 
     def begin(self, prompt_ids: list[int], ctx: DraftContext) -> None:
         super().begin(prompt_ids, ctx)
-        cfg = self.model.config
         cache = getattr(self, "cache", None)
         if cache is None or cache.max_len < ctx.max_len or cache.device != ctx.device:
             cache = StaticKVCache.for_model(self.model, 1, ctx.max_len, device=ctx.device)
@@ -187,32 +185,29 @@ class ModelDrafter(Drafter):
         prefill(self.model, ids, self.cache)  # the draft's logits here are not needed
         self.passes += 1
         self.n_cached = len(prompt_ids)  # tokens of the sequence in the draft's cache
-        self.buf = torch.empty(ctx.k, dtype=torch.long, device=ctx.device)
-        self.q = None if ctx.params.greedy else torch.empty(ctx.k, cfg.vocab_size, device=ctx.device)
 
     def propose(self, seq, k, seen):
-        ctx, params = self.ctx, self.ctx.params
-        tokens = self.buf[:k]
+        ctx, params, tokens, qs = self.ctx, self.ctx.params, [], []
         if k == 0:
-            return tokens, None
+            return torch.empty(0, dtype=torch.long, device=ctx.device), None
         x = torch.tensor([seq[self.n_cached:]], device=ctx.device)  # 1 token, or 2 after a full accept
         self.n_cached = len(seq)
         seen = None if seen is None else seen.clone()
-        for i in range(k):
+        for _ in range(k):
             logits = self.model(x, cache=self.cache, last_only=True)[:, -1]  # (1, V)
             self.passes += 1
             mask_padded_vocab(logits, ctx.vocab)
             proc = logits if params.plain_argmax else process_logits(logits, params, seen)
             if params.greedy:
-                tokens[i] = proc[0].argmax()
+                tokens.append(proc[0].argmax())
             else:
-                self.q[i] = proc[0].softmax(dim=-1)
-                tokens[i] = draw(self.q[i], ctx.generator)
-            x = tokens[i:i + 1].view(1, 1)
+                qs.append(proc[0].softmax(dim=-1))
+                tokens.append(draw(qs[-1], ctx.generator))
+            x = tokens[-1].view(1, 1)
             if seen is not None:
-                seen[0, tokens[i]] = True
+                seen[0, tokens[-1]] = True
         # The cache now holds seq + d1..d(k-1); dk was never fed.
-        return tokens, None if params.greedy else self.q[:k]
+        return torch.stack(tokens), torch.stack(qs) if qs else None
 
     def commit(self, accepted, proposed):
         if proposed == 0:
@@ -313,7 +308,6 @@ def check_draft(draft: torch.nn.Module, target: torch.nn.Module, name: str = "dr
 
 
 def check_tokenizers(tokenizer, draft_tokenizer) -> None:
-    """A ValueError unless the two tokenizers (either None: unchecked) are one vocabulary."""
     if tokenizer is None or draft_tokenizer is None or draft_tokenizer is tokenizer:
         return
     same = (type(tokenizer) is type(draft_tokenizer)
@@ -378,9 +372,7 @@ class _SpecRun:
         stats = SpecStats(k=self.k, drafter=self.drafter.name)
         gens = make_generators(params, 1, device)
         self.gen = gen = None if gens is None else gens[0]
-        self.seen = None
-        if params.repetition_penalty != 1.0:
-            self.seen = seen_mask([seq.prompt_ids], self.V, device)  # (1, V)
+        self.seen = seen_mask([seq.prompt_ids], self.V, device) if params.repetition_penalty != 1.0 else None
         ctx = DraftContext(params, self.vocab, self.V, device, gen, seq.max_len, self.k)
         tokens = list(seq.prompt_ids)  # the sequence so far, as the drafter sees it
         started = False

@@ -336,9 +336,7 @@ def score_prompt(engine: Any, prompt: list[int], num_top: int) -> list:
     from .logprobs import prompt_logprobs
 
     tok = getattr(engine, "tokenizer", None)
-    vocab = engine.model.config.vocab_size
-    if tok is not None:
-        vocab = min(vocab, tok.vocab_size)
+    vocab = min(engine.model.config.vocab_size, tok.vocab_size if tok is not None else math.inf)
     return prompt_logprobs(engine.model, prompt, num_top, vocab, getattr(engine, "device", None))
 
 

@@ -11,7 +11,7 @@ here: `kv_pool.PagedKVPool` holds the keys and values."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -227,11 +227,8 @@ class BlockManager:
 
     def check(self) -> None:
         """Assert the bookkeeping is consistent (tests call this; cheap enough to call often)."""
-        counts = [0] * self.num_blocks
-        for table in self.tables.values():
-            for bid in table:
-                counts[bid] += 1
-        for block, n in zip(self.blocks, counts):
+        counts = Counter(bid for table in self.tables.values() for bid in table)
+        for block, n in ((b, counts[b.block_id]) for b in self.blocks):
             assert block.ref_count == n, f"block {block.block_id}: ref {block.ref_count} != {n}"
             assert (n == 0) == (block.block_id in self._free), f"block {block.block_id} free list"
         for h, bid in self._by_hash.items():

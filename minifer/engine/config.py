@@ -77,9 +77,8 @@ class EngineConfig:
         num_blocks, ctx = (self._pool_blocks(model, ctx, device) if self.num_blocks is None
                            else (self.num_blocks, ctx))
         check_int("num_blocks", num_blocks, 1)
-        budget = self.max_num_batched_tokens
-        if budget is None:
-            budget = min(256, ctx) if self.enable_chunked_prefill else ctx
+        budget = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else (
+            min(256, ctx) if self.enable_chunked_prefill else ctx)
         check_int("max_num_batched_tokens", budget, 1)
         check_number("aging", self.aging, ge=0,
                      why=" (priority points per step waited; 0 = strict priority)")

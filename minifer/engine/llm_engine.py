@@ -146,10 +146,8 @@ class LLMEngine:
 
     def add_prefilled(self, req: Request, first_token: int, now: float
                       ) -> tuple[int, RequestOutput] | None:
-        """Admit `req` (from `new_request`) straight into the running batch, its prompt's K/V
-        computed elsewhere and its first token sampled there at `now` (`Scheduler.add_prefilled`;
-        disaggregated serving, `serve.handoff`). Returns how many leading prompt tokens this pool
-        had cached and the request's output, or None (nothing changed) when it does not fit now."""
+        """`Scheduler.add_prefilled` of `req` (from `new_request`): disaggregated serving
+        (`distributed.handoff`); an admitted request is the engine's from then on."""
         got = self.scheduler.add_prefilled(req, first_token, now)
         if got is not None and not got[1].finished:
             self.requests[req.request_id] = req

@@ -63,9 +63,8 @@ class Request:
                                       arrival_time=arrival_time)
         gens = make_generators(self.params, 1, device)  # its own: its samples never depend on the batch
         self.generator = gens[0] if gens else None
-        self.seen = None  # tokens seen so far, for the repetition penalty
-        if self.params.repetition_penalty != 1.0:
-            self.seen = seen_mask([seq.prompt_ids], vocab_size or vocab, device)[0]
+        self.seen = (seen_mask([seq.prompt_ids], vocab_size or vocab, device)[0]  # tokens seen
+                     if self.params.repetition_penalty != 1.0 else None)  # (repetition penalty)
         self.text = ""  # released so far
 
     @property

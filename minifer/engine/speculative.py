@@ -123,7 +123,6 @@ class SpeculativeStep:
             req.seen[tokens] = True
         if drafts:
             self.stats.add_round(len(tokens) - 1, len(drafts))
-            self.stats.tokens += len(tokens)
         return tokens
 
     def record(self, plan: SchedulerOutput, due: list[int], drafts: dict[int, list[int]],

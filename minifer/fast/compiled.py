@@ -86,8 +86,7 @@ def compiled_decode(model: torch.nn.Module, mode: str | None = None) -> LeanStep
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile mode must be one of {COMPILE_MODES}, got {mode!r}")
     cpu = next(model.parameters()).device.type == "cpu"
-    if mode is None:
-        mode = "default" if cpu else "reduce-overhead"
+    mode = ("default" if cpu else "reduce-overhead") if mode is None else mode
     freeze = cpu and mode == "default"
     if (mode, freeze) not in _compiled:
         config = torch._dynamo.config
@@ -151,10 +150,8 @@ class ThreadAwareStep(LeanStep):
         count = torch.get_num_threads()
         compiled = self.shape.compiled(count)
         t0 = time.perf_counter()
-        if compiled:
-            logits = self.compiled.forward(model, tokens, writer)
-        else:  # the eager step, reading the filled slots only
-            logits = super().forward(model, tokens, writer)
+        logits = (self.compiled.forward(model, tokens, writer) if compiled  # else the eager
+                  else super().forward(model, tokens, writer))  # step, reading filled slots only
         self.shape.ran(count, compiled, time.perf_counter() - t0)
         return logits
 

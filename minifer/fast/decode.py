@@ -51,8 +51,7 @@ def step_inputs(writer: SlotWriter, dtype: torch.dtype) -> AttentionInputs:
 
     Row b sees slots ``start[b]..slot``: an additive mask in `dtype` (the model's, converted
     once here rather than in every layer), or none for an eager step without padding, which
-    may see every slot it reads.
-    """
+    may see every slot it reads."""
     cache, slot = writer.cache, writer.slot
     start = cache.start  # (B,)
     positions = (slot - start)[:, None]  # (B, 1): each row's own position

@@ -266,8 +266,7 @@ def shared_governor() -> ThreadGovernor:
     short answers still gets its decisions; the count it sets stays in force after the call,
     as the server's does."""
     global _shared
-    if _shared is None:
-        _shared = ThreadGovernor(period_s=GENERATE_PERIOD_S)
+    _shared = ThreadGovernor(period_s=GENERATE_PERIOD_S) if _shared is None else _shared
     return _shared
 
 

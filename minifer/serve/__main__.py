@@ -149,9 +149,8 @@ def server_options(args: argparse.Namespace) -> dict:
     """`create_app`'s options from the command line (ValueError for an empty API key)."""
     from .api import LOOPBACK_HOSTS
 
-    hosts = args.allowed_hosts
-    if hosts is None:
-        hosts = list(LOOPBACK_HOSTS) if args.host in LOOPBACK_HOSTS else None
+    hosts = args.allowed_hosts if args.allowed_hosts is not None else (
+        list(LOOPBACK_HOSTS) if args.host in LOOPBACK_HOSTS else None)
     return dict(max_model_len=args.max_model_len, max_tokens=args.max_tokens,
                 request_timeout_s=args.request_timeout, max_waiting=args.max_waiting,
                 api_key=api_key(args.api_key),

@@ -71,8 +71,7 @@ def create_app(engine: Any, *, model_name: str = "minifer", model_root: str | No
                          replicas=replicas, scheduling_policy=scheduling_policy,
                          api_key=api_key, read_timeout_s=read_timeout_s,
                          max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
-    if max_model_len is None:
-        max_model_len = engine_max_model_len(engine)
+    max_model_len = engine_max_model_len(engine) if max_model_len is None else max_model_len
     limits = Limits(max_model_len, max_model_len if max_tokens is None else max_tokens,
                     request_timeout_s)
     tokenizer = getattr(engine, "tokenizer", None)

@@ -416,9 +416,7 @@ def parse_completion_requests(body: Any, *, model_name: str, limits: Limits, tok
     sharing the answer's id, or an `APIError` (400). `priorities`: ``priority`` honoured."""
     b = _validate(CompletionBody, body)
     _check_model(b.model, model_name)
-    prompts = b.prompt
-    if isinstance(prompts, str) or isinstance(prompts[0], int):
-        prompts = [prompts]
+    prompts = [b.prompt] if isinstance(b.prompt, str) or isinstance(b.prompt[0], int) else b.prompt
     max_tokens = 16 if b.max_tokens is None else b.max_tokens
     score_only = max_tokens == 0
     if score_only and not b.echo:

@@ -153,9 +153,8 @@ def chat_body(req: CompletionRequest, text: str, finish_reason: str | None,
               completion_tokens: int, *, token_ids: Sequence[int] = (),
               logprobs: Sequence[TokenLogprob] | None = None, tokenizer=None) -> dict:
     """The whole answer of a non-streamed chat completion."""
-    lp = None
-    if req.logprobs is not None and logprobs is not None:
-        lp = _Tokens(tokenizer).chat(list(token_ids), list(logprobs))
+    lp = (_Tokens(tokenizer).chat(list(token_ids), list(logprobs))
+          if req.logprobs is not None and logprobs is not None else None)
     return {"id": req.id, "object": "chat.completion", "created": req.created,
             "model": req.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},

@@ -240,8 +240,7 @@ async def collect(handles: list, s: ServerState, deadline: float, request: Reque
                     raise timeout_error(s.limits.request_timeout_s)
                 if s.cut_short():
                     raise shutting_down()
-                if nxt is None:
-                    nxt = asyncio.ensure_future(handle.next())
+                nxt = asyncio.ensure_future(handle.next()) if nxt is None else nxt
                 done, _ = await asyncio.wait({nxt, gone}, timeout=min(left, POLL_S),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if nxt in done:

@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"WORLD_SIZE={world}")
         model, tok = load_model(args.model, args.init_seed)
         model = model.to(device=comm.device, dtype=getattr(torch, DTYPES[args.dtype]))
-        if lines is None:
-            lines = Printer(tok)
+        lines = Printer(tok) if lines is None else lines
         vocab = args.vocab if args.vocab is not None else (tok.vocab_size if tok else None)
         if rank == PREFILL:
             if args.prefill_nice:

@@ -334,8 +334,7 @@ def _front_model(model, tokenizer) -> tuple[str | None, torch.nn.Module, Tokeniz
         from ...pretrained import load_pretrained
 
         _w, _config, tok_path = model_files(model)
-        if tokenizer is None:
-            tokenizer = Tokenizer.from_file(tok_path)
+        tokenizer = Tokenizer.from_file(tok_path) if tokenizer is None else tokenizer
         return model, load_pretrained(model)[0], tokenizer, "fp32"
     if not (isinstance(model, torch.nn.Module)
             and isinstance(getattr(model, "config", None), GPTConfig)):

@@ -222,8 +222,7 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
         name = model
         _weights, config_path, tok_path = model_files(name)
         config = GPTConfig.from_dict(json.loads(config_path.read_text())["config"])
-        if tokenizer is None:
-            tokenizer = Tokenizer.from_file(tok_path)
+        tokenizer = Tokenizer.from_file(tok_path) if tokenizer is None else tokenizer
         dtype = "fp32"
     elif isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None), GPTConfig):
         name, config = None, model.config
