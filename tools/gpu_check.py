@@ -43,6 +43,7 @@ GPU_TESTS = (
     "tests/test_hf.py",
     "tests/test_speculative.py",
     "tests/test_serve_engine.py",
+    "tests/test_engine_speculative.py",
     "tests/test_quantize.py",
     "tests/test_families.py",
     "tests/test_batch_invariant.py",
