@@ -50,14 +50,19 @@ class ModelRunner:
         ids = [t for c in chunks for t in c.request.tokens[c.start:c.start + c.num_new]]
         batch = PackedBatch(self.pool, [c.block_table for c in chunks], [c.start for c in chunks],
                             [c.num_new for c in chunks], logits_rows=due)
+        with torch.inference_mode():
+            logits = self.forward(chunks, ids, batch)  # (len(due), vocab): the rows that sample
+            return self.sample([chunks[j].request for j in due], logits)
+
+    def forward(self, chunks: list[Chunk], ids: list[int], batch: PackedBatch) -> torch.Tensor:
+        """The step's one model call over `chunks`, fed `ids` packed in `batch`: counted, timed."""
         self.count_tokens(chunks)
         t0 = time.perf_counter()
-        with torch.inference_mode(), hooks.batch_invariant(self.model, self.invariant):
-            idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-            logits = self.model(idx, cache=batch)  # (len(due), vocab): the rows that sample
+        with hooks.batch_invariant(self.model, self.invariant):
+            logits = self.model(torch.tensor([ids], dtype=torch.long, device=self.device), cache=batch)
             self.forward_time_s += time.perf_counter() - t0
             self.num_forward_calls += 1
-            return self.sample([chunks[j].request for j in due], logits)
+        return logits
 
     def sample(self, requests: list[Request], logits: torch.Tensor) -> list[int | Exception]:
         """One token per request from its logits row (requests sharing a `SamplingParams`

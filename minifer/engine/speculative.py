@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from .. import hooks
 from ..sampling import mask_padded_vocab
 from ..speculative import SpecStats, verify
 from .config import EngineConfig
@@ -70,7 +69,8 @@ class SpeculativeStep:
             starts = [c.request.num_draft_computed if i == 0 else c.start + i for c in rows]
             feeds = [c.request.tokens[s:] if i == 0 else drafts[j][-1:]
                      for j, c, s in zip(live, rows, starts)]
-            logits = self.forward(self.draft, self.pool, rows, starts, feeds)
+            ids, batch = self.packed(self.pool, rows, starts, feeds)
+            logits = self.draft(torch.tensor([ids], device=self.pool.device), cache=batch)
             mask_padded_vocab(logits, min(c.request.vocab for c in rows))  # (one vocabulary)
             for j, t in zip(live, logits.argmax(dim=-1).tolist()):
                 drafts[j].append(t)
@@ -79,30 +79,25 @@ class SpeculativeStep:
 
     def check(self, chunks: list[Chunk], drafts: dict[int, list[int]]) -> torch.Tensor:
         """The target's one call over every chunk, a drafting one with its drafts: the logits at
-        each due chunk's last token and at its drafts, in order (the runner counts the call)."""
+        each due chunk's last token and at its drafts, in order (the runner counts and times it)."""
         run = self.runner
         feeds = [c.request.tokens[c.start:c.start + c.num_new] + drafts.get(j, [])
                  for j, c in enumerate(chunks)]
         ends = list(itertools.accumulate(map(len, feeds)))
         index = [p for j, c in enumerate(chunks) if c.completes
                  for p in range(ends[j] - 1 - len(drafts.get(j, ())), ends[j])]
-        run.count_tokens(chunks)
-        t0 = time.perf_counter()
-        with hooks.batch_invariant(run.model, run.invariant):
-            logits = self.forward(run.model, run.pool, chunks, [c.start for c in chunks], feeds, index)
-        run.forward_time_s += time.perf_counter() - t0
-        run.num_forward_calls += 1
-        return logits
+        ids, batch = self.packed(run.pool, chunks, [c.start for c in chunks], feeds, index)
+        return run.forward(chunks, ids, batch)
 
     @staticmethod
-    def forward(model: torch.nn.Module, pool: PagedKVPool, chunks: list[Chunk], starts: list[int],
-                feeds: list[list[int]], index: list[int] | None = None) -> torch.Tensor:
-        """`model`'s logits for one packed call feeding each chunk's `feeds` at `starts` over
-        `pool`: at each row's last token, or at the packed positions `index`."""
+    def packed(pool: PagedKVPool, chunks: list[Chunk], starts: list[int], feeds: list[list[int]],
+               index: list[int] | None = None) -> tuple[list[int], PackedBatch]:
+        """The ids and cache of one packed call feeding each chunk's `feeds` at `starts` over
+        `pool`: logits at each row's last token, or at the packed positions `index`."""
         batch = PackedBatch(pool, [c.block_table for c in chunks], starts, [len(f) for f in feeds])
         if index is not None:
             batch.logits_index = torch.tensor(index, dtype=torch.long, device=pool.device)
-        return model(torch.tensor([[t for f in feeds for t in f]], device=pool.device), cache=batch)
+        return [t for f in feeds for t in f], batch
 
     def keep(self, req: Request, logits: torch.Tensor, drafts: list[int]) -> list[int] | Exception:
         """The tokens `req` keeps from its logits ``(k+1, V)``: the drafts the target agrees
