@@ -263,9 +263,10 @@ def integer_problem(out_features: int = 64, in_features: int = 256,
 
 def int8_dot_products() -> str | None:
     """The CPU's instructions that multiply int8 pairs and add them in int32 (x86 AVX-512 VNNI,
-    AVX-VNNI, AMX; Arm's dot product), named as /proc/cpuinfo names them; None without."""
+    AVX-VNNI, AMX; Arm's dot product), named as /proc/cpuinfo names them; else AVX2, whose
+    ``vpmaddwd`` adds pairs of int16 products in int32 (int8 widened); None without."""
     found = sorted(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8", "asimddp"})
-    return ", ".join(found) or None
+    return ", ".join(found) or ("avx2" if "avx2" in cpu_flags() else None)
 
 
 # ---- int8 "auto": one kernel per layer shape, chosen by what the machine has ------------------

@@ -32,7 +32,8 @@ def _static_logits(model, prompt, feed):
 def test_chunked_prefill_and_batched_decode_match_the_static_cache(model, block_size, read):
     """Prompts fed in chunks, then decoded together in packed calls (rows of different
     lengths, blocks scattered over the pool): every row's logits equal its static-cache logits
-    to 1e-6 (relative to the logits' scale), whichever way attention reads the pool."""
+    to float rounding (4e-6 of the logits' scale: the sums run in other orders; an AVX2-only
+    AMD EPYC reached 1.0e-6), whichever way attention reads the pool."""
     prompts = _prompts([5, 17, 9, 30])
     feed = [3, 7, 11, 250]
     refs = [_static_logits(model, p, feed) for p in prompts]
@@ -60,7 +61,7 @@ def test_chunked_prefill_and_batched_decode_match_the_static_cache(model, block_
     for out, ref in zip(outs, refs):
         out = torch.stack(out)
         scale = ref.abs().max()
-        assert (out - ref).abs().max() <= 1e-6 * scale, (out - ref).abs().max() / scale
+        assert (out - ref).abs().max() <= 4e-6 * scale, (out - ref).abs().max() / scale
         assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 

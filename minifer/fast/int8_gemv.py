@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..quantization import quantize_rows, w8a8_reference
+from .avx2 import AVX2
 from .native import NativeKernel
 
 __all__ = ["w8a8_reference", "w8a8_int_mm", "Int8Gemv", "GEMV", "quantize_rows", "int8_matmul"]
@@ -92,8 +93,10 @@ GEMV = Int8Gemv()  # one per process: every layer shares its build
 def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, rowsum: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor | None:
     """The `minifer.hooks.int8_matmul` of the speed-up package: `w8a8_reference`'s numbers from
-    the VNNI kernels where they run, else ``torch._int_mm`` where its sums are exact; None
-    leaves it to the reference."""
+    the VNNI kernels where they run, else the AVX2 kernel (`fast.avx2`), else ``torch._int_mm``
+    where its sums are exact; None leaves it to the reference."""
     if GEMV.available() and (x.shape[0] == 1 or not torch.compiler.is_compiling()):
         return GEMV(x, w, scales, rowsum, bias)
+    if AVX2.available() and not torch.compiler.is_compiling():  # a CPU without VNNI
+        return AVX2.w8a8(x, w, scales, bias)
     return w8a8_int_mm(x, w, scales, bias) if INT_MM_EXACT else None

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .avx2 import AVX2
 from .bf16_gemv import GEMV as BF16_GEMV
 
 __all__ = ["PackedLinear", "prepack", "prepack_problem", "prepare_bf16"]
@@ -84,7 +85,7 @@ class PackedLinear(nn.Linear):
                     pack: bool = True) -> PackedLinear:
         """A packed layer sharing `linear`'s parameters (a tied weight stays tied); packed now,
         or with ``pack=False`` at its first call (a layer whose weights are still to come)."""
-        if pack and (problem := _layer_problem(linear.weight)) is not None:
+        if pack and batch_size and (problem := _layer_problem(linear.weight)) is not None:
             raise ValueError(problem)
         self = cls(linear.in_features, linear.out_features, linear.bias is not None,
                    batch_size=batch_size, device="meta")
@@ -117,18 +118,30 @@ class PackedLinear(nn.Linear):
         w = self.weight
         if (w.device.type != "cpu" or w.dtype not in DTYPES or x.dtype != w.dtype
                 or (torch.is_grad_enabled() and w.requires_grad)
-                or torch.compiler.is_compiling()  # inductor's freezing packs weights itself
-                or prepack_problem(w.dtype) is not None):
+                or torch.compiler.is_compiling()):  # inductor's freezing packs weights itself
+            return F.linear(x, w, self.bias)
+        b = None if self.bias is None else self.bias.detach()
+        if w.dtype == torch.bfloat16 and (y := self._bf16_kernel(x, b)) is not None:
+            return y
+        if prepack_problem(w.dtype) is not None:
             return F.linear(x, w, self.bias)
         if self._packed is None or _stamp(w) != self._stamp:  # new, moved or changed in place
             self.pack()
-        b = None if self.bias is None else self.bias.detach()
-        if w.dtype == torch.bfloat16 and x.numel() == self.in_features and BF16_GEMV.available():
-            if self._rows is None:  # the kernel reads the weight row by row (row-major: itself)
-                self._rows = w.detach().contiguous()
-            y = BF16_GEMV(x.reshape(1, -1), self._rows, b)  # one row: minifer's own kernel
-            return y.reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, b, "none", [], "")
+
+    def _bf16_kernel(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
+        """minifer's own bf16 kernels: one row on AVX512-BF16; any rows on AVX2 where oneDNN
+        packs no bf16 (`fast.avx2`). None: neither runs here."""
+        rows = x.reshape(-1, self.in_features)  # [M, K]
+        if rows.shape[0] == 1 and BF16_GEMV.available():
+            if self._rows is None:  # the kernel reads the weight row by row (row-major: itself)
+                self._rows = self.weight.detach().contiguous()
+            y = BF16_GEMV(rows, self._rows, b)
+        elif prepack_problem(torch.bfloat16) is not None and AVX2.available():
+            y = AVX2.bf16(rows, self.weight.detach(), b)
+        else:
+            return None
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def _pack_linears(model: nn.Module, batch_size: int) -> None:
@@ -169,11 +182,13 @@ def prepack(model: nn.Module, *, batch_size: int = 1) -> nn.Module:
 
 def prepare_bf16(model: nn.Module) -> None:
     """`minifer.hooks.prepare_bf16`'s speed-up: a new bf16 model's linear layers prepacked, in
-    place, where oneDNN packs bf16 on this CPU (`prepack_problem`); left as they are on
-    another device, on a CPU without it, or where a layer is not bf16."""
+    place, where oneDNN packs bf16 on this CPU (`prepack_problem`), else `PackedLinear`s on
+    their own weight that run `fast.avx2`'s kernel; left as they are on another device, on a
+    CPU with neither, or where a layer is not bf16."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
-    if (not linears or prepack_problem(torch.bfloat16) is not None
-            or any(_layer_problem(m.weight) is not None or m.weight.dtype != torch.bfloat16
+    onednn = prepack_problem(torch.bfloat16) is None  # else bf16 on AVX2: `fast.avx2`, no pack
+    if (not linears or not (onednn or AVX2.available())
+            or any(m.weight.device.type != "cpu" or m.weight.dtype != torch.bfloat16
                    for m in linears)):
         return
-    _pack_linears(model, 1)
+    _pack_linears(model, 1 if onednn else 0)
