@@ -87,8 +87,8 @@ class TextStopper:
 
     def feed(self, token_id: int, match: bool = True) -> str:
         """Text released by this token ("" while held back). Sets `stopped` on a stop string.
-        ``match=False`` (before a request's ``min_tokens``): release it all, match nothing."""
-        if not match:
+        With no stop strings, or ``match=False`` (before a request's ``min_tokens``): all of it."""
+        if not match or not self.stop:
             text, self.pending = self.pending + self.detok.feed(token_id), ""
             return text
         return self._release(self.pending + self.detok.feed(token_id), final=False)
