@@ -174,13 +174,9 @@ class Sequence:
         c.token_times.append(now)
         early = len(c.token_ids) <= self.min_tokens
         text = self.stopper.feed(token, match=not early) if self.stopper is not None else ""
-        reason = None
-        if self.stopper is not None and self.stopper.stopped:
-            reason = "stop"
-        elif token in self.eos_ids and not early:
-            reason = "eos"
-        elif len(c.token_ids) >= self.params.max_new_tokens:
-            reason = "length"
+        reason = ("stop" if self.stopper is not None and self.stopper.stopped
+                  else "eos" if token in self.eos_ids and not early
+                  else "length" if len(c.token_ids) >= self.params.max_new_tokens else None)
         if self.stopper is not None:
             if reason in ("eos", "length"):
                 text += self.stopper.flush()
