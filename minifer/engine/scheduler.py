@@ -165,11 +165,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         order = sorted(self.running, key=self.rank)
         for req in order:
-            if req.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
             n = min(req.num_due, budget) if self.chunked else req.num_due
-            if n == 0 or n > budget:
-                continue
+            if req.status is not Status.RUNNING or n == 0 or n > budget:
+                continue  # preempted earlier in this loop, nothing due, or over the budget
             need = req.num_computed + n
             if not self.bm.can_append(req.request_id, need):
                 if not self._make_room(req, need, order, out):
