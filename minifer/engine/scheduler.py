@@ -209,9 +209,8 @@ class Scheduler:
         now = time.perf_counter() if now is None else now
         outputs = []
         for c, token in zip(due, tokens):
-            req = c.request
-            if req.status is Status.RUNNING:
-                outputs.append(self._record(req, token, now))
+            if c.request.status is Status.RUNNING:  # not ended since it was scheduled
+                outputs.append(self._record(c.request, token, now))
         return outputs
 
     def _record(self, req: Request, token: int | Exception, now: float) -> RequestOutput:
