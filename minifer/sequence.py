@@ -94,8 +94,9 @@ class TextStopper:
         return self._release(self.pending + self.detok.feed(token_id), final=False)
 
     def flush(self) -> str:
-        """End of generation: release everything still held (REQ-3)."""
-        return self._release(self.pending + self.detok.flush(), final=True)
+        """End of generation: release everything still held (REQ-3), cut at a stop string."""
+        buf = self.pending + self.detok.flush()
+        return self._release(buf, final=True) if self.stop else buf
 
     def _release(self, buf: str, final: bool) -> str:
         hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
