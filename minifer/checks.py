@@ -26,8 +26,7 @@ def int_range_text(lo: int | None = 1, hi: int | None = None) -> str:
 
 
 def _is_number(value: Any, kind: type = numbers.Real) -> bool:
-    """A Python or NumPy number of `kind` (``numbers.Integral``: an integer), not a bool (nor
-    NumPy's bool)."""
+    """A Python or NumPy number of `kind` (``numbers.Integral``: an integer), not a bool."""
     return (isinstance(value, kind) and not isinstance(value, bool)
             and type(value).__name__ != "bool_")
 

@@ -14,8 +14,7 @@ from .checks import check_int, check_number
 
 
 def kv_token_bytes(n_layer: int, n_kv_head: int, head_dim: int, bytes_per_value: float) -> float:
-    """The bytes one token's keys and values take in all layers (every cache and estimate here):
-    2 (K and V) × layers × KV heads × head dim × bytes."""
+    """The bytes one token's keys and values take in all layers (every cache and estimate here)."""
     return 2 * n_layer * n_kv_head * head_dim * bytes_per_value
 
 

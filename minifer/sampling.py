@@ -178,14 +178,12 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
     biased = logits
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    if logits.device.type == "cpu" or any(math.isinf(b) for b in bias.values()):
-        top = logits.amax(dim=-1).tolist()  # per row: NaN, +inf (forced) or -inf (empty)?
-        if any(math.isnan(t) or t == -INF for t in top):
-            _refuse_rows(top, biased, params)
-        if INF in top:
-            logits = apply_forced(logits)
-    else:
-        logits = apply_forced(logits)  # elementwise: no host read
+    host = logits.device.type == "cpu" or any(math.isinf(b) for b in bias.values())
+    top = logits.amax(dim=-1).tolist() if host else []  # per row: NaN, +inf (forced), -inf (empty)?
+    if any(math.isnan(t) or t == -INF for t in top):
+        _refuse_rows(top, biased, params)
+    if INF in top or not host:  # unread: apply_forced is elementwise, a no-op on rows without +inf
+        logits = apply_forced(logits)
     if params.temperature > 0:
         logits = apply_temperature(logits, params.temperature)
     logits = apply_top_k(logits, params.top_k)

@@ -87,15 +87,16 @@ class TextStopper:
 
     def feed(self, token_id: int, match: bool = True) -> str:
         """Text released by this token ("" while held back). Sets `stopped` on a stop string.
-        ``match=False`` (before a request's ``min_tokens``): release it all, match nothing."""
-        if not match:
+        With no stop strings, or ``match=False`` (before a request's ``min_tokens``): all of it."""
+        if not match or not self.stop:
             text, self.pending = self.pending + self.detok.feed(token_id), ""
             return text
         return self._release(self.pending + self.detok.feed(token_id), final=False)
 
     def flush(self) -> str:
-        """End of generation: release everything still held (REQ-3)."""
-        return self._release(self.pending + self.detok.flush(), final=True)
+        """End of generation: release everything still held (REQ-3), cut at a stop string."""
+        buf = self.pending + self.detok.flush()
+        return self._release(buf, final=True) if self.stop else buf
 
     def _release(self, buf: str, final: bool) -> str:
         hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
@@ -174,13 +175,9 @@ class Sequence:
         c.token_times.append(now)
         early = len(c.token_ids) <= self.min_tokens
         text = self.stopper.feed(token, match=not early) if self.stopper is not None else ""
-        reason = None
-        if self.stopper is not None and self.stopper.stopped:
-            reason = "stop"
-        elif token in self.eos_ids and not early:
-            reason = "eos"
-        elif len(c.token_ids) >= self.params.max_new_tokens:
-            reason = "length"
+        reason = ("stop" if self.stopper is not None and self.stopper.stopped
+                  else "eos" if token in self.eos_ids and not early
+                  else "length" if len(c.token_ids) >= self.params.max_new_tokens else None)
         if self.stopper is not None:
             if reason in ("eos", "length"):
                 text += self.stopper.flush()

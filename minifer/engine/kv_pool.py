@@ -134,11 +134,8 @@ class PackedBatch:
         self.pool = pool
         self.tables, self.context, self.num_new = tables, context, num_new
         self.num_tokens = sum(num_new)
-        pos: list[int] = []
-        slots: list[int] = []
-        for table, c, n in zip(tables, context, num_new):
-            pos.extend(range(c, c + n))
-            slots.extend(pool.slots(table, c, c + n))
+        pos = [p for c, n in zip(context, num_new) for p in range(c, c + n)]  # rows in turn
+        slots = [s for table, c, n in zip(tables, context, num_new) for s in pool.slots(table, c, c + n)]
         self.positions = torch.tensor([pos], dtype=torch.long, device=dev)  # (1, N)
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)  # (N,)
         ends = list(itertools.accumulate(num_new))

@@ -35,11 +35,8 @@ class ModelRunner:
                  batch_invariant: bool = False) -> None:
         self.model, self.pool, self.device = model, pool, device
         self.invariant = batch_invariant  # `hooks.batch_invariant`
-        self.num_forward_calls = 0
-        self.forward_time_s = 0.0
-        self.num_prefill_tokens = 0
-        self.num_decode_tokens = 0
-        self.num_decode_calls = 0
+        self.num_forward_calls, self.forward_time_s = 0, 0.0  # the counters, as listed above
+        self.num_prefill_tokens = self.num_decode_tokens = self.num_decode_calls = 0
 
     def execute(self, chunks: list[Chunk]) -> list[int | Exception]:
         """One forward call over every chunk; for each chunk that completes its request's
@@ -56,7 +53,10 @@ class ModelRunner:
 
     def forward(self, chunks: list[Chunk], ids: list[int], batch: PackedBatch) -> torch.Tensor:
         """The step's one model call over `chunks`, fed `ids` packed in `batch`: counted, timed."""
-        self.count_tokens(chunks)
+        decode = sum(1 for c in chunks if c.decodes)  # rows feeding back one sampled token
+        self.num_decode_tokens += decode
+        self.num_decode_calls += decode > 0
+        self.num_prefill_tokens += sum(c.num_new for c in chunks) - decode  # prompt, recomputed
         t0 = time.perf_counter()
         with hooks.batch_invariant(self.model, self.invariant):
             logits = self.model(torch.tensor([ids], dtype=torch.long, device=self.device), cache=batch)
@@ -102,10 +102,3 @@ class ModelRunner:
             if r.seen is not None:
                 r.seen[t] = True
         return picked
-
-    def count_tokens(self, rows: list[Chunk]) -> None:
-        decode = sum(1 for c in rows if c.decodes)
-        self.num_decode_tokens += decode
-        self.num_decode_calls += decode > 0
-        self.num_prefill_tokens += sum(c.num_new for c in rows) - decode  # prompt, recomputed
-

@@ -32,9 +32,8 @@ def generate_arguments(prompts, params) -> tuple[list, list]:
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts (texts or id lists)")
-    params = SamplingParams() if params is None else params
-    if isinstance(params, SamplingParams):
-        params = [params] * len(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        params = [SamplingParams() if params is None else params] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
     return list(prompts), list(params)

@@ -165,11 +165,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         order = sorted(self.running, key=self.rank)
         for req in order:
-            if req.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
             n = min(req.num_due, budget) if self.chunked else req.num_due
-            if n == 0 or n > budget:
-                continue
+            if req.status is not Status.RUNNING or n == 0 or n > budget:
+                continue  # preempted earlier in this loop, nothing due, or over the budget
             need = req.num_computed + n
             if not self.bm.can_append(req.request_id, need):
                 if not self._make_room(req, need, order, out):
@@ -211,9 +209,8 @@ class Scheduler:
         now = time.perf_counter() if now is None else now
         outputs = []
         for c, token in zip(due, tokens):
-            req = c.request
-            if req.status is Status.RUNNING:
-                outputs.append(self._record(req, token, now))
+            if c.request.status is Status.RUNNING:  # not ended since it was scheduled
+                outputs.append(self._record(c.request, token, now))
         return outputs
 
     def _record(self, req: Request, token: int | Exception, now: float) -> RequestOutput:
