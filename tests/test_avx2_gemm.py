@@ -53,6 +53,18 @@ def test_bf16_equals_the_reference_to_rounding(M, N, K):
         assert (got == ref).float().mean() >= 0.9
 
 
+def test_a_row_gets_the_same_bits_alone_as_in_any_batch():
+    """Each row of x runs the same sums in the same order whatever rows share the call (a tile
+    holds one or two rows, each with its own sums; threads split the weight rows)."""
+    A.AVX2.available()
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(9, 100, generator=g).bfloat16(), torch.randn(37, 100, generator=g).bfloat16()
+    batched = A.AVX2.bf16(x, w)
+    for i in range(9):
+        assert torch.equal(A.AVX2.bf16(x[i:i + 1], w), batched[i:i + 1])
+        assert torch.equal(A.AVX2.bf16(x[i:i + 2], w)[:1], batched[i:i + 1])
+
+
 def test_bad_input_gets_a_clear_error():
     A.AVX2.available()
     x, w, scales, bias = _case(2, 8, 32)

@@ -9,7 +9,7 @@ removed after. For each (threads, precision) cell, every round runs one fresh pr
 old then new in even rounds and new then old in odd ones, so a slow spell of the machine hits
 both. A process imports minifer from its tree, builds ``GPT.from_config(PRESET, seed=0)``
 (random weights), quantizes it with ``quantize(model, precision)`` (int8 on the W8A8 kernel,
-``impl="integer"``) and, per batch size, decodes the same random prompts greedily past
+``impl="integer"``, or with ``--int8 auto`` its default) and, per batch size, decodes the same random prompts greedily past
 end-of-sequence: one warm-up call, then ``--repeats`` timed calls. A call's rate is decode
 alone, ``batch × (new_tokens − 1)`` over the time from the first new token to the last (the
 completions' ``token_times``); the process reports the median of its calls.
@@ -37,9 +37,10 @@ PRECISIONS = ("fp32", "bf16", "int8", "int4")
 
 
 def worker(preset: str, precision: str, threads: int, batches: list[int], prompt_len: int,
-           new_tokens: int, repeats: int, ragged: bool = False) -> dict:
+           new_tokens: int, repeats: int, ragged: bool = False, int8: str = "integer") -> dict:
     """One process's measurement, with the minifer that is on its sys.path: batch -> rate and
-    greedy tokens. `ragged`: prompts of 4..`prompt_len` tokens (a left-padded batch)."""
+    greedy tokens. `ragged`: prompts of 4..`prompt_len` tokens (a left-padded batch); `int8`: the
+    int8 kernel (``impl``), or "auto" for `quantize`'s default."""
     import torch
 
     import minifer as mf
@@ -47,7 +48,7 @@ def worker(preset: str, precision: str, threads: int, batches: list[int], prompt
     torch.set_num_threads(threads)
     model = mf.GPT.from_config(preset, seed=0).eval()
     if precision != "fp32":
-        model = mf.quantize(model, precision, **({"impl": "integer"} if precision == "int8"
+        model = mf.quantize(model, precision, **({"impl": int8} if precision == "int8"
                                                   else {}))
     params = mf.SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
@@ -83,7 +84,7 @@ def _run_tree(tree: dict, args: argparse.Namespace, threads: int, precision: str
         env["TORCH_EXTENSIONS_DIR"] = tree["extensions"]
     command = [args.python, str(Path(__file__).resolve()), "--worker", json.dumps(
         [args.preset, precision, threads, args.batches, args.prompt_len, args.new_tokens,
-         args.repeats, args.ragged])]
+         args.repeats, args.ragged, args.int8])]
     done = subprocess.run(command, env=env, cwd=tree["path"], capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"compare_trees: {tree['label']} {precision} threads={threads} failed:\n"
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed calls per batch in a process, after a warm-up (default 2)")
     parser.add_argument("--preset", default="gpt2", help="model preset, random weights")
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--int8", default="integer", choices=["integer", "auto"],
+                        help="int8's kernel: W8A8 (default), or auto: quantize's default here")
     parser.add_argument("--ragged", action="store_true",
                         help="prompts of 4..--prompt-len tokens, random: a left-padded batch")
     parser.add_argument("--new-tokens", type=int, default=33,

@@ -139,9 +139,10 @@ def governor_figure(timeline: list[dict]) -> go.Figure:
 def one_row_ms(model: torch.nn.Module, threads: int, repeats: int = 5) -> dict[str, float]:
     """ms for one row through every linear layer of ``model`` (one decode step's products at
     batch 1), per kernel: fp32 ``F.linear``; int8 W8A8 as tensor math (`w8a8_reference`) and on
-    minifer's VNNI kernel; bf16 as tensor math and on minifer's AVX512-BF16 kernel (the kernels
-    only where this CPU has them). The best of ``repeats``, at ``threads`` threads."""
+    minifer's VNNI kernel; bf16 as tensor math and on minifer's AVX512-BF16 kernel; both on the
+    AVX2 kernels where those two do not run (the kernels only where this CPU has them). The best of ``repeats``, at ``threads`` threads."""
     from minifer.fast import bf16_gemv, int8_gemv
+    from minifer.fast.avx2 import AVX2
     from minifer.quantization import quantize_int8, w8a8_reference
 
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -161,6 +162,9 @@ def one_row_ms(model: torch.nn.Module, threads: int, repeats: int = 5) -> dict[s
     if bf16_gemv.GEMV.available():
         runs["bf16 kernel (AVX512-BF16)"] = lambda w, q, s, r, wb: bf16_gemv.GEMV(
             xs[w.shape[1]].bfloat16(), wb)
+    if not (int8_gemv.GEMV.available() and bf16_gemv.GEMV.available()) and AVX2.available():
+        runs["int8 kernel (AVX2)"] = lambda w, q, s, r, wb: AVX2.w8a8(xs[w.shape[1]], q, s)
+        runs["bf16 kernel (AVX2)"] = lambda w, q, s, r, wb: AVX2.bf16(xs[w.shape[1]].bfloat16(), wb)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
