@@ -658,12 +658,9 @@ def model_bytes(model: nn.Module) -> ModelBytes:
     acc = dict(embeddings=0, linear_weights=0, scales=0, norms=0, biases=0, other=0)
 
     def add(kind: str, t: torch.Tensor | None) -> None:
-        if t is None:
+        if t is None or t.data_ptr() in seen:
             return
-        key = t.data_ptr()
-        if key in seen:
-            return
-        seen.add(key)
+        seen.add(t.data_ptr())
         acc[kind] += _nbytes(t)
 
     modules = list(model.modules())
