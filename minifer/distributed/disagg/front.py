@@ -115,7 +115,6 @@ class DisaggregatedEngine:
         self.block_size, self.decode_blocks = block_size, decode_blocks
         self.bytes_per_token = kv_token_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim,
                                               next(self.model.parameters()).element_size())
-        """K/V bytes per token in all layers: what each prompt token costs to hand over."""
         self.options = {"--block-size": block_size, "--prefill-tokens": prefill_tokens,
                         "--prefill-max-seqs": prefill_max_seqs, "--decode-blocks": decode_blocks,
                         "--decode-max-seqs": decode_max_seqs, "--decode-tokens": decode_tokens,
