@@ -2,8 +2,7 @@
 
 The front, in the caller's process, starts the two ranks (`Workers`), checks each request as
 `LLMEngine.add_request` would, writes it to rank 0's stdin as a JSON line and reads finished
-requests from rank 1's stdout on a thread. Every call that waits checks the processes and raises
-`WorkerError` with a failed rank's output, after ending both."""
+requests from rank 1's stdout on a thread; a failed rank ends both (`WorkerError`)."""
 
 from __future__ import annotations
 
