@@ -154,22 +154,21 @@ def _check_gpt2_options(hc: Mapping, dtype: torch.dtype) -> None:
     """Raise a ValueError naming the first GPT-2 config option `GPT` cannot reproduce."""
     act = hc.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"from_hf supports GPT-2's tanh GELU, got activation {act!r}")
+        raise _unsupported("activation_function", act, "the MLP here uses GPT-2's tanh GELU")
     ours = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
             "add_cross_attention": False}  # scores scaled by √head_dim only; decoder-only
     for option, computed in ours.items():
         value = hc.get(option, computed)
         if bool(value) != computed:
-            raise ValueError(f"from_hf: GPT-2 config {option}={value!r} is not supported "
-                             f"(this engine computes {option}={computed})")
+            raise _unsupported(option, value, f"this engine computes {option}={computed}")
     n_inner = hc.get("n_inner")
     if n_inner is not None and n_inner != 4 * hc["n_embd"]:
-        raise ValueError(f"from_hf: GPT-2 config n_inner={n_inner!r} is not supported (the MLP "
-                         f"width here is 4 × n_embd = {4 * hc['n_embd']})")
+        raise _unsupported("n_inner", n_inner, f"the MLP width here is 4 × n_embd = "
+                           f"{4 * hc['n_embd']}")
     if hc.get("reorder_and_upcast_attn", False) and dtype != torch.float32:
-        raise ValueError(f"from_hf: GPT-2 config reorder_and_upcast_attn=True computes attention "
-                         f"in float32; this engine matches it only for a float32 model, got "
-                         f"{dtype} (convert the model with .float() first)")
+        raise _unsupported("reorder_and_upcast_attn", True, f"it computes attention in float32; "
+                           f"this engine matches it only for a float32 model, got {dtype} "
+                           f"(convert the model with .float() first)")
 
 
 def _check_llama_options(hc: Mapping) -> None:

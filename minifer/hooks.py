@@ -52,10 +52,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def decode_function(model: torch.nn.Module, cache, compile: bool | str) -> Callable | None:
     """The decode step a generation call runs (see `generation.decode_step`): None runs the
-    forward pass ``model(tokens, cache=cache)``, with ``compile`` or without.
-
-    (`minifer.fast.decode` returns its lean step, `minifer.fast.compiled` a compiled one when
-    ``compile`` asks for it.)"""
+    forward pass ``model(tokens, cache=cache)``, with ``compile`` or without."""
     return None
 
 
@@ -65,8 +62,7 @@ def generation_threads(threads: int | str | None, device: torch.device | str
     """Around one generation call: torch's CPU thread count, and a hook to call between steps.
 
     Plain: an integer fixes torch's count for the call (restored after it); None or ``"auto"``
-    leave it as it is. (`minifer.fast.threads`: ``"auto"`` follows the cores other programs
-    leave idle.)"""
+    leave it as it is."""
     threads = check_threads(threads)  # a NumPy integer comes back as an int
     restore = None
     if isinstance(threads, int):
@@ -100,15 +96,13 @@ def packed_attention(pool) -> Callable | None:
 
 def prepare_bf16(model: torch.nn.Module) -> None:
     """Called on a new bf16 model (``quantize(model, "bf16")``, a checkpoint loaded in bf16):
-    its layers stay plain `nn.Linear`. (`minifer.fast` prepacks them where the CPU has a fast
-    bf16 product: its docstring says when, and what it costs in memory.)"""
+    its layers stay plain `nn.Linear` (`minifer.fast` prepacks them where that is faster)."""
 
 
 def serving_threads(threads: int | str | None) -> Callable[[], int | None]:
     """Called by the serving engine's loop in its own thread before its first step: torch's
     count there (an integer: that count; None or ``"auto"``: as it is), and the hook the loop
-    calls between steps, which returns a new count when it set one, else None.
-    (`minifer.fast.threads`: ``"auto"`` follows the cores other programs leave idle.)"""
+    calls between steps, which returns a new count when it set one, else None."""
     threads = check_threads(threads)
     if isinstance(threads, int):
         torch.set_num_threads(threads)

@@ -258,12 +258,8 @@ class GPT(nn.Module):
     @classmethod
     def from_hf(cls, hf_model) -> GPT:
         """Import a `transformers` model already in memory (no download here): a
-        `GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`.
-
-        Q/K/V (and Llama's gate/up) projections are fused, GPT-2's `Conv1D` weights transposed
-        (as `minifer.hf_checkpoint` does from a folder). Config options this engine does not
-        compute (another activation, sliding windows, other RoPE scalings than Llama 3's,
-        mixture-of-experts, ...) are a ValueError naming the option, never a silent conversion."""
+        `GPT2LMHeadModel`, `LlamaForCausalLM`, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`,
+        converted exactly or refused as a folder is (`minifer.hf_convert`)."""
         from .hf_convert import FAMILIES
 
         hc = getattr(hf_model, "config", None)

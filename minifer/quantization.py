@@ -195,8 +195,7 @@ def fused_problem(bits: int, out_features: int, in_features: int, group_size: in
 
     First the rules known to crash the kernel (`_static_problem`), then a probe on this very
     shape: a random layer run through the kernel on 1, 3 and 17 rows and compared with the
-    reference path; an exception or an error over 2% of the output's scale is a problem.
-    Cached per shape."""
+    reference path; an exception or an error over 2% of the output's scale is a problem."""
     static = _static_problem(bits, in_features, group_size)
     if static is not None:
         return static
@@ -535,9 +534,7 @@ def _swap_linears(new: nn.Module, targets: list[tuple[str, nn.Linear]], bits: in
         if problem is not None and not is_tied:
             unfused.setdefault(problem, []).append(f"{name} {tuple(lin.weight.shape)}")
         if is_tied and layer_impl == "reference" and not reference_asked:
-            # dequantizing the copy at every call would rebuild the whole embedding-sized
-            # matrix per step, slower than reading it in float: keep the float, tied head
-            continue
+            continue  # the float, tied head (`quantize` says why)
         parent_name, _, attr = name.rpartition(".")
         setattr(new.get_submodule(parent_name) if parent_name else new, attr,
                 QuantizedLinear.from_linear(lin, bits, group_size=group_size, impl=layer_impl,
@@ -658,12 +655,9 @@ def model_bytes(model: nn.Module) -> ModelBytes:
     acc = dict(embeddings=0, linear_weights=0, scales=0, norms=0, biases=0, other=0)
 
     def add(kind: str, t: torch.Tensor | None) -> None:
-        if t is None:
+        if t is None or t.data_ptr() in seen:
             return
-        key = t.data_ptr()
-        if key in seen:
-            return
-        seen.add(key)
+        seen.add(t.data_ptr())
         acc[kind] += _nbytes(t)
 
     modules = list(model.modules())

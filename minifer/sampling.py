@@ -88,9 +88,7 @@ def _as_stop(stop) -> tuple[str, ...]:
         return ()
     if isinstance(stop, str):
         stop = (stop,)
-    elif not isinstance(stop, (list, tuple)):
-        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    if any(not isinstance(s, str) or not s for s in stop):
+    if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     return tuple(stop)
 

@@ -1,8 +1,7 @@
 """`EngineProcess`: the engine steps in a process of its own; the server's handlers stay here.
 
-In `AsyncEngine` the step's Python (scheduling, sampling, detokenizing) and the event loop take
-turns for the interpreter lock; in a process of its own they never wait for each other, at the
-price of sending each step's outputs through a pipe. The split, as vLLM's engine core:
+The step's Python (scheduling, sampling, detokenizing) and the event loop then never take turns
+for the interpreter lock, at the price of each step's outputs sent through a pipe. As vLLM's:
 
     server process                                 engine process
     handlers -> add / abort (AsyncEngine's API)    LLMEngine(model, tokenizer, **options)

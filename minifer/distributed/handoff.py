@@ -213,7 +213,5 @@ def recv_handoff(src: int, kv_shape: tuple[int, int, int], dtype: torch.dtype, *
         dist.recv(kv, src, group=group)
         seconds = time.perf_counter() - t0
         nbytes = kv.numel() * kv.element_size()
-    return Handoff(m["request_id"], m["prompt_ids"], m["first_token"],
-                   params_from_dict(m["params"]), kv, m["arrival_time"],
-                   m["first_scheduled_time"], m["first_token_time"], m["finish_reason"],
-                   m["priority"], state, m.get("error"), kv_bytes=nbytes, transfer_s=seconds)
+    meta = dict(m, params=params_from_dict(m["params"]))  # what `Handoff.meta` sent
+    return Handoff(**meta, kv=kv, generator_state=state, kv_bytes=nbytes, transfer_s=seconds)

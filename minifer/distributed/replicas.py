@@ -1,13 +1,11 @@
 """`EngineReplicas`: engine processes behind one server, each with a share of the seats.
 
-A step goes at the pace of its slowest thread (a core partly taken by another program holds up
-every step); replicas split the work the other way: each a whole `LLMEngine` in its own process
-(`EngineProcess`) with a share of `max_num_seqs` and of the KV pool (vLLM's data parallelism).
-
-A new request goes to the live replica with the fewest in flight. A replica that dies leaves the
-routing at once: its requests end with a 503, ``/health`` says "degraded" (503 when none is
-left: the server's one engine process is a single replica), and it is restarted in the
-background (at most `MAX_RESTARTS` times). The weights are shared; prefix caching is per replica."""
+A step goes at the pace of its slowest thread; replicas never wait for each other: each is a
+whole `LLMEngine` in its own process (`EngineProcess`) with a share of `max_num_seqs` and of the
+KV pool (vLLM's data parallelism). A new request goes to the live replica with the fewest in
+flight. One that dies leaves the routing at once: its requests end with a 503, ``/health`` says
+"degraded" (503 when none is left), and it is restarted (at most `MAX_RESTARTS` times). The
+weights are shared; prefix caching is per replica."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from typing import Any
 
 from ..checks import check_int
 from ..engine import async_engine
-from ..engine.async_engine import DEFAULT_MAX_WAITING, check_loop_options, engine_stats, queue_full
+from ..engine.async_engine import DEFAULT_MAX_WAITING, engine_stats, queue_full
 from ..engine.errors import APIError
 from .engine_process import EngineProcess
 
@@ -64,7 +62,6 @@ class EngineReplicas:
     def __init__(self, engine: Any, replicas: int, *, max_waiting: int = DEFAULT_MAX_WAITING,
                  on_finish=None, on_step=None, threads: int | str | None = None,
                  blocks_needed: int = 1, fallback: bool = False, restart: bool = True) -> None:
-        check_loop_options(max_waiting, threads)
         options = getattr(engine, "options", None)
         if not isinstance(options, dict):
             raise TypeError(f"replicas are built from an engine's options; a "

@@ -1,11 +1,8 @@
 """An OpenAI-compatible HTTP server on the serving engine (FastAPI + uvicorn, as vLLM uses).
 
-The routes (`minifer.serve.routes`): completions and chat, whole or streamed as server-sent
-events, models, health and Prometheus metrics (``/openapi.json``). A request's path (claim
-REQ-1): the body is checked (400 naming the parameter), the engine adds it and steps, each
-step's output leaves at once, and the KV blocks are freed at the end or when the client leaves
-(REQ-3). Limits (MET-5) and guards (`minifer.serve.guard`) come before any route; shutdown
-(`make_server`) drains. FastAPI and uvicorn are imported only when a server is built."""
+`create_app` puts the routes (`minifer.serve.routes`: a request's path, claims REQ-1 and REQ-3)
+behind the limits (MET-5) and guards (`minifer.serve.guard`); `make_server` serves them and
+drains on shutdown. FastAPI and uvicorn are imported only when a server is built."""
 
 from __future__ import annotations
 
@@ -237,7 +234,7 @@ def make_server(config):
             grace = float(self.config.timeout_graceful_shutdown or 0)
             state = getattr(getattr(self.config.app, "state", None), "server", None)
             if state is not None:
-                state.drain(time.monotonic() + grace - min(1.0, grace / 2))
+                state.draining_until = time.monotonic() + grace - min(1.0, grace / 2)
             await super().shutdown(sockets)
 
     return Server(config)

@@ -1,10 +1,7 @@
-"""What stands between the network and the server's routes.
-
-`Guard`, ASGI middleware around the whole app, checks the ``Host`` header (stops DNS
-rebinding), the ``Authorization: Bearer`` key (every route but ``/health``), that POST bodies
-are JSON (415: a web page cannot post without a CORS preflight), at most `MAX_BODY_BYTES` (413)
-within `READ_TIMEOUT_S` (408), headers of at most `MAX_HEADER_BYTES` (431); a route's exception
-becomes one JSON 500; every error is counted. `h11_protocol` stops slow clients."""
+"""What stands between the network and the server's routes: `Guard`, ASGI middleware that
+refuses before any route runs what the server must not take (a foreign ``Host``: DNS rebinding;
+no API key; a body that is not JSON: a web page cannot post one without a CORS preflight; too
+large or too slow), and `h11_protocol`, which stops slow clients."""
 
 from __future__ import annotations
 

@@ -44,10 +44,6 @@ class ServerState:
 
     draining_until: float | None = None  # shutting down: answers end by then (monotonic)
 
-    def drain(self, until: float) -> None:
-        """The server is shutting down: every answer still open ends by `until`."""
-        self.draining_until = until
-
     def cut_short(self) -> bool:
         """Whether the shutdown's grace is over for the answers still open."""
         return self.draining_until is not None and time.monotonic() >= self.draining_until

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 source = ListRequests([{"op": "add", "request_id": f"req-{i}",
                                         "prompt_ids": encode_prompt(tok, p), "params": params}
                                        for i, p in enumerate(args.prompt)])
-            report = run_prefill(engine, source, lines, comm.device, dst=DECODE,
+            report = run_prefill(engine, source, comm.device, dst=DECODE,
                                  keepalive_s=args.keepalive or min(10.0, args.timeout / 4))
         else:
             engine = LLMEngine(model, enable_chunked_prefill=True, block_size=args.block_size,

@@ -2,8 +2,7 @@
 
 The front, in the caller's process, starts the two ranks (`Workers`), checks each request as
 `LLMEngine.add_request` would, writes it to rank 0's stdin as a JSON line and reads finished
-requests from rank 1's stdout on a thread. Every call that waits checks the processes and raises
-`WorkerError` with a failed rank's output, after ending both."""
+requests from rank 1's stdout on a thread; a failed rank ends both (`WorkerError`)."""
 
 from __future__ import annotations
 
@@ -21,15 +20,15 @@ from pathlib import Path
 import torch
 
 from ...checks import check_int, check_number
-from ...config import GPTConfig, kv_token_bytes
+from ...config import kv_token_bytes
 from ...engine.metrics import RequestMetrics
 from ...engine.options import generate_arguments, prepare_request
-from ...pretrained import PRETRAINED, model_files, save_checkpoint
+from ...pretrained import load_pretrained, save_checkpoint
 from ...sampling import SamplingParams
 from ...sequence import check_model
 from ...tokenizer import Tokenizer
 from ..handoff import params_to_dict
-from ..parallel.launch import DTYPE_NAMES, WorkerError, Workers
+from ..parallel.launch import WorkerError, Workers, worker_model
 from .worker import FAULT_ENV
 
 __all__ = ["DisaggOutput", "DisaggReport", "DisaggregatedEngine", "FAULT_ENV"]
@@ -115,7 +114,6 @@ class DisaggregatedEngine:
         self.block_size, self.decode_blocks = block_size, decode_blocks
         self.bytes_per_token = kv_token_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim,
                                               next(self.model.parameters()).element_size())
-        """K/V bytes per token in all layers: what each prompt token costs to hand over."""
         self.options = {"--block-size": block_size, "--prefill-tokens": prefill_tokens,
                         "--prefill-max-seqs": prefill_max_seqs, "--decode-blocks": decode_blocks,
                         "--decode-max-seqs": decode_max_seqs, "--decode-tokens": decode_tokens,
@@ -326,25 +324,12 @@ class DisaggregatedEngine:
 
 
 def _front_model(model, tokenizer) -> tuple[str | None, torch.nn.Module, Tokenizer | None, str]:
-    """``(shipped model's name or None, model, tokenizer, dtype name)`` for the front; a
-    TypeError or ValueError for a model the workers cannot run."""
-    if isinstance(model, str):
-        if model not in PRETRAINED:
-            raise ValueError(f"model must be a GPT or one of {sorted(PRETRAINED)}, got {model!r}")
-        from ...pretrained import load_pretrained
-
-        _w, _config, tok_path = model_files(model)
-        tokenizer = Tokenizer.from_file(tok_path) if tokenizer is None else tokenizer
-        return model, load_pretrained(model)[0], tokenizer, "fp32"
-    if not (isinstance(model, torch.nn.Module)
-            and isinstance(getattr(model, "config", None), GPTConfig)):
-        raise TypeError(f"model must be a minifer GPT or a shipped model's name, got "
-                        f"{type(model).__name__}")
+    """`worker_model`, with the model itself: a shipped one loaded for the front's checks."""
+    name, _config, tokenizer, dtype = worker_model(model, tokenizer)
+    if name is not None:
+        return name, load_pretrained(name)[0], tokenizer, dtype
     check_model(model)  # once here: `prepare_request` trusts the model it is given
-    dtype = next(model.parameters()).dtype
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"model weights must be fp32, bf16 or fp16, got {dtype}")
-    return None, model, tokenizer, DTYPE_NAMES[dtype]
+    return None, model, tokenizer, dtype
 
 
 def _read_lines(events: queue.Queue, rank: int, stream) -> None:

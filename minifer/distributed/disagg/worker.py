@@ -52,9 +52,6 @@ class Span:
     nbytes: int = 0  # K/V bytes moved (transfers)
     requests: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 class Lines:
     """JSON lines on the original stdout (flushed at once), whatever else the process prints."""
@@ -139,15 +136,14 @@ class _Loop:
                     requests=list(st.decode) + [r for r, _ in st.prefill])
 
 
-def run_prefill(engine, source, lines: Lines, device, *, dst: int = DECODE,
-                keepalive_s: float = 10.0) -> dict:
+def run_prefill(engine, source, device, *, dst: int = DECODE, keepalive_s: float = 10.0) -> dict:
     """Rank 0's loop (`drive`): admit requests, step, hand every prefilled request to rank `dst`
     (a refused or failed one as a finished handoff, reason "error"); while idle, a keep-alive
     every `keepalive_s` seconds, so the decode worker's ``recv`` never times out."""
     loop = _Prefill(engine, device, source, dst, keepalive_s)
     drive(engine, loop.take, loop.deliver)
     send_done(dst, device=device)
-    return {"role": "prefill", "timeline": [s.to_dict() for s in loop.timeline],
+    return {"role": "prefill", "timeline": [asdict(s) for s in loop.timeline],
             "transfers": loop.transfers, "bytes_per_token": engine.pool.bytes_per_token,
             "steps": loop.steps, "prefill_tokens": engine.num_prefill_tokens}
 
@@ -217,18 +213,18 @@ def _refused(msg: dict, params: SamplingParams, err: Exception) -> Handoff:
                    error=f"request {msg['request_id']!r} refused: {type(err).__name__}: {err}")
 
 
-def run_decode(engine, lines: Lines, device, *, src: int = PREFILL, text=None) -> dict:
+def run_decode(engine, lines: Lines, device, *, src: int = PREFILL) -> dict:
     """Rank 1's loop (`drive`): insert received handoffs when they fit, decode,
     emit finished requests (a request that fails here alone ends with reason "error")."""
     # The receiver thread needs the interpreter lock between its recv calls; Python's default
     # 5 ms switch interval would add up to that much to every message while a step runs.
     sys.setswitchinterval(0.0005)
-    loop = _Decode(engine, device, lines, src, text)
+    loop = _Decode(engine, device, lines, src)
     threading.Thread(target=loop.receive, daemon=True).start()
     drive(engine, loop.take, loop.deliver)
     pool = engine.pool
-    return {"role": "decode", "timeline": [s.to_dict() for s in loop.timeline],
-            "recv": [s.to_dict() for s in loop.recv_spans], "bytes_per_token": pool.bytes_per_token,
+    return {"role": "decode", "timeline": [asdict(s) for s in loop.timeline],
+            "recv": [asdict(s) for s in loop.recv_spans], "bytes_per_token": pool.bytes_per_token,
             "steps": loop.steps, "preemptions": engine.scheduler.num_preemptions,
             "recompute_tokens": engine.num_prefill_tokens, "num_blocks": pool.num_blocks}
 
@@ -242,9 +238,9 @@ class _Decode(_Loop):
 
     role = "decode"
 
-    def __init__(self, engine, device, lines: Lines, src: int, text) -> None:
+    def __init__(self, engine, device, lines: Lines, src: int) -> None:
         super().__init__(engine, device)
-        self.lines, self.src, self.text = lines, src, text
+        self.lines, self.src = lines, src
         self.inbox: queue.Queue = queue.Queue()
         self.recv_spans: list[Span] = []
         self.transfers: dict[str, dict] = {}
@@ -326,5 +322,3 @@ class _Decode(_Loop):
                 self.emit(out.request_id, out.prompt_token_ids, out.token_ids, out.finish_reason,
                           m.arrival_time, m.first_scheduled_time, m.token_times,
                           m.finished_time, m.preemptions, out.error)
-                if self.text is not None:
-                    self.text(out)

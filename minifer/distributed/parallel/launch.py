@@ -75,10 +75,8 @@ def free_port() -> int:
 class Workers:
     """N local processes started with torchrun's environment, watched and always ended.
 
-    Rank ``r`` runs ``python -m MODULE *argv_per_rank[r]`` with torchrun's variables,
-    ``OMP_NUM_THREADS=threads`` and this process's pid (a worker whose launcher dies exits), plus
-    `extra_env`. Its stderr (and stdout unless `pipes`, then the caller's pipes) go to
-    ``rankR.log`` in `logdir`. Use it as a context manager, or call :meth:`end` in a
+    Rank ``r`` runs ``python -m MODULE *argv_per_rank[r]``, its stderr (and stdout unless
+    `pipes`) in ``rankR.log`` in `logdir`. A context manager, or call :meth:`end` in a
     ``finally``; :meth:`check` raises :class:`WorkerError` with every failed rank's output."""
 
     def __init__(self, argv_per_rank: list[list[str]], logdir: str | Path, *,
@@ -170,10 +168,7 @@ def launch(args_per_rank: list[list[str]], *, threads: int = 1, timeout_s: float
     """Start ``python -m minifer.distributed.parallel --device cpu ARGS`` once per rank and wait
     for all to succeed: the pids, or :class:`WorkerError` with the failing rank's stderr (also
     past `timeout_s`). Every process is ended before this returns or raises."""
-    if len(args_per_rank) < 1:
-        raise ValueError("args_per_rank must hold one argument list per rank (at least one)")
-    check_int("threads", threads, 1, max_threads())
-    check_number("timeout_s", timeout_s, gt=0)
+    check_number("timeout_s", timeout_s, gt=0)  # (`Workers` checks the ranks and threads)
     with tempfile.TemporaryDirectory(prefix="minifer-tp-") as tmp:
         argv = [["--device", "cpu", "--threads", str(threads), *args] for args in args_per_rank]
         with Workers(argv, workdir or tmp, threads=threads) as workers:
@@ -216,22 +211,7 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
     if params.stop or params.repetition_penalty != 1.0:
         raise ValueError("the tensor-parallel loop supports temperature, top_k, top_p, seed, "
                          "logit_bias and ignore_eos; not stop strings or repetition_penalty")
-    if isinstance(model, str):
-        if model not in PRETRAINED:
-            raise ValueError(f"model must be a GPT or one of {sorted(PRETRAINED)}, got {model!r}")
-        name = model
-        _weights, config_path, tok_path = model_files(name)
-        config = GPTConfig.from_dict(json.loads(config_path.read_text())["config"])
-        tokenizer = Tokenizer.from_file(tok_path) if tokenizer is None else tokenizer
-        dtype = "fp32"
-    elif isinstance(model, torch.nn.Module) and isinstance(getattr(model, "config", None), GPTConfig):
-        name, config = None, model.config
-        dtype = DTYPE_NAMES.get(next(model.parameters()).dtype)
-        if dtype is None:
-            raise ValueError(f"model weights must be fp32, bf16 or fp16, got "
-                             f"{next(model.parameters()).dtype}")
-    else:
-        raise TypeError(f"model must be a minifer GPT or a shipped model's name, got {type(model)}")
+    name, config, tokenizer, dtype = worker_model(model, tokenizer)
     shard_plan(config, world_size, 0, allow_uneven=allow_uneven)  # fail fast, no processes
     ids = encode_prompts(prompts, tokenizer, config.vocab_size)
     request = {"prompts": ids, "params": params_to_dict(params)}
@@ -255,3 +235,24 @@ def run_local(model: torch.nn.Module | str, prompts, world_size: int = 2,
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 """The weight dtypes a worker runs, by their ``--dtype`` names."""
+
+
+def worker_model(model: torch.nn.Module | str, tokenizer=None
+                 ) -> tuple[str | None, GPTConfig, Tokenizer | None, str]:
+    """``(shipped model's name or None, config, tokenizer, dtype name)`` of a `GPT` or a shipped
+    model's name, for workers to load; a TypeError or ValueError for one they cannot run."""
+    if isinstance(model, str):
+        if model not in PRETRAINED:
+            raise ValueError(f"model must be a GPT or one of {sorted(PRETRAINED)}, got {model!r}")
+        _weights, config_path, tok_path = model_files(model)
+        config = GPTConfig.from_dict(json.loads(config_path.read_text())["config"])
+        tokenizer = Tokenizer.from_file(tok_path) if tokenizer is None else tokenizer
+        return model, config, tokenizer, "fp32"
+    if not (isinstance(model, torch.nn.Module)
+            and isinstance(getattr(model, "config", None), GPTConfig)):
+        raise TypeError(f"model must be a minifer GPT or a shipped model's name, got "
+                        f"{type(model).__name__}")
+    dtype = next(model.parameters()).dtype
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"model weights must be fp32, bf16 or fp16, got {dtype}")
+    return None, model.config, tokenizer, DTYPE_NAMES[dtype]

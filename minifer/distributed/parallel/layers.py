@@ -67,16 +67,10 @@ def shard_plan(config: GPTConfig, world_size: int, rank: int, *,
         raise ValueError(
             f"world_size={world_size} is larger than the model's {which}: tensor parallelism "
             f"splits whole heads, so use at most {nkv} ranks")
-    if not allow_uneven:
-        if nh % world_size:
-            raise ValueError(f"n_head={nh} is not divisible by world_size={world_size}; use a "
+    for name, n in (("n_head", nh), ("n_kv_head", nkv), ("mlp_hidden", hidden)):
+        if n % world_size and not allow_uneven:
+            raise ValueError(f"{name}={n} is not divisible by world_size={world_size}; use a "
                              f"world size that divides it, or allow_uneven=True")
-        if nkv % world_size:
-            raise ValueError(f"n_kv_head={nkv} is not divisible by world_size={world_size}; use "
-                             f"a world size that divides it, or allow_uneven=True")
-        if hidden % world_size:
-            raise ValueError(f"the MLP's {hidden} hidden units are not divisible by "
-                             f"world_size={world_size}; or pass allow_uneven=True")
     group = nh // nkv  # query heads per K/V head
     kv = _split(nkv, world_size, rank)
     return ShardPlan(rank, world_size, q_heads=(kv[0] * group, kv[1] * group), kv_heads=kv,
