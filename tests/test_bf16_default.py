@@ -96,8 +96,23 @@ def test_other_precisions_are_untouched(tiny):
 def test_a_cpu_whose_onednn_cannot_pack_bf16_keeps_plain_layers(tiny, monkeypatch):
     P = importlib.import_module("minifer.fast.prepack")
     monkeypatch.setattr(P, "prepack_problem", lambda dtype=torch.float32: "no AVX-512 here")
+    monkeypatch.setattr(P.AVX2, "available", lambda: False)  # nor minifer's AVX2 kernel
     model = mf.quantize(tiny, "bf16")
     assert _packed(model) == 0 and _plain(model) > 0
+
+
+def test_where_onednn_cannot_pack_bf16_the_avx2_kernel_takes_the_layers(tiny, monkeypatch):
+    """No second copy: each layer multiplies by its own row-major weight on `fast.avx2`."""
+    P = importlib.import_module("minifer.fast.prepack")
+    if not P.AVX2.available():
+        pytest.skip(f"no AVX2 kernel here: {P.AVX2.error or P.AVX2.problem()}")
+    monkeypatch.setattr(P, "prepack_problem", lambda dtype=torch.float32: "no AVX-512 here")
+    model = mf.quantize(tiny, "bf16")
+    layers = [m for m in model.modules() if isinstance(m, P.PackedLinear)]
+    assert len(layers) == _packed(model) > 0 and all(m.batch_size == 0 for m in layers)
+    with torch.inference_mode():
+        model(torch.arange(6).reshape(2, 3))
+    assert all(m._packed is None or m._packed.data_ptr() == m.weight.data_ptr() for m in layers)
 
 
 def test_another_device_keeps_plain_layers():
