@@ -15,12 +15,11 @@ once), the layers keep to torch."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-from .native import NativeKernel, build_tools_problem, cpu_flags
+from .native import NativeKernel
 
 __all__ = ["Avx2Gemm", "AVX2"]
 
@@ -33,19 +32,11 @@ class Avx2Gemm(NativeKernel):
     flags, cflags, isa = frozenset({"avx2", "fma"}), ["-march=x86-64-v3", "-ffp-contract=off"], "avx2"
     namespace, op = "minifer_avx2", "w8a8"
     instead = "int8 and bf16 layers run torch's kernels"
+    older = ("default", "zvector", "vsx")  # ATEN_CPU_CAPABILITY=avx2 is this kernel's own level
 
     @staticmethod
     def shape(x, w, scales, bias):
         return x.new_empty(x.shape[0], w.shape[0])
-
-    @classmethod
-    def problem(cls) -> str | None:
-        """As `NativeKernel.problem`, but AVX2 is this kernel's own level of ``ATEN_CPU_CAPABILITY``."""
-        if missing := cls.flags - cpu_flags():
-            return f"the CPU lacks {', '.join(sorted(missing))}"
-        if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "zvector", "vsx"):
-            return "ATEN_CPU_CAPABILITY asks for a CPU without AVX2"
-        return build_tools_problem()
 
     def w8a8(self, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -86,6 +86,7 @@ class NativeKernel:
     namespace: ClassVar[str]
     op: ClassVar[str]
     instead: ClassVar[str]
+    older: ClassVar[tuple[str, ...]] = ("default", "avx2", "zvector", "vsx")  # capabilities under it
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -104,7 +105,7 @@ class NativeKernel:
         if missing:
             return f"the CPU lacks {', '.join(sorted(missing))}"
         capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-        if capability in ("default", "avx2", "zvector", "vsx"):
+        if capability in cls.older:
             return f"ATEN_CPU_CAPABILITY={capability} asks for an older CPU's kernels"
         return build_tools_problem()
 
