@@ -50,3 +50,34 @@ def test_another_cpu_or_a_failed_build_keeps_to_the_reference(monkeypatch, kerne
     assert "OSError" in k.error and not k.available()  # decided once
     args, want = call()
     assert torch.equal(k(*args), want)
+
+
+def test_a_build_on_torch_for_cuda_without_cuda_prints_nothing(tmp_path):
+    """A CUDA build of torch (PyPI's) on a machine without CUDA logs "No CUDA runtime is found"
+    when torch.utils.cpp_extension is imported: build() keeps that line out of a lesson's output
+    (nbval fails a cell on any stderr)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, pathlib, torch\n"
+        "torch.cuda.is_available = lambda: False\n"  # torch built for CUDA, a machine without it
+        "torch.cuda._is_compiled, torch.version.cuda = (lambda: True), '12.0'\n"
+        "seen = []\n"
+        "class Keep(logging.Handler):\n"
+        "    def emit(self, record): seen.append(record.getMessage())\n"
+        "logging.getLogger('torch.utils.cpp_extension').addHandler(Keep())\n"
+        "from minifer.fast import native\n"
+        "try:\n"
+        "    native.build('minifer_missing', pathlib.Path('missing.cpp'), [])\n"
+        "except Exception:\n"
+        "    pass\n"
+        "import torch.utils.cpp_extension\n"
+        "assert torch.utils.cpp_extension.CUDA_HOME, 'CUDA_HOME was not found: the test tests nothing'\n"
+        "print(seen)\n")
+    env = {"PATH": "/usr/bin:/bin", "CUDA_HOME": str(tmp_path), "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+    assert "CUDA" not in out.stderr, out.stderr

@@ -9,6 +9,7 @@ build per process, a warning when it fails."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import shutil
@@ -43,8 +44,18 @@ def build_name(kernel: str, isa: str) -> str:
 
 
 def build(name: str, source: Path, cflags: list[str]) -> None:
-    """Compile `source` (or load its cached build) and register the operators it defines."""
-    from torch.utils.cpp_extension import load
+    """Compile `source` (or load its cached build) and register the operators it defines.
+
+    A CUDA build of torch on a machine without CUDA logs "No CUDA runtime is found" when
+    `torch.utils.cpp_extension` is imported; these kernels are for the CPU, so that line is kept
+    out of the learner's output."""
+    cpp_log = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_log.level
+    cpp_log.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import load
+    finally:
+        cpp_log.setLevel(level)
 
     load(name=name, sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *cflags],
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
