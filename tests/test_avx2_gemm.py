@@ -1,16 +1,18 @@
-"""The AVX2 kernels (`minifer.fast.avx2`): W8A8 equal to `w8a8_reference` bit for bit and bf16
-equal to `bf16_reference` to float32 rounding, at any number of rows and with tails of K and N;
-bad input gets a clear error; int8 and bf16 layers run them where minifer's AVX-512 kernels do
-not, and the model's tokens stay those of the reference path."""
+"""The AVX2 kernels (`minifer.fast.avx2`): W8A8 equal to `w8a8_reference` bit for bit, bf16
+equal to `bf16_reference` and fp32 to `F.linear` to float32 rounding, at any number of rows and
+with tails of K and N; bad input gets a clear error; int8, bf16 and few-row fp32 layers run them
+where minifer's other kernels do not, and the model's tokens stay those of the reference path."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 import minifer as mf
 from minifer.fast import avx2 as A
-from minifer.fast import bf16_gemv, int8_gemv
+from minifer.fast import bf16_gemv, int8_gemv, native
 from minifer.quantization import w8a8_reference
 
 needs_kernel = pytest.mark.skipif(A.Avx2Gemm.problem() is not None,
@@ -53,16 +55,40 @@ def test_bf16_equals_the_reference_to_rounding(M, N, K):
         assert (got == ref).float().mean() >= 0.9
 
 
-def test_a_row_gets_the_same_bits_alone_as_in_any_batch():
+WIDTHS = [False] + (["avx512f" in native.cpu_flags()] and [True])  # AVX-512 tiles where they run
+
+
+def _f32(x, w, b=None, wide=False):
+    return torch.ops.minifer_avx2.f32(x, w, b, wide)
+
+
+@pytest.mark.parametrize("wide", WIDTHS)
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_f32_equals_f_linear_to_rounding(M, N, K, wide):
+    assert A.AVX2.available(), A.AVX2.error
+    g = torch.Generator().manual_seed(3)
+    x, w, bias = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N)
+    for b in (None, bias):
+        got, ref = _f32(x, w, b, wide), torch.nn.functional.linear(x, w, b)
+        assert got.dtype == torch.float32 and got.shape == (M, N)
+        # the same products summed in another order: apart by float32 rounding of |x| @ |w|
+        scale = (x.abs() @ w.abs().T).max() + (0 if b is None else b.abs().max())
+        assert (got - ref).abs().max() <= scale * 2.0**-20
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f32"] + ["f32-wide"] * WIDTHS[-1])
+def test_a_row_gets_the_same_bits_alone_as_in_any_batch(kind):
     """Each row of x runs the same sums in the same order whatever rows share the call (a tile
-    holds one or two rows, each with its own sums; threads split the weight rows)."""
+    holds one to four rows, each with its own sums; threads split the weight rows)."""
     A.AVX2.available()
     g = torch.Generator().manual_seed(2)
-    x, w = torch.randn(9, 100, generator=g).bfloat16(), torch.randn(37, 100, generator=g).bfloat16()
-    batched = A.AVX2.bf16(x, w)
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    x, w = torch.randn(9, 100, generator=g).to(dtype), torch.randn(37, 100, generator=g).to(dtype)
+    run = {"bf16": A.AVX2.bf16, "f32": _f32, "f32-wide": lambda x, w: _f32(x, w, None, True)}[kind]
+    batched = run(x, w)
     for i in range(9):
-        assert torch.equal(A.AVX2.bf16(x[i:i + 1], w), batched[i:i + 1])
-        assert torch.equal(A.AVX2.bf16(x[i:i + 2], w)[:1], batched[i:i + 1])
+        for rows in (1, 2, 3, 5):
+            assert torch.equal(run(x[i:i + rows], w)[:1], batched[i:i + 1])
 
 
 def test_bad_input_gets_a_clear_error():
@@ -76,6 +102,10 @@ def test_bad_input_gets_a_clear_error():
         A.AVX2.w8a8(x, w, scales, bias[:3])
     with pytest.raises(RuntimeError, match="x and w bfloat16 expected"):
         A.AVX2.bf16(x.bfloat16(), w.float())
+    with pytest.raises(RuntimeError, match="x and w float32 expected"):
+        A.AVX2.f32(x, w.bfloat16())
+    with pytest.raises(RuntimeError, match="bias Float \\[8\\]"):
+        A.AVX2.f32(x, w.float(), bias[:3])
 
 
 def test_int8_layers_run_it_where_the_vnni_kernel_does_not(monkeypatch):
@@ -113,3 +143,27 @@ def test_bf16_layers_run_it_where_onednn_packs_no_bf16():
     with mf.fast.disabled():
         want = [c.token_ids for c in mf.generate(plain, prompts, params)]
     assert got == want
+
+
+@pytest.mark.skipif(mf.fast.prepack.prepack_problem() is not None, reason="no oneDNN linear here")
+def test_fp32_layers_on_their_row_major_weight_run_it_up_to_f32_rows(monkeypatch):
+    """`fast.layout`'s fp32 layers (a `PackedLinear` on the weight itself, where MKL runs generic
+    code: built here on any CPU) run the kernel for up to `f32_rows` rows and oneDNN past them;
+    the model's greedy tokens are the plain model's."""
+    calls = []
+    real = A.Avx2Gemm.f32
+    monkeypatch.setattr(A.Avx2Gemm, "f32", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+    with mf.fast.disabled():
+        model = mf.GPT.from_config("tiny", seed=0).eval()  # plain nn.Linear layers on any CPU
+    fast = copy.deepcopy(model)
+    for parent in list(fast.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, mf.fast.prepack.PackedLinear.from_linear(child, 0, pack=False))
+    params = mf.SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    for prompts in ([[1, 2, 3]], [[1, 2, 3], [4, 5, 6, 7, 8]] * 3):
+        got = [c.token_ids for c in mf.generate(fast, prompts, params)]
+        with mf.fast.disabled():
+            want = [c.token_ids for c in mf.generate(model, prompts, params)]
+        assert got == want
+    assert calls and max(calls) <= A.AVX2.f32_rows

@@ -158,8 +158,7 @@ class EngineProcess(AsyncEngine):
             except (EOFError, OSError):
                 break
             except Exception as err:  # an output that cannot be unpickled here
-                log.error("a message from the engine process was lost\n%s",
-                          traceback.format_exc())
+                log.error("a message from the engine process was lost\n%s", traceback.format_exc())
                 reason = f"a message from the engine process was lost: {err}"
                 break
             kind = msg[0]

@@ -143,8 +143,7 @@ class PackedBatch:
         self.logits_index = torch.tensor([ends[b] - 1 for b in rows], dtype=torch.long, device=dev)
         self.attention = None if pool.planner is None else pool.planner(self)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store the new ``k, v`` ``(1, nkv, N, hd)`` at their slots of `layer`; return every
         new token's attention output ``(1, nh, N, hd)`` for queries `q` ``(1, nh, N, hd)``."""
         nkv, hd = k.shape[1], k.shape[3]

@@ -97,6 +97,6 @@ def int8_matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, rowsum: 
     where its sums are exact; None leaves it to the reference."""
     if GEMV.available() and (x.shape[0] == 1 or not torch.compiler.is_compiling()):
         return GEMV(x, w, scales, rowsum, bias)
-    if AVX2.available() and not torch.compiler.is_compiling():  # a CPU without VNNI
+    if not torch.compiler.is_compiling() and AVX2.available():  # a CPU without VNNI
         return AVX2.w8a8(x, w, scales, bias)
     return w8a8_int_mm(x, w, scales, bias) if INT_MM_EXACT else None

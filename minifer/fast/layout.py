@@ -8,9 +8,9 @@ embedding's lookup then reads a strided column. Parameters keep their layout thr
 `load_state_dict`, `.to()` and `deepcopy`; checkpoints are saved contiguous.
 
 Where torch's fp32 GEMM is MKL's on a CPU not Intel's (`mkl_generic`), MKL runs generic code, not
-its AVX-512 kernels (``MKL_VERBOSE=1``: "Intel(R) Architecture processors"), 4-5x slower than
-oneDNN at 16 rows on an AMD EPYC: there fp32 layers become `PackedLinear`s that hand oneDNN the
-row-major weight itself (`fast.prepack`, ``batch_size=0``: no second copy)."""
+its AVX-512 kernels (``MKL_VERBOSE=1``: "Intel(R) Architecture processors"): there fp32 layers
+become `PackedLinear`s on the row-major weight itself (``batch_size=0``: no second copy), which
+oneDNN multiplies, or for a few rows minifer's own kernel (`fast.avx2`'s ``f32``)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ __all__ = ["column_major_linears", "lay_out_weights", "mkl_generic"]
 
 @functools.cache
 def mkl_generic() -> bool:
-    """Is torch's fp32 GEMM MKL's, on an x86 CPU not Intel's (where MKL skips its fast kernels),
-    and does this torch's oneDNN linear take a plain row-major weight (the remedy)?"""
+    """Is the fp32 GEMM MKL's on an x86 CPU not Intel's, and can oneDNN take a row-major weight?"""
     info = Path("/proc/cpuinfo")
     vendor = re.search(r"^vendor_id\s*:\s*(\S+)", info.read_text() if info.exists() else "", re.M)
     if not (vendor and vendor[1] != "GenuineIntel" and torch.backends.mkl.is_available()):

@@ -44,11 +44,8 @@ def build_name(kernel: str, isa: str) -> str:
 
 
 def build(name: str, source: Path, cflags: list[str]) -> None:
-    """Compile `source` (or load its cached build) and register the operators it defines.
-
-    A CUDA build of torch on a machine without CUDA logs "No CUDA runtime is found" when
-    `torch.utils.cpp_extension` is imported; these kernels are for the CPU, so that line is kept
-    out of the learner's output."""
+    """Compile `source` (or load its cached build) and register the operators it defines (a CUDA
+    torch without CUDA logs "No CUDA runtime is found" at the import: kept out of lessons)."""
     cpp_log = logging.getLogger("torch.utils.cpp_extension")
     level = cpp_log.level
     cpp_log.setLevel(logging.ERROR)

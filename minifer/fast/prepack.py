@@ -8,8 +8,8 @@ the step. Prepacking is what `torch.compile`'s CPU "freezing" does to a graph's 
 Reference: `F.linear`, equal to float rounding. The pack (``batch_size=0``: the weight itself) sits
 beside the ``weight`` parameter (`state_dict`, `model_bytes`, tied embeddings keep working; rebuilt
 after `.to()`, a loaded state dict or an in-place change). CPU only, float32 and bfloat16; with
-gradients, and inside `torch.compile`, a layer computes with `F.linear`. A bf16 layer given one
-row runs minifer's AVX512-BF16 kernel where the CPU has it (`minifer.fast.bf16_gemv`).
+gradients, and inside `torch.compile`, a layer computes with `F.linear`. A bf16 row, and a few
+fp32 rows on the weight itself, run minifer's own kernels where they beat oneDNN (`_own_kernel`).
 
 `prepare_bf16` is `minifer.hooks.prepare_bf16`'s speed-up: ``quantize(model, "bf16")`` packs
 the new model's layers by default where oneDNN packs bf16 on this CPU (`minifer.fast` says why)."""
@@ -54,8 +54,8 @@ def prepack_problem(dtype: torch.dtype = torch.float32) -> str | None:
 
 
 def _stamp(w: torch.Tensor) -> tuple[int, int]:
-    """Which weight a pack was made from: its memory and its in-place version (an inference
-    tensor keeps no version; it can change in place only inside ``torch.inference_mode``)."""
+    """Which weight a pack was made from: its memory and in-place version (0 for an inference
+    tensor, which can change in place only inside ``torch.inference_mode``)."""
     return w.data_ptr(), (0 if w.is_inference() else w._version)
 
 
@@ -68,8 +68,7 @@ def _layer_problem(w: torch.Tensor) -> str | None:
 
 
 class PackedLinear(nn.Linear):
-    """An `nn.Linear` that multiplies by its weight prepacked for oneDNN (see the module doc).
-
+    """An `nn.Linear` that multiplies by its weight prepacked for oneDNN (see the module doc);
     ``batch_size`` is the number of rows the pack is tuned for (any number of rows works)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -121,7 +120,7 @@ class PackedLinear(nn.Linear):
                 or torch.compiler.is_compiling()):  # inductor's freezing packs weights itself
             return F.linear(x, w, self.bias)
         b = None if self.bias is None else self.bias.detach()
-        if w.dtype == torch.bfloat16 and (y := self._bf16_kernel(x, b)) is not None:
+        if (y := self._own_kernel(x, b)) is not None:
             return y
         if prepack_problem(w.dtype) is not None:
             return F.linear(x, w, self.bias)
@@ -129,11 +128,15 @@ class PackedLinear(nn.Linear):
             self.pack()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, b, "none", [], "")
 
-    def _bf16_kernel(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
-        """minifer's own bf16 kernels: one row on AVX512-BF16; any rows on AVX2 where oneDNN
-        packs no bf16 (`fast.avx2`). None: neither runs here."""
+    def _own_kernel(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
+        """minifer's kernels where they beat oneDNN: one bf16 row (`bf16_gemv`); on AVX2, bf16
+        rows where oneDNN packs no bf16 and a few fp32 rows on `layout`'s weights. None: neither."""
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        if rows.shape[0] == 1 and BF16_GEMV.available():
+        if self.weight.dtype == torch.float32:  # `fast.layout`'s layers: batch_size 0
+            if self.batch_size or rows.shape[0] > AVX2.f32_rows or not AVX2.available():
+                return None
+            y = AVX2.f32(rows, self.weight.detach(), b)
+        elif rows.shape[0] == 1 and BF16_GEMV.available():
             if self._rows is None:  # the kernel reads the weight row by row (row-major: itself)
                 self._rows = self.weight.detach().contiguous()
             y = BF16_GEMV(rows, self._rows, b)
@@ -181,14 +184,11 @@ def prepack(model: nn.Module, *, batch_size: int = 1) -> nn.Module:
 
 
 def prepare_bf16(model: nn.Module) -> None:
-    """`minifer.hooks.prepare_bf16`'s speed-up: a new bf16 model's linear layers prepacked, in
-    place, where oneDNN packs bf16 on this CPU (`prepack_problem`), else `PackedLinear`s on
-    their own weight that run `fast.avx2`'s kernel; left as they are on another device, on a
-    CPU with neither, or where a layer is not bf16."""
+    """`minifer.hooks.prepare_bf16`'s speed-up: a new bf16 model's linears prepacked in place
+    where oneDNN packs bf16 (`prepack_problem`), else on their own weight for `fast.avx2`; as
+    they are on another device, on a CPU with neither, or where a layer is not bf16."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     onednn = prepack_problem(torch.bfloat16) is None  # else bf16 on AVX2: `fast.avx2`, no pack
-    if (not linears or not (onednn or AVX2.available())
-            or any(m.weight.device.type != "cpu" or m.weight.dtype != torch.bfloat16
-                   for m in linears)):
-        return
-    _pack_linears(model, 1 if onednn else 0)
+    if linears and (onednn or AVX2.available()) and all(
+            m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16 for m in linears):
+        _pack_linears(model, 1 if onednn else 0)

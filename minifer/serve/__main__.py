@@ -8,8 +8,7 @@ Serves on http://127.0.0.1:8000 (loopback; ``--host 0.0.0.0``, with an ``--api-k
          -d '{"model": "shakespeare", "messages": [{"role": "user", "content": "Art thou well?"}]}'
 
 With ``--api-key KEY`` (or ``$MINIFER_API_KEY``) every route but ``/health`` needs
-``Authorization: Bearer KEY``, as OpenAI's clients send it.
-"""
+``Authorization: Bearer KEY``, as OpenAI's clients send it."""
 
 from __future__ import annotations
 

@@ -108,8 +108,7 @@ async def health_head(request: Request):
     return Response(status_code=503 if not state(request).async_engine.alive else 200)
 
 
-@router.get("/v1/models", response_model=S.ModelList, responses=COMMON,
-            summary="The served model")
+@router.get("/v1/models", response_model=S.ModelList, responses=COMMON, summary="The served model")
 async def models(request: Request):
     return {"object": "list", "data": [state(request).card.model_dump()]}
 

@@ -41,7 +41,7 @@ LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::_weight_int8pack_mm",
               "aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu",
               "mkldnn::_linear_pointwise", "mkl::_mkl_linear", "quantized::linear_dynamic",
               "minifer_int8::gemv", "minifer_int8::gemm", "aten::_int_mm",
-              "minifer_avx2::w8a8", "minifer_avx2::bf16")
+              "minifer_avx2::w8a8", "minifer_avx2::bf16", "minifer_avx2::f32")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math",
                  "aten::_scaled_dot_product_flash_attention", "aten::bmm", "aten::_softmax",

@@ -2,8 +2,7 @@
 
 Both ranks' program (`worker`): under `torchrun` the prompts come from ``--prompt`` and rank 1
 prints each completion; `DisaggregatedEngine` starts it with ``--front`` (requests on rank 0's
-stdin, results on rank 1's stdout).
-"""
+stdin, results on rank 1's stdout)."""
 
 from __future__ import annotations
 

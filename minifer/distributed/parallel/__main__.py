@@ -1,8 +1,7 @@
 """``torchrun --nproc-per-node N -m minifer.distributed.parallel --model shakespeare --prompt "..."``
 
 Every rank joins the group, loads the full model, keeps its slice and generates in lockstep;
-rank 0 prints the text and the accounting. `run_local` starts the same program from Python.
-"""
+rank 0 prints the text and the accounting. `run_local` starts the same program from Python."""
 
 from __future__ import annotations
 

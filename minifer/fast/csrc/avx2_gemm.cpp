@@ -1,8 +1,9 @@
-// W8A8 and bf16 matrix products for x86 CPUs with AVX2 and FMA but without AVX-512's int8 and
-// bf16 instructions (AMD Zen 1-3, Intel before Ice Lake): there oneDNN packs no bf16, and
-// torch's int8 and bf16 products run generic code.
+// Matrix products on x86 CPUs with AVX2 and FMA, where minifer's AVX-512 kernels or MKL's fast
+// code do not run: W8A8 and bf16 without AVX-512's int8 and bf16 instructions (AMD Zen 1-3,
+// Intel before Ice Lake: oneDNN packs no bf16 there, and torch's int8 and bf16 products run
+// generic code), and fp32 for a few rows on a CPU not Intel's (MKL runs generic code there).
 //
-// Two operators, each the same computation as its readable reference in Python:
+// Each operator is the same computation as its readable reference in Python:
 //   w8a8(x, w, scales, bias): `w8a8_reference` (minifer/quantization.py), bit for bit: each row
 //     m of x is quantized to int8 with its own scale sx[m] = max|x[m]| / 127, and
 //         y[m, n] = sx[m] * sw[n] * sum_k xq[m, k] * w[n, k]  (+ bias[n]).
@@ -12,13 +13,16 @@
 //     of the bf16 numbers, one rounding to bf16 at the end (sums in another order: equal to
 //     float32 rounding). A bf16 number is the top half of a float32: a load widens 8 of them
 //     (vpmovzxwd) and shifts them up 16 bits.
+//   f32(x, w, bias, wide): F.linear, float32 products and sums (in another order: equal to float32
+//     rounding); with wide=True the same on AVX-512 (where the CPU has it), 16 floats a vector.
 //
-// Both tile the same way: a tile is 4 weight rows x up to 2 rows of x, 8 vector sums in
-// registers, so each weight load serves both rows of x and each x load four weight rows; the
-// next tile's rows are prefetched a line at a time (four streams at once outrun the hardware's
-// prefetcher). The weight rows are split over torch's
-// threads (at::parallel_for) in slices of 64, and each slice meets every row of x while it is
-// still in the L2 cache: at any batch the weights are read from memory once.
+// All tile the same way: a tile is 4 weight rows x up to 2 rows of x (4 in wide f32), their
+// vector sums in registers, so each weight load serves every row of x in the tile and each x
+// load four weight rows; the next tile's rows are prefetched a line at a time (four streams at
+// once outrun the hardware's prefetcher). The weight rows are split over torch's threads
+// (at::parallel_for), and each tile of 4 weight rows meets every row of x while it is in the L1
+// cache: at any batch the weights are read from memory once. A row's sums never depend on the
+// rows beside it: a row gets the same bits alone as in any batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,7 +34,7 @@
 
 namespace {
 
-constexpr int64_t SLICE = 64;  // weight rows a thread takes through every row of x at a time
+constexpr int64_t SLICE = 64;  // weight rows a thread takes at least
 
 inline int32_t hsum(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -95,24 +99,24 @@ at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t N, at::Sc
   return *bias;
 }
 
-// calls tile(n, m, R) for every tile: slices of SLICE weight rows over the threads, and in each
-// slice every pair of rows of x (the last one alone when M is odd), 4 weight rows at a time;
-// weight rows past the last multiple of 4 are passed with n + 4 > N (the tile does fewer)
-template <typename Tile>
+// calls tile(n, m, R) for every tile: groups of 4 weight rows over the threads (at least SLICE
+// rows a thread), and for each group every RT rows of x (the last R = M % RT alone); weight rows
+// past the last multiple of 4 are passed with n + 4 > N (the tile does fewer)
+template <int RT = 2, typename Tile>
 void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
   at::parallel_for(0, (N + 3) / 4, SLICE / 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t s0 = g0; s0 < g1; s0 += SLICE / 4)
-      for (int64_t m = 0; m < M; m += 2)
-        for (int64_t g = s0; g < std::min(g1, s0 + SLICE / 4); ++g) tile(4 * g, m, M - m >= 2 ? 2 : 1);
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m = 0; m < M; m += RT)
+        tile(4 * g, m, static_cast<int>(std::min<int64_t>(RT, M - m)));
   });
 }
 
 // runs the tile at weight row n (`one` or `two` rows of x, as R says): over w itself, or, for the
 // last weight rows (n + 4 > N), over a copy of them padded with zero rows
-template <typename W, typename X, typename A>
-void run_tile(void (*one)(const W*, int64_t, const X* const*, A (&)[2][4]),
-              void (*two)(const W*, int64_t, const X* const*, A (&)[2][4]), const W* w, int64_t n,
-              int64_t N, int64_t K, int R, const X* const* rows, A (&acc)[2][4]) {
+template <typename W, typename X, typename A, int RT = 2>
+void run_tile(void (*one)(const W*, int64_t, const X* const*, A (&)[RT][4]),
+              void (*two)(const W*, int64_t, const X* const*, A (&)[RT][4]), const W* w, int64_t n,
+              int64_t N, int64_t K, int R, const X* const* rows, A (&acc)[RT][4]) {
   const W* tile = w + n * K;
   std::vector<W> last;
   if (n + 4 > N) {
@@ -254,11 +258,121 @@ at::Tensor bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   return out;
 }
 
+// ---- fp32 ---------------------------------------------------------------------------------
+
+// acc[r][j] = sum_k x[r][k] * w[n + j, k] in float32 for R rows of x and the 4 weight rows
+// n..n+3, 16 floats (one cache line of each weight row) a step; the rest one by one
+template <int R>
+void f32_tile(const float* w, int64_t K, const float* const* x, float (&acc)[2][4]) {
+  const int64_t K0 = K / 16 * 16;
+  __m256 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K0; k += 16) {
+    prefetch_next_tile(w + k, K);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 lo = _mm256_loadu_ps(w + j * K + k), hi = _mm256_loadu_ps(w + j * K + k + 8);
+      for (int r = 0; r < R; ++r) {
+        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k), lo, a[r][j]);
+        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k + 8), hi, a[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) {
+      float s = hsum(a[r][j]);
+      for (int64_t k = K0; k < K; ++k) s += x[r][k] * w[j * K + k];
+      acc[r][j] = s;
+    }
+}
+
+// the sums of 4 vectors of 16 floats at once: each folded to 8, then pairwise (vhaddps)
+__attribute__((target("avx512f"))) inline __m128 hsum4(const __m512 (&v)[4]) {
+  __m256 h[4];
+  for (int j = 0; j < 4; ++j)
+    h[j] = _mm256_add_ps(_mm512_castps512_ps256(v[j]),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[j]), 1)));
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// the same on AVX-512 (CPUs that have it): 4 weight rows x up to 4 rows of x, 16 floats a step
+template <int R>
+__attribute__((target("avx512f"))) void f32_tile16(const float* w, int64_t K, const float* const* x,
+                                                   float (&acc)[4][4]) {
+  const int64_t K0 = K / 16 * 16;
+  __m512 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K0; k += 16) {
+    prefetch_next_tile(w + k, K);
+    __m512 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x[r] + k);
+    for (int j = 0; j < 4; ++j) {
+      const __m512 wv = _mm512_loadu_ps(w + j * K + k);
+      for (int r = 0; r < R; ++r) a[r][j] = _mm512_fmadd_ps(xv[r], wv, a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm_storeu_ps(acc[r], hsum4(a[r]));
+    for (int j = 0; j < 4; ++j)
+      for (int64_t k = K0; k < K; ++k) acc[r][j] += x[r][k] * w[j * K + k];
+  }
+}
+
+// y[m, n] = bias[n] + the tile's sum, for the R rows of x at m and the 4 weight rows at n
+template <int RT>
+void store_f32(float* op, const float* bp, int64_t m, int64_t n, int64_t N, int R,
+               const float (&acc)[RT][4]) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < std::min<int64_t>(4, N - n); ++j)
+      op[(m + r) * N + n + j] = bp ? acc[r][j] + bp[n + j] : acc[r][j];
+}
+
+// wide: the AVX-512 tiles (16 floats a vector, 4 rows of x a tile)
+at::Tensor f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+               bool wide) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "f32: x [M, K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "f32: x and w float32 expected, got ", x.scalar_type(), " and ", w.scalar_type());
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "f32: contiguous x and w expected");
+  TORCH_CHECK(!wide || __builtin_cpu_supports("avx512f"), "f32: wide=True needs AVX-512F");
+  const at::Tensor b = checked_bias(bias, N, at::kFloat, "f32");
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (wide) {
+    void (*tiles[4])(const float*, int64_t, const float* const*, float (&)[4][4]) = {
+        f32_tile16<1>, f32_tile16<2>, f32_tile16<3>, f32_tile16<4>};
+    for_each_tile<4>(M, N, [&](int64_t n, int64_t m, int R) {
+      const float* rows[4];
+      for (int r = 0; r < 4; ++r) rows[r] = xp + (m + std::min(r, R - 1)) * K;
+      float acc[4][4];
+      run_tile<float, float, float, 4>(tiles[R - 1], tiles[R - 1], wp, n, N, K, 1, rows, acc);
+      store_f32(op, bp, m, n, N, R, acc);
+    });
+  } else {
+    for_each_tile(M, N, [&](int64_t n, int64_t m, int R) {
+      const float* rows[2] = {xp + m * K, xp + (m + R - 1) * K};
+      float acc[2][4];
+      run_tile(f32_tile<1>, f32_tile<2>, wp, n, N, K, R, rows, acc);
+      store_f32(op, bp, m, n, N, R, acc);
+    });
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(minifer_avx2, m) {
   m.def("w8a8(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
   m.def("bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("f32(Tensor x, Tensor w, Tensor? bias, bool wide) -> Tensor");
   m.impl("w8a8", c10::DispatchKey::CPU, &w8a8);
   m.impl("bf16", c10::DispatchKey::CPU, &bf16);
+  m.impl("f32", c10::DispatchKey::CPU, &f32);
 }
