@@ -140,9 +140,11 @@ def one_row_ms(model: torch.nn.Module, threads: int, repeats: int = 5) -> dict[s
     """ms for one row through every linear layer of ``model`` (one decode step's products at
     batch 1), per kernel: fp32 ``F.linear``; int8 W8A8 as tensor math (`w8a8_reference`) and on
     minifer's VNNI kernel; bf16 as tensor math and on minifer's AVX512-BF16 kernel; both on the
-    AVX2 kernels where those two do not run (the kernels only where this CPU has them). The best of ``repeats``, at ``threads`` threads."""
+    AVX2 kernels where those two do not run; fp32 on minifer's own kernel on a CPU not Intel's
+    (the kernels only where this CPU has them). The best of ``repeats``, at ``threads`` threads."""
     from minifer.fast import bf16_gemv, int8_gemv
     from minifer.fast.avx2 import AVX2
+    from minifer.fast.layout import mkl_generic
     from minifer.quantization import quantize_int8, w8a8_reference
 
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -165,6 +167,8 @@ def one_row_ms(model: torch.nn.Module, threads: int, repeats: int = 5) -> dict[s
     if not (int8_gemv.GEMV.available() and bf16_gemv.GEMV.available()) and AVX2.available():
         runs["int8 kernel (AVX2)"] = lambda w, q, s, r, wb: AVX2.w8a8(xs[w.shape[1]], q, s)
         runs["bf16 kernel (AVX2)"] = lambda w, q, s, r, wb: AVX2.bf16(xs[w.shape[1]].bfloat16(), wb)
+    if mkl_generic() and AVX2.available():  # a CPU not Intel's: fp32 layers' few rows run it
+        runs["fp32 kernel (minifer's)"] = lambda w, q, s, r, wb: AVX2.f32(xs[w.shape[1]], w)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
