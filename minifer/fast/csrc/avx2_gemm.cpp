@@ -179,25 +179,38 @@ at::Tensor w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scal
 // its 8 even elements, then its 8 odd ones (`split_even_odd`).
 inline float as_float(uint16_t v) { return c10::BFloat16(v, c10::BFloat16::from_bits()); }
 
-// acc[r][j] = sum_k x[r][k] * w[n + j, k] in float32, for R rows of x (float32, split in blocks
-// of 16, K padded to 16 with zeros) and the 4 weight rows n..n+3 (K0 = K rounded down to 16;
-// the rest one by one)
-template <int R>
-void bf16_tile(const uint16_t* w, int64_t K, const float* const* x, float (&acc)[2][4]) {
-  const int64_t K0 = K / 16 * 16;
+// 16 weights at p as two vectors of 8 floats, in the order x is stored in: float32 as they are;
+// bf16 from one load, its even elements (shifted up) and its odd ones (the low half masked off)
+inline void load16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+inline void load16(const uint16_t* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+}
+inline float as_float(float v) { return v; }
+
+// acc[r][j] = sum_k x[r][k] * w[n + j, k] in float32, for R rows of x (float32, stored to match
+// `load16`, K padded to 16 with zeros) and the 4 weight rows n..n+3 of float32 or bf16 weights
+// (K0 = K rounded down to 16; the rest one by one)
+template <int R, typename W>
+void float_tile(const W* w, int64_t K, const float* const* x, float (&acc)[2][4]) {
+  const int64_t K0 = K / 16 * 16;
+  constexpr int64_t LINE = 64 / sizeof(W);  // weights in a cache line
   __m256 a[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) a[r][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K0; k += 16) {
-    if (k % 32 == 0) prefetch_next_tile(w + k, K);
+    if (k % LINE == 0) prefetch_next_tile(w + k, K);
     for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * K + k));
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      __m256 lo, hi;
+      load16(w + j * K + k, lo, hi);
       for (int r = 0; r < R; ++r) {
-        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k), even, a[r][j]);
-        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k + 8), odd, a[r][j]);
+        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k), lo, a[r][j]);
+        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k + 8), hi, a[r][j]);
       }
     }
   }
@@ -248,7 +261,7 @@ at::Tensor bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   for_each_tile(M, N, [&](int64_t n, int64_t m, int R) {
     const float* rows[2] = {xp + m * stride, xp + (m + R - 1) * stride};
     float acc[2][4];
-    run_tile(bf16_tile<1>, bf16_tile<2>, wp, n, N, K, R, rows, acc);
+    run_tile(float_tile<1, uint16_t>, float_tile<2, uint16_t>, wp, n, N, K, R, rows, acc);
     for (int r = 0; r < R; ++r)
       for (int64_t j = 0; j < std::min<int64_t>(4, N - n); ++j) {
         const float y = bp ? acc[r][j] + static_cast<float>(bp[n + j]) : acc[r][j];
@@ -259,32 +272,6 @@ at::Tensor bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
 }
 
 // ---- fp32 ---------------------------------------------------------------------------------
-
-// acc[r][j] = sum_k x[r][k] * w[n + j, k] in float32 for R rows of x and the 4 weight rows
-// n..n+3, 16 floats (one cache line of each weight row) a step; the rest one by one
-template <int R>
-void f32_tile(const float* w, int64_t K, const float* const* x, float (&acc)[2][4]) {
-  const int64_t K0 = K / 16 * 16;
-  __m256 a[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K0; k += 16) {
-    prefetch_next_tile(w + k, K);
-    for (int j = 0; j < 4; ++j) {
-      const __m256 lo = _mm256_loadu_ps(w + j * K + k), hi = _mm256_loadu_ps(w + j * K + k + 8);
-      for (int r = 0; r < R; ++r) {
-        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k), lo, a[r][j]);
-        a[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k + 8), hi, a[r][j]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) {
-      float s = hsum(a[r][j]);
-      for (int64_t k = K0; k < K; ++k) s += x[r][k] * w[j * K + k];
-      acc[r][j] = s;
-    }
-}
 
 // the sums of 4 vectors of 16 floats at once: each folded to 8, then pairwise (vhaddps)
 __attribute__((target("avx512f"))) inline __m128 hsum4(const __m512 (&v)[4]) {
@@ -359,7 +346,7 @@ at::Tensor f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
     for_each_tile(M, N, [&](int64_t n, int64_t m, int R) {
       const float* rows[2] = {xp + m * K, xp + (m + R - 1) * K};
       float acc[2][4];
-      run_tile(f32_tile<1>, f32_tile<2>, wp, n, N, K, R, rows, acc);
+      run_tile(float_tile<1, float>, float_tile<2, float>, wp, n, N, K, R, rows, acc);
       store_f32(op, bp, m, n, N, R, acc);
     });
   }
