@@ -15,7 +15,7 @@ plain functions of one seam, `minifer.hooks`. This package fills that seam with 
 | `paged`: the serving step's attention planned once per step, decode rows batched | `PackedBatch.attend_rows` | `hooks.packed_attention` |
 | `int8_gemv`: minifer's AVX512-VNNI kernels for int8 rows (one; several, packed) | `int8_gemv.w8a8_reference` | `hooks.int8_matmul` (W8A8 layers) |
 | `bf16_gemv`: minifer's AVX512-BF16 kernel for one bf16 row | `bf16_gemv.bf16_reference` | prepacked bf16 layers |
-| `avx2`: W8A8 and bf16 rows on CPUs with AVX2 but not those AVX-512 kernels; up to 4 fp32 rows on `layout`'s oneDNN layers | their references, `F.linear` | `hooks.int8_matmul`, bf16 and `layout`'s layers |
+| `avx2`: W8A8 and bf16 rows on CPUs with AVX2 but not those AVX-512 kernels; a few fp32 rows (16 with AVX-512, else 4) on `layout`'s oneDNN layers | their references, `F.linear` | `hooks.int8_matmul`, bf16 and `layout`'s layers |
 | `paged_attention`: decode attention in C++, each row as alone (generate's cache; the engine's pool) | SDPA, a padded batch row by row | `hooks.decode_attention` |
 | `invariant`: batch-invariant kernels (token-wise layers in fixed blocks of rows, attention one query at a time) | the model's own layers | `hooks.batch_invariant` (``batch_invariant=True``) |
 | `native`: the C++ build of those kernels | | |

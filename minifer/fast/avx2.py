@@ -50,8 +50,8 @@ class Avx2Gemm(NativeKernel):
     @functools.cached_property
     def f32_rows(self) -> int:
         """The most rows fp32 layers give `f32` (then oneDNN is faster): 16 on AVX-512, else 4."""
-        capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-        return 16 if "avx512f" in cpu_flags() and capability not in ("avx2", *self.older) else 4
+        capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()  # as AVX-512 kernels refuse
+        return 16 if "avx512f" in cpu_flags() and capability not in NativeKernel.older else 4
 
     def f32(self, x: torch.Tensor, w: torch.Tensor,
             bias: torch.Tensor | None = None) -> torch.Tensor:

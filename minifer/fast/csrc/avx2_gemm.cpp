@@ -111,20 +111,19 @@ void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
   });
 }
 
-// runs the tile at weight row n (`one` or `two` rows of x, as R says): over w itself, or, for the
-// last weight rows (n + 4 > N), over a copy of them padded with zero rows
-template <typename W, typename X, typename A, int RT = 2>
-void run_tile(void (*one)(const W*, int64_t, const X* const*, A (&)[RT][4]),
-              void (*two)(const W*, int64_t, const X* const*, A (&)[RT][4]), const W* w, int64_t n,
-              int64_t N, int64_t K, int R, const X* const* rows, A (&acc)[RT][4]) {
-  const W* tile = w + n * K;
+// runs `tile` (the caller's, for its count of rows of x) at weight row n: over w itself, or, for
+// the last weight rows (n + 4 > N), over a copy of them padded with zero rows
+template <typename W, typename X, typename A, int RT>
+void run_tile(void (*tile)(const W*, int64_t, const X* const*, A (&)[RT][4]), const W* w,
+              int64_t n, int64_t N, int64_t K, const X* const* rows, A (&acc)[RT][4]) {
+  const W* rows_w = w + n * K;
   std::vector<W> last;
   if (n + 4 > N) {
     last.assign(4 * K, W(0));
     std::copy(w + n * K, w + N * K, last.begin());
-    tile = last.data();
+    rows_w = last.data();
   }
-  (R == 2 ? two : one)(tile, K, rows, acc);
+  tile(rows_w, K, rows, acc);
 }
 
 at::Tensor w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
@@ -161,7 +160,7 @@ at::Tensor w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scal
   for_each_tile(M, N, [&](int64_t n, int64_t m, int R) {
     const int16_t* rows[2] = {xq.data() + m * stride, xq.data() + (m + R - 1) * stride};
     int32_t acc[2][4];
-    run_tile(w8a8_tile<1>, w8a8_tile<2>, wp, n, N, K, R, rows, acc);
+    run_tile(R == 2 ? w8a8_tile<2> : w8a8_tile<1>, wp, n, N, K, rows, acc);
     for (int r = 0; r < R; ++r)
       for (int64_t j = 0; j < std::min<int64_t>(4, N - n); ++j) {
         const float y = static_cast<float>(acc[r][j]) * sx[m + r] * sw[n + j];
@@ -261,7 +260,7 @@ at::Tensor bf16(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   for_each_tile(M, N, [&](int64_t n, int64_t m, int R) {
     const float* rows[2] = {xp + m * stride, xp + (m + R - 1) * stride};
     float acc[2][4];
-    run_tile(float_tile<1, uint16_t>, float_tile<2, uint16_t>, wp, n, N, K, R, rows, acc);
+    run_tile(R == 2 ? float_tile<2, uint16_t> : float_tile<1, uint16_t>, wp, n, N, K, rows, acc);
     for (int r = 0; r < R; ++r)
       for (int64_t j = 0; j < std::min<int64_t>(4, N - n); ++j) {
         const float y = bp ? acc[r][j] + static_cast<float>(bp[n + j]) : acc[r][j];
@@ -339,14 +338,14 @@ at::Tensor f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
       const float* rows[4];
       for (int r = 0; r < 4; ++r) rows[r] = xp + (m + std::min(r, R - 1)) * K;
       float acc[4][4];
-      run_tile<float, float, float, 4>(tiles[R - 1], tiles[R - 1], wp, n, N, K, 1, rows, acc);
+      run_tile(tiles[R - 1], wp, n, N, K, rows, acc);
       store_f32(op, bp, m, n, N, R, acc);
     });
   } else {
     for_each_tile(M, N, [&](int64_t n, int64_t m, int R) {
       const float* rows[2] = {xp + m * K, xp + (m + R - 1) * K};
       float acc[2][4];
-      run_tile(float_tile<1, float>, float_tile<2, float>, wp, n, N, K, R, rows, acc);
+      run_tile(R == 2 ? float_tile<2, float> : float_tile<1, float>, wp, n, N, K, rows, acc);
       store_f32(op, bp, m, n, N, R, acc);
     });
   }
