@@ -228,3 +228,18 @@ def test_lesson_transfer_rows_are_the_roofline():
     assert [r["K/V MiB"] for r in rows] == [512.0] * len(D.LINKS)
     assert rows[0]["transfer ms"] == pytest.approx(1e-3 + 512 * 2**20 / 450e9 * 1e3)
     assert rows[-1]["share of its prefill"] < 1  # even 100 GbE is shorter than the prefill
+
+
+def test_lesson_load_times_the_long_prompts_in_this_machines_decode_steps(tiny, monkeypatch):
+    from minifer_course.bench.disagg import decode_step_s
+    from minifer_course.lessons import disaggregation as D
+
+    assert 0 < decode_step_s(tiny, [[1, 2, 3]] * 3, tokens=8) < 1
+    with pytest.raises(ValueError, match="tokens"):
+        decode_step_s(tiny, [[1, 2, 3]], tokens=2)
+    # a quarter of the chats' 128 steps, then another: on a slow machine and on a fast one
+    for step in (0.02, 0.0005):
+        monkeypatch.setattr(D, "decode_step_s", lambda model, prompts, s=step: s)
+        load = D.lesson_load(tiny)
+        assert load.first_long_s == load.period_s == pytest.approx(32 * step)
+        assert load.first_long_s + load.period_s < load.chat_tokens * step

@@ -38,8 +38,8 @@ from minifer.engine.metrics import RequestMetrics
 from minifer.sampling import SamplingParams
 from minifer_course.summary import percentile
 
-__all__ = ["MODES", "Load", "ModeResult", "mixed_load", "run_mode", "drive_disaggregated",
-           "attach_timeline", "compare", "format_report"]
+__all__ = ["MODES", "Load", "ModeResult", "mixed_load", "decode_step_s", "run_mode",
+           "drive_disaggregated", "attach_timeline", "compare", "format_report"]
 
 MODES = ("colocated", "chunked", "disaggregated")
 
@@ -165,6 +165,26 @@ def _drive_engine(engine: LLMEngine, load: Load) -> tuple[float, dict, dict, lis
 
 def _warm_engine(engine: LLMEngine) -> None:
     engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=2))
+
+
+def decode_step_s(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *,
+                  tokens: int = 32, threads: int = 1) -> float:
+    """Median seconds of one decode step that carries `prompts` together, on an engine like
+    the colocated mode's: a load's arrival times scaled by it land at the same point of the
+    chats' stream on a slow laptop and on a fast server."""
+    check_int("tokens", tokens, 3)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        engine = LLMEngine(model, block_size=16, max_num_seqs=16)
+        _warm_engine(engine)
+        outs = engine.generate([list(p) for p in prompts],
+                               SamplingParams(temperature=0, max_new_tokens=tokens,
+                                              ignore_eos=True))
+    finally:
+        torch.set_num_threads(saved)
+    times = [o.metrics.token_times[1:] for o in outs]  # the first token came from the prefill
+    return statistics.median(b - a for t in times for a, b in zip(t, t[1:]))
 
 
 def run_mode(mode: str, model: torch.nn.Module, load: Load, *, chunk: int = 32,

@@ -8,7 +8,7 @@ CPU cores, one process start-up — and turns the results into rows and a figure
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import plotly.graph_objects as go
 
@@ -20,6 +20,7 @@ from ..bench.disagg import (
     Load,
     ModeResult,
     attach_timeline,
+    decode_step_s,
     drive_disaggregated,
     mixed_load,
     run_mode,
@@ -33,13 +34,17 @@ LINKS = ("nvlink-h100", "pcie-5", "ethernet-400g", "ethernet-100g")
 
 
 def lesson_load(model, *, seed: int = 0) -> Load:
-    """Three short chats streaming 128 tokens each; two 224-token prompts, at 0.3 s and 0.6 s.
+    """Three short chats streaming 128 tokens each; two 224-token prompts, the first after a
+    quarter of the chats' stream and the second after half of it.
 
-    The chats outlast the long prompts on any machine from ours (~20 ms a step) to one ten
-    times faster, so every mode sees both long prompts arrive while the chats stream."""
-    return mixed_load(model.config.vocab_size, chats=3, chat_prompt=16, chat_tokens=128,
-                      long_prompts=2, long_prompt=224, long_tokens=4, first_long_s=0.3,
-                      period_s=0.3, seed=seed)
+    The arrival times are counted in this machine's decode steps (`decode_step_s`), not in
+    seconds: fixed times that suit a laptop's 20 ms steps come after the chats have ended on
+    a machine ten times faster, and then no mode has a stall to show."""
+    load = mixed_load(model.config.vocab_size, chats=3, chat_prompt=16, chat_tokens=128,
+                      long_prompts=2, long_prompt=224, long_tokens=4, first_long_s=0,
+                      period_s=0, seed=seed)
+    quarter = load.chat_tokens // 4 * decode_step_s(model, load.chats)
+    return replace(load, first_long_s=quarter, period_s=quarter)
 
 
 @dataclass
