@@ -8,7 +8,9 @@ build per process, a warning when it fails."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import logging
 import os
 import re
@@ -44,13 +46,14 @@ def build_name(kernel: str, isa: str) -> str:
 
 
 def build(name: str, source: Path, cflags: list[str]) -> None:
-    """Compile `source` (or load its cached build) and register the operators it defines (a CUDA
-    torch without CUDA logs "No CUDA runtime is found" at the import: kept out of lessons)."""
+    """Compile `source` (or load its cached build) and register its operators (a CUDA torch
+    without CUDA says "No CUDA runtime is found" at the import, logged or printed: kept out)."""
     cpp_log = logging.getLogger("torch.utils.cpp_extension")
     level = cpp_log.level
     cpp_log.setLevel(logging.ERROR)
     try:
-        from torch.utils.cpp_extension import load
+        with contextlib.redirect_stderr(io.StringIO()):
+            from torch.utils.cpp_extension import load
     finally:
         cpp_log.setLevel(level)
 
@@ -109,11 +112,9 @@ class NativeKernel:
     @classmethod
     def problem(cls) -> str | None:
         """Why the kernel is not for this machine (None: it is, if it builds)."""
-        missing = cls.flags - cpu_flags()
-        if missing:
+        if missing := cls.flags - cpu_flags():
             return f"the CPU lacks {', '.join(sorted(missing))}"
-        capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-        if capability in cls.older:
+        if (capability := os.environ.get("ATEN_CPU_CAPABILITY", "").lower()) in cls.older:
             return f"ATEN_CPU_CAPABILITY={capability} asks for an older CPU's kernels"
         return build_tools_problem()
 
