@@ -80,6 +80,27 @@ def test_a_bf16_model_is_prepacked_by_default(tied):
     assert mf.model_bytes(model) == mf.model_bytes(mf.quantize(tied, "fp16"))  # bytes a step reads
 
 
+@needs_bf16_pack
+def test_fp32_layers_on_onednn_are_prepacked_in_bf16_too(monkeypatch):
+    """Where MKL runs generic code (an AMD CPU), `fast.layout` makes fp32 layers `PackedLinear`s
+    on their own weight (``batch_size=0``). In bf16 they are packed for oneDNN like plain ones:
+    left on the row-major weight, oneDNN re-blocked it at every call of several rows (bf16
+    decode at batch 16 took 1.5x as long on an EPYC)."""
+    monkeypatch.setattr(layout, "mkl_generic", lambda: True)
+    fp32 = mf.GPT.from_config("tiny", seed=0).eval()
+    n = 4 * fp32.config.n_layer + 1
+    assert [m.batch_size for m in fp32.modules() if isinstance(m, PackedLinear)] == [0] * n
+    model = mf.quantize(fp32, "bf16")
+    assert [m.batch_size for m in model.modules() if isinstance(m, PackedLinear)] == [1] * n
+    assert all(m.batch_size == 0 for m in fp32.modules() if isinstance(m, PackedLinear))
+    x = torch.arange(12).reshape(4, 3)
+    with torch.inference_mode(), fast.disabled():
+        plain = mf.quantize(mf.GPT.from_config("tiny", seed=0).eval(), "bf16")(x).float()
+    with torch.inference_mode():
+        packed = model(x).float()
+    assert (packed - plain).abs().max() <= BOUND * plain.abs().max()
+
+
 def test_with_the_speed_ups_off_a_bf16_model_is_plain(tied):
     with fast.disabled():
         model = mf.quantize(tied, "bf16")

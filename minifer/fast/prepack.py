@@ -11,8 +11,7 @@ after `.to()`, a loaded state dict or an in-place change). CPU only, float32 and
 gradients, and inside `torch.compile`, a layer computes with `F.linear`. A bf16 row, and a few
 fp32 rows on the weight itself, run minifer's own kernels where they beat oneDNN (`_own_kernel`).
 
-`prepare_bf16` is `minifer.hooks.prepare_bf16`'s speed-up: ``quantize(model, "bf16")`` packs
-the new model's layers by default where oneDNN packs bf16 on this CPU (`minifer.fast` says why)."""
+`prepare_bf16` (`hooks.prepare_bf16`) packs a new bf16 model by default (`minifer.fast`: why)."""
 
 from __future__ import annotations
 
@@ -152,7 +151,7 @@ def _pack_linears(model: nn.Module, batch_size: int) -> None:
     weights are stored row-major first (the one-row kernel then reads the weight itself)."""
     with torch.no_grad():
         for m in model.modules():
-            if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16:
+            if isinstance(m, nn.Linear) and m.weight.dtype == torch.bfloat16:
                 m.weight.data = m.weight.data.contiguous()  # a tied embedding's lookups too
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -184,10 +183,11 @@ def prepack(model: nn.Module, *, batch_size: int = 1) -> nn.Module:
 
 
 def prepare_bf16(model: nn.Module) -> None:
-    """`minifer.hooks.prepare_bf16`'s speed-up: a new bf16 model's linears prepacked in place
-    where oneDNN packs bf16 (`prepack_problem`), else on their own weight for `fast.avx2`; as
-    they are on another device, on a CPU with neither, or where a layer is not bf16."""
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    """`minifer.hooks.prepare_bf16`'s speed-up: a new bf16 model's linears (plain, or
+    `fast.layout`'s with ``batch_size=0``) prepacked in place where oneDNN packs bf16, else on
+    their own weight for `fast.avx2`; as they are elsewhere, on a CPU with neither, or not bf16."""
+    linears = [m for m in model.modules()
+               if type(m) in (nn.Linear, PackedLinear) and getattr(m, "batch_size", 0) == 0]
     onednn = prepack_problem(torch.bfloat16) is None  # else bf16 on AVX2: `fast.avx2`, no pack
     if linears and (onednn or AVX2.available()) and all(
             m.weight.device.type == "cpu" and m.weight.dtype == torch.bfloat16 for m in linears):
