@@ -24,10 +24,11 @@ real links.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -163,8 +164,18 @@ def _drive_engine(engine: LLMEngine, load: Load) -> tuple[float, dict, dict, lis
     return t0, done_m, done_t, steps, mixed
 
 
-def _warm_engine(engine: LLMEngine) -> None:
-    engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=2))
+@contextlib.contextmanager
+def _engine(model: torch.nn.Module, threads: int, **options) -> Iterator[LLMEngine]:
+    """A warmed-up `LLMEngine` on `model` (16 seats, `options` besides), with `threads` torch
+    threads while the block runs."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        engine = LLMEngine(model, max_num_seqs=16, **options)
+        engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=2))
+        yield engine
+    finally:
+        torch.set_num_threads(saved)
 
 
 def decode_step_s(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *,
@@ -173,16 +184,10 @@ def decode_step_s(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *,
     the colocated mode's: a load's arrival times scaled by it land at the same point of the
     chats' stream on a slow laptop and on a fast server."""
     check_int("tokens", tokens, 3)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        engine = LLMEngine(model, block_size=16, max_num_seqs=16)
-        _warm_engine(engine)
+    with _engine(model, threads, block_size=16) as engine:
         outs = engine.generate([list(p) for p in prompts],
                                SamplingParams(temperature=0, max_new_tokens=tokens,
                                               ignore_eos=True))
-    finally:
-        torch.set_num_threads(saved)
     times = [o.metrics.token_times[1:] for o in outs]  # the first token came from the prefill
     return statistics.median(b - a for t in times for a, b in zip(t, t[1:]))
 
@@ -203,16 +208,10 @@ def run_mode(mode: str, model: torch.nn.Module, load: Load, *, chunk: int = 32,
         return _run_disaggregated(model, load, chunk=chunk, block_size=block_size,
                                   threads=threads, prefill_nice=prefill_nice,
                                   timeout_s=timeout_s)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        kw = {"enable_chunked_prefill": True, "max_num_batched_tokens": chunk} \
-            if mode == "chunked" else {}
-        engine = LLMEngine(model, block_size=block_size, max_num_seqs=16, **kw)
-        _warm_engine(engine)
+    kw = {"enable_chunked_prefill": True, "max_num_batched_tokens": chunk} \
+        if mode == "chunked" else {}
+    with _engine(model, threads, block_size=block_size, **kw) as engine:
         t0, metrics, tokens, steps, mixed = _drive_engine(engine, load)
-    finally:
-        torch.set_num_threads(saved)
     return ModeResult(mode, load, t0, metrics, tokens, decode_prompt_tokens=mixed,
                       timeline={"engine": steps})
 

@@ -21,9 +21,9 @@
 // load four weight rows; the next tile's rows are prefetched a line at a time (four streams at
 // once outrun the hardware's prefetcher). The weight rows are split over torch's threads
 // (at::parallel_for), and each tile of 4 weight rows meets every row of x while it is in the L1
-// cache: at any batch the weights are read from memory once. One row of fp32 streams through
-// the weight rows one at a time instead. A row's sums never depend on the rows beside it: a row
-// gets the same bits alone as in any batch.
+// cache: at any batch the weights are read from memory once. A lone row of fp32 (one row, or the
+// last of an odd batch) streams through the weight rows one at a time instead. A row's sums never
+// depend on the rows beside it: a row gets the same bits alone as in any batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -223,7 +223,7 @@ void float_tile(const W* w, int64_t K, const float* const* x, float (&acc)[2][4]
 }
 
 // one row of x against the 4 weight rows one after another: a single stream through memory,
-// which the hardware prefetcher follows better than a tile's four; each sum float_tile<1>'s
+// which the hardware prefetcher follows better than a tile's four; each sum as a float_tile's
 // (the same products added in the same order), so a row gets the same bits here as in a batch
 void float_stream(const float* w, int64_t K, const float* const* x, float (&acc)[2][4]) {
   const int64_t K0 = K / 16 * 16;
@@ -325,7 +325,7 @@ __attribute__((target("avx512f"))) void f32_tile16(const float* w, int64_t K, co
   }
 }
 
-// the same on AVX-512, each sum f32_tile16<1>'s
+// the same on AVX-512, each sum as an f32_tile16's
 __attribute__((target("avx512f"))) void f32_stream16(const float* w, int64_t K,
                                                      const float* const* x, float (&acc)[4][4]) {
   const int64_t K0 = K / 16 * 16;
@@ -367,7 +367,7 @@ at::Tensor f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
   float* op = out.data_ptr<float>();
   if (wide) {
     void (*tiles[4])(const float*, int64_t, const float* const*, float (&)[4][4]) = {
-        M == 1 ? f32_stream16 : f32_tile16<1>, f32_tile16<2>, f32_tile16<3>, f32_tile16<4>};
+        f32_stream16, f32_tile16<2>, f32_tile16<3>, f32_tile16<4>};
     for_each_tile<4>(M, N, [&](int64_t n, int64_t m, int R) {
       const float* rows[4];
       for (int r = 0; r < 4; ++r) rows[r] = xp + (m + std::min(r, R - 1)) * K;
@@ -379,8 +379,7 @@ at::Tensor f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at:
     for_each_tile(M, N, [&](int64_t n, int64_t m, int R) {
       const float* rows[2] = {xp + m * K, xp + (m + R - 1) * K};
       float acc[2][4];
-      run_tile(R == 2 ? float_tile<2, float> : M == 1 ? float_stream : float_tile<1, float>, wp, n,
-               N, K, rows, acc);
+      run_tile(R == 2 ? float_tile<2, float> : float_stream, wp, n, N, K, rows, acc);
       store_f32(op, bp, m, n, N, R, acc);
     });
   }
