@@ -99,16 +99,17 @@ def test_strict_priority_starves_the_low_request(shakespeare):
 
 
 def test_interference_run_records_every_gap(shakespeare):
-    run = S.interference(*shakespeare, chunked=True, n_short=2, short_tokens=12,
+    run = S.interference(*shakespeare, chunked=True, n_short=2, short_tokens=48,
                          long_prompt=64, chunk_budget=16, long_after=3)
-    assert [len(ts) for ts in run.short_times] == [12, 12]
-    assert len(run.itls) == 22 and run.long_first_token_s > run.long_sent_s > 0
+    assert [len(ts) for ts in run.short_times] == [48, 48]
+    assert len(run.itls) == 94 and run.long_first_token_s > run.long_sent_s > 0
     assert run.stall_ms > 0 and run.typical_ms > 0
     assert run.others_done_s == max(ts[-1] for ts in run.short_times) - run.long_sent_s
     assert run.others_tokens_within(1e9) == sum(t >= run.long_sent_s for ts in run.short_times for t in ts)
-    # 64 prompt tokens at most 14 a step (16 less the two decodes): 5 steps, a token to each
-    # short request in at least the first 4 before the long prompt's first token
-    assert 8 <= run.others_tokens_during_long_prefill <= run.others_tokens_within(1e9)
+    # 64 prompt tokens at most 14 a step (16 less the two decodes): 5 steps, each with a decode
+    # of both short requests (45 of their 48 tokens are still to come when it arrives)
+    assert run.long_prefill_steps == 5 and run.long_prefill_decodes == [2] * 5
+    assert run.others_tokens_during_long_prefill == 10 <= run.others_tokens_within(1e9)
     fig = S.interference_figure([run])
     assert fig.data[0].name == "chunked prefill"
 

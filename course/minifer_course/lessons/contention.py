@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import httpx
 import plotly.graph_objects as go
 
+from minifer.engine.llm_engine import LLMEngine, StepStats
 from minifer_course.server import running_server
 
 from .common import reference_line, sig_or_none, style
@@ -41,6 +42,7 @@ class InterferenceRun:
     short_times: list[list[float]]  # per short request: its token times (s from start)
     long_sent_s: float
     long_first_token_s: float
+    long_prefill_decodes: list[int]  # per engine step that fed the long prompt: others' decodes
 
     @property
     def itls(self) -> list[tuple[float, float]]:
@@ -59,12 +61,16 @@ class InterferenceRun:
         return max(ts[-1] for ts in self.short_times) - self.long_sent_s
 
     @property
+    def long_prefill_steps(self) -> int:
+        """The engine steps that fed the long prompt (the last one also gave its first token)."""
+        return len(self.long_prefill_decodes)
+
+    @property
     def others_tokens_during_long_prefill(self) -> int:
-        """Tokens the short requests received between the long prompt's arrival and its first
-        token: the engine steps its prefill took, times the requests decoding beside it (a
-        count, so no busy machine can move it)."""
-        return sum(self.long_sent_s <= t <= self.long_first_token_s
-                   for ts in self.short_times for t in ts)
+        """Tokens the short requests got in the steps that fed the long prompt: those steps,
+        times the requests decoding beside it. Read off the engine's steps, not the clients'
+        clocks, so neither a busy machine nor the request's trip to the server moves it."""
+        return sum(self.long_prefill_decodes)
 
     def others_tokens_within(self, seconds: float) -> int:
         """Tokens the short requests received in the first `seconds` after the long prompt."""
@@ -88,8 +94,9 @@ def interference(model, tokenizer, *, chunked: bool, n_short: int = 3, short_tok
     long_ids = list(poisson_workload(1, math.inf, long_prompt, 1, seed=seed + 1)[0].prompt)
     opts = dict(enable_chunked_prefill=True, max_num_batched_tokens=chunk_budget) if chunked \
         else {}
-    with running_server(model, tokenizer, model_name=MODEL_NAME, max_num_seqs=n_short + 1,
-                        **opts) as url:
+    engine = LLMEngine(model, tokenizer, max_num_seqs=n_short + 1, **opts)
+    steps = _log_steps(engine)
+    with running_server(engine=engine, model_name=MODEL_NAME) as url:
         warm_up(url)
 
         async def scenario():
@@ -114,7 +121,28 @@ def interference(model, tokenizer, *, chunked: bool, n_short: int = 3, short_tok
         log, t0, sent = run_coroutine(scenario())
     times = [[t - t0 for tag, t in log if tag == i] for i in range(n_short)]
     first_long = next(t for tag, t in log if tag == "long") - t0
-    return InterferenceRun(chunked, times, sent - t0, first_long)
+    fed = {}  # request id -> prompt tokens it was fed, over all steps
+    for st in steps:
+        for rid, n in st.prefill:
+            fed[rid] = fed.get(rid, 0) + n
+    long_id = max(fed, key=fed.get)  # no other prompt comes near its length
+    decodes = [len(st.decode) for st in steps if any(rid == long_id for rid, _ in st.prefill)]
+    return InterferenceRun(chunked, times, sent - t0, first_long, decodes)
+
+
+def _log_steps(engine: LLMEngine) -> list[StepStats]:
+    """Keep every step's `StepStats` (which request fed how many tokens) in the list returned:
+    `engine.step` wrapped, on this one engine, for the lesson to count steps after the run."""
+    steps: list[StepStats] = []
+    step = engine.step
+
+    def logged_step():
+        outputs = step()
+        steps.append(engine.last_step)
+        return outputs
+
+    engine.step = logged_step
+    return steps
 
 
 def interference_figure(runs: Sequence[InterferenceRun]) -> go.Figure:
