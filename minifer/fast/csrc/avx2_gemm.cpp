@@ -22,7 +22,8 @@
 // once outrun the hardware's prefetcher). The weight rows are split over torch's threads
 // (at::parallel_for), and each tile of 4 weight rows meets every row of x while it is in the L1
 // cache: at any batch the weights are read from memory once. A lone row of fp32 (one row, or the
-// last of an odd batch) streams through the weight rows one at a time instead. A row's sums never
+// last of an odd batch) streams through the weight rows one at a time instead, each line asked
+// for 4 KiB ahead. A row's sums never
 // depend on the rows beside it: a row gets the same bits alone as in any batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,6 +48,13 @@ inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// the line 4 KiB on in a lone row's stream through the weight rows, asked for at each load: the
+// hardware prefetcher alone keeps too few lines in flight to read at the memory's speed
+constexpr int64_t AHEAD = 4096;  // bytes
+inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + AHEAD, _MM_HINT_T0);
 }
 
 // the line at `p` in each of the 4 weight rows after this tile's (rows are contiguous): asked for
@@ -230,6 +238,7 @@ void float_stream(const float* w, int64_t K, const float* const* x, float (&acc)
   for (int j = 0; j < 4; ++j) {
     __m256 a = _mm256_setzero_ps(), lo, hi;
     for (int64_t k = 0; k < K0; k += 16) {
+      prefetch_ahead(w + j * K + k);
       load16(w + j * K + k, lo, hi);
       a = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + k), lo, a);
       a = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + k + 8), hi, a);
@@ -332,8 +341,10 @@ __attribute__((target("avx512f"))) void f32_stream16(const float* w, int64_t K,
   __m512 a[4];
   for (int j = 0; j < 4; ++j) {
     a[j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K0; k += 16)
+    for (int64_t k = 0; k < K0; k += 16) {
+      prefetch_ahead(w + j * K + k);
       a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(x[0] + k), _mm512_loadu_ps(w + j * K + k), a[j]);
+    }
   }
   _mm_storeu_ps(acc[0], hsum4(a));
   for (int j = 0; j < 4; ++j)
