@@ -23,8 +23,8 @@
 // (at::parallel_for), and each tile of 4 weight rows meets every row of x while it is in the L1
 // cache: at any batch the weights are read from memory once. A lone row of fp32 (one row, or the
 // last of an odd batch) streams through the weight rows one at a time instead, each line asked
-// for 4 KiB ahead. A row's sums never
-// depend on the rows beside it: a row gets the same bits alone as in any batch.
+// for 4 KiB ahead. A row's sums never depend on the rows beside it: a row gets the same bits
+// alone as in any batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -5,10 +5,9 @@
 // float32, one rounding to bfloat16 at the end. AVX512-BF16's vdpbf16ps multiplies 32 pairs of
 // bf16 and adds each two neighbouring products into a float32 lane: 32 multiply-adds per
 // instruction, straight from the 2-byte weights. It reads the weight rows in memory order, each
-// line asked for 8 KiB ahead, and
-// the output rows are split over torch's threads (at::parallel_for). More rows of x re-read each
-// slice of 256 weight rows from L2: correct, but a matrix kernel (oneDNN's) is faster there, so
-// minifer calls this one at one row.
+// line asked for 8 KiB ahead, and the output rows are split over torch's threads
+// (at::parallel_for). More rows of x re-read each slice of 256 weight rows from L2: correct, but
+// a matrix kernel (oneDNN's) is faster there, so minifer calls this one at one row.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

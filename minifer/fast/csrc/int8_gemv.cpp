@@ -10,8 +10,8 @@
 // layer) comes off the total. The weight rows are read one after another, a single stream, each
 // line asked for 8 KiB before it is read (four rows at once, sharing each load of x, with
 // prefetches into the next four rows, took 1.12x as long at two threads and 1.20x at one on an
-// AMD EPYC, GPT-2's 49 matrices).
-// The output rows are split over torch's threads (at::parallel_for).
+// AMD EPYC, GPT-2's 49 matrices). The output rows are split over torch's threads
+// (at::parallel_for).
 //
 // Several rows (`gemm`, batched decode): the same sums over a copy of w packed once (`pack`) in
 // blocks of 16 output columns x 4 inputs, 64 bytes, the 4 bytes of each column side by side. One
